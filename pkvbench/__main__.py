@@ -1,0 +1,3 @@
+from pkvbench.cli import main
+
+main()

@@ -1,0 +1,126 @@
+"""Budgets: parsing ``--budget`` values and splitting a budget over layers.
+
+A value below 1 is a fraction of the prompt (k = round(f·T) entries per KV head per layer, on average); a value of 1
+or more is an integer count of entries. The same functions back ``pkvbench budgets`` and the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pkvbench.errors import PkvError
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A requested budget, as the user gave it."""
+
+    value: float | int
+
+    @classmethod
+    def parse(cls, text: str) -> Budget:
+        text = str(text).strip()
+        try:
+            number = float(text)
+        except ValueError:
+            raise PkvError(f"budget {text!r} is not a number; use a fraction below 1 (0.12) or an integer entry count (128)") from None
+        if not math.isfinite(number) or number <= 0:
+            raise PkvError(f"budget {text!r} must be positive: a fraction below 1 (0.12) or an integer entry count (128)")
+        if number >= 1:
+            if number != int(number):
+                raise PkvError(f"budget {text!r}: a budget of 1 or more counts entries and must be an integer")
+            return cls(int(number))
+        return cls(number)
+
+    @property
+    def is_fraction(self) -> bool:
+        return isinstance(self.value, float)
+
+    def entries(self, context_len: int) -> int:
+        """Mean entries per KV head per layer for a prompt of ``context_len`` tokens (before any policy floor)."""
+        if self.is_fraction:
+            return max(1, math.floor(self.value * context_len + 0.5))
+        return int(self.value)
+
+    def __str__(self) -> str:
+        return f"{self.value:g}" if self.is_fraction else str(self.value)
+
+
+def budget_label(value: float | int) -> str:
+    """How a budget value is written in keys and tables: ``128``, ``0.12``."""
+    return str(Budget(value))
+
+
+def parse_budgets(values: list[str] | str) -> list[Budget]:
+    if isinstance(values, str):
+        values = values.split(",")
+    parsed = [Budget.parse(v) for v in values if str(v).strip()]
+    if not parsed:
+        raise PkvError("--budget is empty; give one or more budgets, e.g. 128,0.12")
+    return list(dict.fromkeys(parsed))
+
+
+def uniform(k: int, context_len: int, num_layers: int) -> list[int]:
+    return [min(k, context_len)] * num_layers
+
+
+def apportion(shares: list[float], total: int) -> list[int]:
+    """Integers that sum to ``total``, each the floor of its share or one more (largest remainders first, earlier
+    index on ties). A non-increasing ``shares`` gives a non-increasing result."""
+    floors = [math.floor(s) for s in shares]
+    remainder = total - sum(floors)
+    by_fraction = sorted(range(len(shares)), key=lambda i: (-(shares[i] - floors[i]), i))
+    for i in by_fraction[:remainder]:
+        floors[i] += 1
+    return floors
+
+
+def pyramid(k: int, context_len: int, num_layers: int, *, window: int, beta: float) -> list[int]:
+    """PyramidKV's per-layer budgets: ``window`` plus an arithmetic sequence, largest at the bottom (layer 0).
+
+    Beyond the window the top layer gets (k-w)/beta and the bottom layer 2(k-w) - (k-w)/beta, with the layers in
+    between on the line joining them, so the mean is exactly k-w. If the bottom layer's share would exceed what the
+    prompt holds (T-w), it is set to T-w and the top one recomputed to keep the total (the paper code's clamp).
+    The paper's code floors the step between layers and so overspends (mean 133.5 for k=128 over 32 layers); here
+    the shares are apportioned to integers that sum to exactly L·k.
+    """
+    if k >= context_len:
+        return [context_len] * num_layers
+    extra = k - window
+    if extra <= 0 or num_layers == 1:
+        return [min(k, context_len)] * num_layers
+    top = extra / beta
+    bottom = 2 * extra - top
+    if bottom > context_len - window:
+        bottom = context_len - window
+        top = 2 * extra - bottom
+    step = (bottom - top) / (num_layers - 1)
+    shares = [bottom - layer * step for layer in range(num_layers)]
+    return [window + n for n in apportion(shares, extra * num_layers)]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What a policy will keep at a budget for one prompt."""
+
+    requested: int  # mean entries per layer the budget asked for
+    effective: int  # after the policy's floor and the prompt length
+    per_layer: list[int]
+    context_len: int
+
+    @property
+    def compressed(self) -> bool:
+        return any(n < self.context_len for n in self.per_layer)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.per_layer) / len(self.per_layer)
+
+
+def plan(policy, budget: Budget, context_len: int, num_layers: int) -> LayerPlan:
+    """Per-layer budgets for ``policy`` at ``budget`` on a prompt of ``context_len`` tokens."""
+    requested = budget.entries(context_len)
+    effective = min(max(requested, policy.min_budget), context_len)
+    per_layer = policy.layer_budgets(effective, context_len, num_layers)
+    return LayerPlan(requested=requested, effective=effective, per_layer=per_layer, context_len=context_len)

@@ -1,0 +1,138 @@
+"""The one hook into transformers: a registered attention function that records what the policies need.
+
+transformers looks up each attention module's kernel by ``config._attn_implementation`` in its
+``AttentionInterface`` registry. We register ``pkvbench+<kernel>`` (e.g. ``pkvbench+sdpa``), which calls the
+chosen kernel unchanged and, only while a ``StatsRecorder`` is active (the prefill), records attention statistics
+from the post-RoPE queries and keys it is handed. The switch is made on one model's config: nothing global is
+patched, and other models in the process keep their own kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+from collections.abc import Iterator
+
+import torch
+
+from pkvbench.policies import LayerStats
+
+_ACTIVE_RECORDER: contextvars.ContextVar[StatsRecorder | None] = contextvars.ContextVar("pkvbench_recorder", default=None)
+PREFIX = "pkvbench+"
+# Bytes of float32 attention probabilities materialised at once while accumulating attention over all queries
+# (small chunks stay in cache: 4 MiB ran 1.5x faster than 64 MiB at T=2000 on our CPUs).
+ACCUMULATE_CHUNK_BYTES = 4 * 2**20
+
+
+def window_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int]) -> dict[int, torch.Tensor]:
+    """For each w in ``windows``: ``[Hq, T]`` sums over the last w queries of their causal softmax attention.
+
+    ``query`` is ``[Hq, T, D]`` and ``key`` ``[Hkv, T, D]``, both post-RoPE. One softmax over the largest window's
+    queries serves every smaller window.
+    """
+    num_query_heads, length, dim = query.shape
+    num_kv_heads = key.shape[0]
+    rows = min(max(windows), length)
+    last = query[:, length - rows :].float().reshape(num_kv_heads, num_query_heads // num_kv_heads * rows, dim)
+    logits = torch.bmm(last, key.float().transpose(1, 2)).mul_(scaling).view(num_query_heads, rows, length)
+    query_pos = torch.arange(length - rows, length, device=query.device)[:, None]
+    logits.masked_fill_(torch.arange(length, device=query.device)[None, :] > query_pos, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    # Cumulative sums from the last query backwards: entry r holds the sum over the last r+1 queries.
+    from_end = probs.flip(1).cumsum(dim=1)
+    return {w: from_end[:, min(w, rows) - 1] for w in windows}
+
+
+def accumulated_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, chunk_bytes: int = ACCUMULATE_CHUNK_BYTES) -> torch.Tensor:
+    """``[Hq, T]``: for each key position, the sum over all T queries of their causal softmax attention to it.
+
+    Queries are processed in chunks so that at most ``chunk_bytes`` of probabilities exist at once (never a full
+    T×T matrix per head); a chunk of queries ending at position b only needs keys [0, b).
+    """
+    num_query_heads, length, dim = query.shape
+    num_kv_heads = key.shape[0]
+    group = num_query_heads // num_kv_heads
+    rows_per_chunk = max(1, chunk_bytes // (4 * num_query_heads * length))
+    grouped_query = query.float().view(num_kv_heads, group, length, dim)
+    keys = key.float()
+    totals = torch.zeros(num_query_heads, length, device=query.device)
+    for start in range(0, length, rows_per_chunk):
+        end = min(length, start + rows_per_chunk)
+        chunk = grouped_query[:, :, start:end].reshape(num_kv_heads, group * (end - start), dim)
+        logits = torch.bmm(chunk, keys[:, :end].transpose(1, 2)).mul_(scaling).view(num_query_heads, end - start, end)
+        query_pos = torch.arange(start, end, device=query.device)[:, None]
+        logits.masked_fill_(torch.arange(end, device=query.device)[None, :] > query_pos, float("-inf"))
+        totals[:, :end] += logits.softmax(dim=-1).sum(dim=1)
+    return totals
+
+
+class StatsRecorder:
+    """Collects ``LayerStats`` for every layer during one prefill."""
+
+    def __init__(self, windows: set[int], accumulated: bool):
+        self.windows = set(windows)
+        self.accumulated = accumulated
+        self.layers: dict[int, LayerStats] = {}
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.windows) or self.accumulated
+
+    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        # Batch size is 1 in the engine; statistics drop that axis.
+        q, k = query[0], key[0]
+        self.layers[layer_idx] = LayerStats(
+            context_len=k.shape[1],
+            num_kv_heads=k.shape[0],
+            window_scores=window_attention_sums(q, k, scaling, self.windows) if self.windows else {},
+            accumulated=accumulated_attention(q, k, scaling) if self.accumulated else None,
+        )
+
+
+@contextlib.contextmanager
+def recording(recorder: StatsRecorder) -> Iterator[StatsRecorder]:
+    token = _ACTIVE_RECORDER.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _ACTIVE_RECORDER.reset(token)
+
+
+def _kernel_for(base: str, module: torch.nn.Module):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if base == "eager":
+        # Each model family keeps its own eager kernel next to its attention class.
+        return inspect.getmodule(type(module)).eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _recording_attention(base: str):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        recorder = _ACTIVE_RECORDER.get()
+        if recorder is not None and recorder.needed and query.shape[2] == key.shape[2]:
+            recorder.observe(module.layer_idx, query, key, kwargs.get("scaling", module.scaling))
+        if query.shape[2] == 1:
+            # One decoding step: the newest position sees every cached entry, so no mask is needed. After
+            # compression the layers hold different numbers of entries, and a mask sized for layer 0 would not fit.
+            attention_mask = None
+        return _kernel_for(base, module)(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+def install_recording_attention(model) -> str:
+    """Switch ``model`` (only it) to the recording wrapper around its current attention kernel."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    base = model.config._attn_implementation
+    if base.startswith(PREFIX):
+        return base
+    name = PREFIX + base
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(name, _recording_attention(base))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    model.set_attn_implementation(name)
+    return name

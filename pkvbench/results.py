@@ -1,0 +1,111 @@
+"""The result store: ``samples.jsonl`` (one line per sample × policy × budget), ``summary.csv``, ``run.json``.
+
+Rows are appended one at a time, flushed and fsynced, so a run killed at any point keeps every finished row; a
+partial last line (a kill mid-write) is cut off when the folder is opened again. Rerunning into the same folder
+skips the rows already there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pkvbench.budgets import budget_label
+from pkvbench.errors import PkvError
+
+ROWS = "samples.jsonl"
+SUMMARY = "summary.csv"
+RUN = "run.json"
+
+
+def row_key(row: dict[str, Any]) -> tuple[str, str, str, str]:
+    return (row["task"], str(row["sample_id"]), row["policy"], budget_label(row["budget"]))
+
+
+class ResultStore:
+    def __init__(self, out_dir: str | os.PathLike):
+        self.dir = Path(out_dir)
+        self.rows_path = self.dir / ROWS
+
+    def open(self, run_info: dict[str, Any], overwrite: bool = False) -> None:
+        """Create the folder, or check that an existing one was made by the same run options."""
+        run_path = self.dir / RUN
+        if overwrite and self.dir.exists():
+            shutil.rmtree(self.dir)
+        if run_path.exists():
+            previous = json.loads(run_path.read_text())["options"]
+            changed = sorted(k for k in set(previous) | set(run_info["options"]) if previous.get(k) != run_info["options"].get(k))
+            if changed:
+                raise PkvError(
+                    f"{self.dir} holds a run with other options ({', '.join(changed)} differ); "
+                    "use another --out, or --overwrite to start it afresh"
+                )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._repair_tail()
+        run_path.write_text(json.dumps(run_info, indent=2, default=str) + "\n")
+
+    def _repair_tail(self) -> None:
+        """Drop a partial last line left by a run killed mid-write."""
+        if not self.rows_path.exists():
+            return
+        data = self.rows_path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(self.rows_path, "r+b") as handle:
+                handle.truncate(data.rfind(b"\n") + 1)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return read_rows(self.dir)
+
+    def done_keys(self) -> set[tuple[str, str, str, str]]:
+        return {row_key(row) for row in self.rows()}
+
+    def append(self, row: dict[str, Any]) -> None:
+        line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+        fd = os.open(self.rows_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_summary(self) -> pd.DataFrame:
+        table = summarize(self.rows())
+        table.to_csv(self.dir / SUMMARY, index=False)
+        return table
+
+
+def read_rows(folder: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(folder) / ROWS
+    if not path.exists():
+        return []
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.endswith("\n"):
+                break  # partial last line of a killed run: not a result
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise PkvError(f"{path}:{number}: not a JSON line; the file is damaged") from None
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """``task, policy, budget, n, score`` with score the mean × 100, two decimals (LongBench's convention)."""
+    columns = ["task", "policy", "budget", "n", "score"]
+    if not rows:
+        return pd.DataFrame(columns=columns)
+    frame = pd.DataFrame(rows)
+    frame["budget"] = [budget_label(row["budget"]) for row in rows]
+    table = (
+        frame.groupby(["task", "policy", "budget"], sort=False)["score"]
+        .agg(n="count", score="mean")
+        .reset_index()
+    )
+    table["score"] = (table["score"] * 100).round(2)
+    return table[columns]

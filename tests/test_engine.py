@@ -1,0 +1,115 @@
+"""The engine on the real embedded model: exactness first."""
+
+import contextlib
+
+import pytest
+import torch
+
+from pkvbench.budgets import Budget
+from pkvbench.engine.attention import StatsRecorder, recording
+from pkvbench.engine.generation import CompressedCache
+from pkvbench.policies import parse_policy
+from pkvbench.tasks.base import TaskOptions
+from pkvbench.tasks.registry import build_samples, get_task
+
+pytestmark = pytest.mark.model
+POLICIES = ["full", "streamingllm", "h2o", "snapkv", "pyramidkv"]
+
+
+@contextlib.contextmanager
+def attention_kernel(model, name):
+    """Temporarily run ``model`` on a stock transformers kernel (no pkvbench wrapper)."""
+    ours = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(ours)
+
+
+@pytest.fixture(scope="module")
+def needle_ids(loaded):
+    sample = build_samples(get_task("needle"), loaded.tokenizer, TaskOptions(lengths=(1000,), depths=(50,)))[0]
+    return torch.tensor([sample.input_ids])
+
+
+@pytest.fixture(scope="module")
+def prefill(engine, needle_ids):
+    return engine.prefill(needle_ids, [parse_policy(p) for p in POLICIES])
+
+
+def test_full_cache_equals_model_generate(engine, loaded, needle_ids, prefill):
+    ours = engine.decode(prefill, engine.compress(prefill, parse_policy("full"), Budget(128)), 32)
+    with attention_kernel(loaded.model, "sdpa"), torch.inference_mode():
+        reference = loaded.model.generate(needle_ids, max_new_tokens=32, do_sample=False)[0, needle_ids.shape[1]:]
+    assert ours.tokens == reference.tolist()
+
+
+def test_every_policy_with_budget_at_least_T_equals_full(engine, prefill):
+    full = engine.decode(prefill, engine.compress(prefill, parse_policy("full"), Budget(1)), 32).tokens
+    for spec in POLICIES[1:]:
+        policy = parse_policy(spec)
+        for budget in (Budget(prefill.context_len), Budget(5000)):
+            cache = engine.compress(prefill, policy, budget)
+            assert cache.kept_per_layer == [prefill.context_len] * 30
+            assert engine.decode(prefill, cache, 32).tokens == full, spec
+        # The gather path itself, keeping every entry, is exact too.
+        kept = [policy.keep(stats, prefill.context_len) for stats in prefill.stats]
+        index = [k[None, :, :, None].expand(1, -1, -1, prefill.keys[0].shape[-1]) for k in kept]
+        gathered = CompressedCache(
+            keys=[t.gather(2, i) for t, i in zip(prefill.keys, index)],
+            values=[t.gather(2, i) for t, i in zip(prefill.values, index)],
+            plan=cache.plan,
+        )
+        assert engine.decode(prefill, gathered, 32).tokens == full, spec
+
+
+def test_compressed_decoding_keeps_original_positions(engine, loaded, needle_ids, prefill):
+    """StreamingLLM drops the same positions in every layer and head, so a stock model given the full cache and a
+    mask hiding the dropped prompt positions from new tokens must produce the same tokens."""
+    from transformers import DynamicCache
+
+    cache = engine.compress(prefill, parse_policy("streamingllm"), Budget(64))
+    ours = engine.decode(prefill, cache, 24).tokens
+    length = prefill.context_len
+    visible = torch.zeros(length, dtype=torch.long)
+    visible[:4] = 1
+    visible[length - 60 :] = 1
+    reference = [prefill.first_token]
+    with attention_kernel(loaded.model, "sdpa"), torch.inference_mode():
+        full_cache = DynamicCache()
+        for layer, (k, v) in enumerate(zip(prefill.keys, prefill.values)):
+            full_cache.update(k.clone(), v.clone(), layer)
+        mask = visible.clone()
+        while len(reference) < 24 and reference[-1] not in engine.stop_ids:
+            mask = torch.cat([mask, torch.ones(1, dtype=torch.long)])
+            step = loaded.model(
+                input_ids=torch.tensor([[reference[-1]]]), attention_mask=mask[None], cache=full_cache,
+                position_ids=torch.tensor([[length + len(reference) - 1]]), use_cache=True,
+            )
+            reference.append(int(step.logits[0, -1].argmax()))
+    assert ours == reference
+
+
+def test_recorded_statistics_match_eager_attention(engine, loaded):
+    ids = torch.tensor([loaded.tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]])
+    with attention_kernel(loaded.model, "eager"), torch.inference_mode():
+        attentions = loaded.model(ids, output_attentions=True).attentions
+    recorder = StatsRecorder(windows={8}, accumulated=True)
+    with recording(recorder), torch.inference_mode():
+        loaded.model(ids)
+    for layer, probs in enumerate(attentions):
+        torch.testing.assert_close(recorder.layers[layer].window_scores[8], probs[0, :, -8:].sum(1), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(recorder.layers[layer].accumulated, probs[0].sum(1), atol=1e-4, rtol=1e-4)
+
+
+def test_cache_really_shrinks_to_the_nominal_budget(engine, loaded, prefill):
+    per_entry = loaded.num_kv_heads * loaded.head_dim * 2 * 4  # keys and values, float32
+    for spec in POLICIES[1:]:
+        cache = engine.compress(prefill, parse_policy(spec), Budget(64))
+        assert sum(cache.kept_per_layer) == 30 * 64, spec
+        assert cache.nbytes == 30 * 64 * per_entry, spec
+        for keys, n in zip(cache.keys, cache.plan.per_layer):
+            assert keys.shape == (1, loaded.num_kv_heads, n, loaded.head_dim)
+    pyramid = engine.compress(prefill, parse_policy("pyramidkv"), Budget(64)).kept_per_layer
+    assert pyramid[0] > 64 > pyramid[-1]
