@@ -82,6 +82,10 @@ def cli() -> None:
 @click.option("--depths", help="Needle depths in percent, comma-separated (default: 0,25,50,75,100).")
 @click.option("--limit", type=int, help="At most this many samples per task.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated tasks and torch.")
+@click.option("--data-dir", type=click.Path(file_okay=False), help="Folder with a task's data files (e.g. LongBench <name>.jsonl).")
+@click.option("--no-verify", is_flag=True, help="Do not check data files against their known checksums.")
+@click.option("--max-length", type=click.IntRange(min=1), help="Truncate longer prompts to this many tokens (tasks that do).")
+@click.option("--sample-id", "sample_ids", help="Only these sample ids, comma-separated.")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True,
               help=f"Alias ({', '.join(ALIASES)}), Hugging Face model id, or local folder.")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES))
@@ -92,8 +96,8 @@ def cli() -> None:
 @click.option("--out", type=click.Path(file_okay=False), help="Result folder (default: results/runs/<model>/<tasks>).")
 @click.option("--overwrite", is_flag=True, help="Discard what --out holds and start afresh.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def run(task, policy, budget, policy_args, lengths, depths, limit, seed, model, device, dtype, attn_implementation,
-        max_new_tokens, out, overwrite, quiet) -> None:
+def run(task, policy, budget, policy_args, lengths, depths, limit, seed, data_dir, no_verify, max_length, sample_ids,
+        model, device, dtype, attn_implementation, max_new_tokens, out, overwrite, quiet) -> None:
     """Run policies × budgets over a task's samples; write samples.jsonl, summary.csv and run.json.
 
     Each sample is prefilled once; every policy × budget derives its cache from that prefill. Rerunning the same
@@ -114,6 +118,10 @@ def run(task, policy, budget, policy_args, lengths, depths, limit, seed, model, 
         depths=parse_numbers(depths, "--depths", float),
         limit=limit,
         seed=seed,
+        data_dir=data_dir,
+        verify=not no_verify,
+        max_length=max_length,
+        sample_ids=tuple(split_list(sample_ids, "--sample-id")) if sample_ids is not None else None,
     )
     if max_new_tokens is not None and max_new_tokens < 1:
         raise PkvError("--max-new-tokens must be at least 1")
@@ -122,7 +130,8 @@ def run(task, policy, budget, policy_args, lengths, depths, limit, seed, model, 
         "model": model, "device": device, "dtype": dtype, "attn_implementation": attn_implementation,
         "tasks": [t.name for t in tasks], "policies": [p.label for p in policies],
         "budgets": [b.value for b in budgets], "lengths": options.lengths, "depths": options.depths,
-        "limit": limit, "seed": seed, "max_new_tokens": max_new_tokens,
+        "limit": limit, "seed": seed, "max_new_tokens": max_new_tokens, "data_dir": data_dir,
+        "max_length": max_length, "sample_ids": options.sample_ids,
     }
     run_options = json.loads(json.dumps(run_options))  # tuples → lists, as they will read back from run.json
 

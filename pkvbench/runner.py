@@ -79,7 +79,7 @@ def run_grid(
                     "kv_bytes": cache.nbytes,
                     "pred": decoded.text,
                     "answers": sample.answers,
-                    "score": metric(decoded.text, sample.answers),
+                    "score": metric(decoded.text, sample.answers, sample.meta),
                     "new_tokens": len(decoded.tokens),
                     "prefill_s": round(prefill.seconds, 4),
                     "selection_s": round(selection_s, 4),

@@ -15,7 +15,8 @@ class Sample:
     sample_id: str
     input_ids: list[int]
     answers: list[str]
-    extras: dict[str, Any] = field(default_factory=dict)  # task-specific columns for the results (length, depth)
+    extras: dict[str, Any] = field(default_factory=dict)  # task-specific result columns (length, depth)
+    meta: dict[str, Any] = field(default_factory=dict)  # what scoring needs besides the answers (all_classes); not written
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class TaskOptions:
     depths: tuple[float, ...] | None = None
     limit: int | None = None
     seed: int = 0
+    data_dir: str | None = None  # local copies of a task's data files
+    verify: bool = True  # check data files against known checksums
+    max_length: int | None = None  # prompt tokens, for tasks that truncate long inputs
+    sample_ids: tuple[str, ...] | None = None  # select samples by id
 
     def __post_init__(self) -> None:
         for depth in self.depths or ():
