@@ -17,6 +17,7 @@ from pkvbench.budgets import Budget, parse_budgets, plan
 from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, SUPPORTED_ARCHITECTURES, check_model_name
 from pkvbench.errors import PkvError
 from pkvbench.policies import POLICIES, check_shared_options, parse_option_pairs, parse_policy
+from pkvbench.runner import Shard, run_grid
 
 ALL_POLICIES = ",".join(POLICIES)
 
@@ -50,6 +51,16 @@ def parse_policies(text: str, policy_args: tuple[str, ...]):
     return list({p.label: p for p in policies}.values())
 
 
+def make_deterministic(seed: int) -> None:
+    """Same command, same predictions: seed torch and ask for deterministic kernels (cuBLAS needs its workspace
+    setting before CUDA starts; kernels with no deterministic version warn instead of failing)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    import torch
+
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(
@@ -70,7 +81,19 @@ def cli() -> None:
     """
 
 
+def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--config FILE``: the file's options become this command's defaults, so flags on the line still win."""
+    if value is not None:
+        from pkvbench.config import load_run_config
+
+        ctx.default_map = {**(ctx.default_map or {}), **load_run_config(value, ctx.command)}
+    return value
+
+
 @cli.command()
+@click.option("--config", type=click.Path(dir_okay=False), is_eager=True, expose_value=False, callback=_load_config,
+              help="YAML file of run options (keys as the long options: task, policy, budget, max-length, ...; "
+                   "see configs/). Options given on the command line override it.")
 @click.option("--task", default="needle", show_default=True, help="Task name(s), comma-separated (see `pkvbench list`).")
 @click.option("--policy", default=ALL_POLICIES, show_default=True,
               help="Policies, comma-separated; options inline as name:opt=value, e.g. snapkv:window=32.")
@@ -78,9 +101,9 @@ def cli() -> None:
               help="Budgets, comma-separated: below 1 a fraction of the prompt (0.007 = 0.7%), else entries per KV head per layer.")
 @click.option("--policy-arg", "policy_args", multiple=True, metavar="NAME=VALUE",
               help="Option for every policy that has it (window, sink, kernel, pooling, beta, gqa, scores, normalize). Repeatable.")
-@click.option("--lengths", help="Context lengths in prompt tokens, comma-separated (needle default: 1000,2000,4000).")
+@click.option("--lengths", help="Context lengths in prompt tokens, comma-separated (needle, RULER default: 1000,2000,4000).")
 @click.option("--depths", help="Needle depths in percent, comma-separated (default: 0,25,50,75,100).")
-@click.option("--limit", type=int, help="At most this many samples per task.")
+@click.option("--limit", type=int, help="At most this many samples per task (RULER, trec-fewshot: per task and length).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated tasks and torch.")
 @click.option("--data-dir", type=click.Path(file_okay=False), help="Folder with a task's data files (e.g. LongBench <name>.jsonl).")
 @click.option("--no-verify", is_flag=True, help="Do not check data files against their known checksums.")
@@ -95,9 +118,11 @@ def cli() -> None:
 @click.option("--max-new-tokens", type=int, help="Override the task's answer length.")
 @click.option("--out", type=click.Path(file_okay=False), help="Result folder (default: results/runs/<model>/<tasks>).")
 @click.option("--overwrite", is_flag=True, help="Discard what --out holds and start afresh.")
+@click.option("--shard", help="Run only shard i of n (i/n, 1-based): every n-th sample, each with its whole grid. "
+              "Give each shard its own --out and combine them with `pkvbench merge`.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def run(task, policy, budget, policy_args, lengths, depths, limit, seed, data_dir, no_verify, max_length, sample_ids,
-        model, device, dtype, attn_implementation, max_new_tokens, out, overwrite, quiet) -> None:
+        model, device, dtype, attn_implementation, max_new_tokens, out, overwrite, shard, quiet) -> None:
     """Run policies × budgets over a task's samples; write samples.jsonl, summary.csv and run.json.
 
     Each sample is prefilled once; every policy × budget derives its cache from that prefill. Rerunning the same
@@ -108,11 +133,12 @@ def run(task, policy, budget, policy_args, lengths, depths, limit, seed, data_di
       pkvbench run --task needle --policy full,snapkv,pyramidkv --budget 128,0.12 --lengths 1000,2000 --depths 0,50,100
     """
     from pkvbench.tasks.base import TaskOptions
-    from pkvbench.tasks.registry import get_task
+    from pkvbench.tasks.registry import expand_tasks
 
-    tasks = [get_task(name) for name in dict.fromkeys(split_list(task, "--task"))]
+    tasks = expand_tasks(list(dict.fromkeys(split_list(task, "--task"))))
     policies = parse_policies(policy, policy_args)
     budgets = parse_budgets(budget)
+    shard = Shard.parse(shard) if shard is not None else None
     options = TaskOptions(
         lengths=parse_numbers(lengths, "--lengths", int),
         depths=parse_numbers(depths, "--depths", float),
@@ -131,7 +157,7 @@ def run(task, policy, budget, policy_args, lengths, depths, limit, seed, data_di
         "tasks": [t.name for t in tasks], "policies": [p.label for p in policies],
         "budgets": [b.value for b in budgets], "lengths": options.lengths, "depths": options.depths,
         "limit": limit, "seed": seed, "max_new_tokens": max_new_tokens, "data_dir": data_dir,
-        "max_length": max_length, "sample_ids": options.sample_ids,
+        "max_length": max_length, "sample_ids": options.sample_ids, "shard": str(shard) if shard else None,
     }
     run_options = json.loads(json.dumps(run_options))  # tuples → lists, as they will read back from run.json
 
@@ -140,13 +166,12 @@ def run(task, policy, budget, policy_args, lengths, depths, limit, seed, data_di
     from pkvbench.engine.generation import Engine
     from pkvbench.engine.models import load_model
     from pkvbench.results import ResultStore
-    from pkvbench.runner import run_grid
 
     check_model_name(model)
     store = ResultStore(out)
     # Check the folder before the (slow) model load, and record the run once the model is known.
     store.open({"options": run_options}, overwrite=overwrite)
-    torch.manual_seed(seed)
+    make_deterministic(seed)
     loaded = load_model(model, device=device, dtype=dtype, attn_implementation=attn_implementation)
     store.open(
         {
@@ -161,7 +186,8 @@ def run(task, policy, budget, policy_args, lengths, depths, limit, seed, data_di
         }
     )
     try:
-        stats = run_grid(Engine(loaded), tasks, policies, budgets, options, store, max_new_tokens=max_new_tokens, quiet=quiet)
+        stats = run_grid(Engine(loaded), tasks, policies, budgets, options, store, shard=shard,
+                         max_new_tokens=max_new_tokens, quiet=quiet)
     finally:
         table = store.write_summary()
     if not quiet:
@@ -173,13 +199,26 @@ def run(task, policy, budget, policy_args, lengths, depths, limit, seed, data_di
 
 
 @cli.command()
+@click.argument("folders", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="New folder for the merged run.")
+def merge(folders, out) -> None:
+    """Combine run folders (the shards of one run) into one, without duplicate rows."""
+    from pkvbench.results import merge_runs
+
+    written, duplicates = merge_runs(list(folders), out)
+    click.echo(f"{written} rows from {len(folders)} folders → {out}/samples.jsonl ({duplicates} duplicates dropped)")
+
+
+@cli.command()
 @click.option("--policy", default="pyramidkv", show_default=True, help="Policies, comma-separated (options as in `run`).")
 @click.option("--budget", default="128", show_default=True, help="Budgets, comma-separated (fractions or entry counts).")
 @click.option("--policy-arg", "policy_args", multiple=True, metavar="NAME=VALUE", help="Option for every policy that has it.")
 @click.option("--layers", type=click.IntRange(min=1), default=30, show_default=True, help="Number of layers (30 = the embedded model).")
 @click.option("--context", type=click.IntRange(min=1), default=8192, show_default=True, help="Prompt length T in tokens.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def budgets(policy, budget, policy_args, layers, context, as_json) -> None:
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False),
+              help="Also draw entries kept per layer (one panel per budget, uniform as a reference) to this PNG.")
+def budgets(policy, budget, policy_args, layers, context, as_json, plot_file) -> None:
     """Per-layer budgets (entries per KV head) a policy would keep: the function the engine uses."""
     entries = []
     for pol in parse_policies(policy, policy_args):
@@ -191,6 +230,10 @@ def budgets(policy, budget, policy_args, layers, context, as_json) -> None:
                 "compressed": layer_plan.compressed, "total": sum(layer_plan.per_layer),
                 "mean": layer_plan.mean, "per_layer": layer_plan.per_layer,
             })
+    if plot_file:
+        from pkvbench.plots import plot_layer_budgets
+
+        plot_layer_budgets(entries, plot_file)
     if as_json:
         click.echo(json.dumps(entries if len(entries) > 1 else entries[0], indent=2))
         return
@@ -200,14 +243,151 @@ def budgets(policy, budget, policy_args, layers, context, as_json) -> None:
         click.echo("  per layer (0 = bottom): " + " ".join(map(str, e["per_layer"])))
 
 
+@cli.command()
+@click.argument("folders", nargs=-1, required=True, type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "latex"]), default="markdown", show_default=True)
+@click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Write the table to this file instead of stdout.")
+def report(folders, fmt, out_file) -> None:
+    """One table from run folders: rows model × policy × budget, a column per task (score × 100), LongBench-E
+    length buckets, avg (mean over tasks; missing if a task is), tasks filled and n samples. Missing cells stay
+    missing. A folder above run folders is searched for them."""
+    from pkvbench.report import load_runs, render, report_table, uneven_counts
+
+    runs = load_runs(list(folders))
+    text = render(report_table(runs.rows), fmt)
+    _write_or_echo(text, out_file)
+    for note in runs.notes + uneven_counts(runs.rows):
+        click.echo(f"note: {note}", err=True)
+
+
+@cli.command()
+@click.argument("folders", nargs=-1, required=True, type=click.Path())
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for the PNG files.")
+def plot(folders, out_dir) -> None:
+    """Figures from run folders: needle heatmaps (depth × length, one per model × policy × budget, and one grid of
+    policies side by side per budget) and score-vs-budget curves (a panel per task and for the average)."""
+    from pkvbench.plots import plot_runs
+    from pkvbench.report import load_runs
+
+    runs = load_runs(list(folders))
+    paths = plot_runs(runs, out_dir)
+    for note in runs.notes:
+        click.echo(f"note: {note}", err=True)
+    click.echo(f"{len(paths)} figures → {out_dir}/")
+
+
+@cli.command()
+@click.argument("folders", nargs=-1, required=True, type=click.Path())
+@click.option("--reference", default="pyramidkv-table1", show_default=True, help="Reference name or CSV file.")
+@click.option("--paper-model", help="The paper's model to compare with when the run's model is not one of them "
+                                    "(default: the reference's first, Llama-3-8B-Instruct).")
+@click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "latex"]), default="markdown", show_default=True)
+def compare(folders, reference, paper_model, fmt) -> None:
+    """Measured vs the paper per task and average (score × 100, delta = measured − paper), for the cells both have."""
+    from pkvbench.report import compare as compare_runs
+    from pkvbench.report import load_reference, load_runs, render
+
+    result = compare_runs(load_runs(list(folders)), load_reference(reference), paper_model)
+    for statement in result.statements:  # before the table, so nobody reads the deltas without them
+        click.echo(f"note: {statement}", err=fmt != "markdown")
+    click.echo(render(result.table, fmt), nl=False)
+
+
+def _write_or_echo(text: str, out_file: str | None) -> None:
+    if out_file is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        Path(out_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_file).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise PkvError(f"cannot write {out_file}: {exc.strerror or exc}") from None
+    click.echo(f"table → {out_file}", err=True)
+
+
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Write the scored lines here (default: stdout).")
+@click.option("--dataset", help="Dataset of lines that name none (an official pred/<model>/<dataset>.jsonl file).")
+def score(file, out_file, dataset) -> None:
+    """Score LongBench predictions as the official eval.py does.
+
+    FILE.jsonl has one prediction a line: dataset, pred, answers, all_classes (and length for the LongBench-E
+    `<name>_e` datasets); pkvbench's own samples.jsonl works too (task instead of dataset; trec and lsht need
+    all_classes). The lines come back with score (0-1); per-dataset scores (round(100 × mean, 2), and the
+    0-4k / 4-8k / 8k+ buckets for LongBench-E) are printed, on stderr when the lines go to stdout.
+    """
+    from pkvbench.tasks.longbench import score_rows
+
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PkvError(f"cannot read {file}: {getattr(exc, 'strerror', None) or exc}") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise PkvError(f"{file}, line {number}: not valid JSON ({exc.msg})") from None
+            if not isinstance(rows[-1], dict):
+                raise PkvError(f"{file}, line {number}: expected a JSON object")
+    if not rows:
+        raise PkvError(f"{file} has no predictions")
+    scored, summary = score_rows(rows, dataset, where=file)
+    lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in scored)
+    if out_file:
+        _write_or_echo(lines, out_file)
+    else:
+        click.echo(lines, nl=False)
+    for entry in summary:
+        labels = " ".join(str(entry[k]) for k in ("dataset", "policy", "budget") if k in entry)
+        buckets = "".join(f"  {b} {entry[b]}" for b in ("0-4k", "4-8k", "8k+") if b in entry)
+        click.echo(f"{labels}: {entry['score']} (n={entry['n']}){buckets}", err=not out_file)
+
+
+@cli.command()
+@click.option("--baseline", required=True, type=click.Path(dir_okay=False), help="Baseline CSV (model,task,policy,budget,n,score).")
+@click.option("--results", "results", required=True, multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="Run folder(s) to check (repeatable).")
+@click.option("--tolerance", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="Allowed fall in score points (× 100 scale) before a cell fails.")
+@click.option("--per-cell", type=click.Path(exists=True, dir_okay=False), help="YAML of task: tolerance overrides.")
+@click.option("--update", is_flag=True, help="Write the run's cells as the new baseline instead of checking.")
+def check(baseline, results, tolerance, per_cell, update) -> None:
+    """Fail (exit 1) if accuracy at any budget fell below the baseline: a CI gate.
+
+    Every model × task × policy × budget cell of the baseline must be in the run with the same sample count and a
+    score no more than the tolerance below the baseline's. Improvements and new cells are reported, not failed.
+    """
+    from pkvbench.check import check_run, format_failures, write_baseline
+
+    if update:
+        cells = write_baseline(list(results), baseline)
+        click.echo(f"baseline {baseline} written: {len(cells)} cells from {', '.join(results)}")
+        return
+    result = check_run(list(results), baseline, tolerance, per_cell)
+    counts = result.table["status"].value_counts().to_dict()
+    summary = ", ".join(f"{counts[s]} {s.lower()}" for s in ("ok", "improved", "new", "REGRESSED", "MISSING", "COUNT") if s in counts)
+    if result.passed:
+        click.echo(f"check passed: {len(result.table)} cells ({summary}); tolerance {tolerance:g} points")
+        return
+    click.echo(f"check FAILED: {len(result.failures)} of {len(result.table)} cells ({summary}); tolerance {tolerance:g} points", err=True)
+    click.echo(format_failures(result), err=True)
+    raise SystemExit(1)
+
+
 @cli.command(name="list")
 def list_() -> None:
     """Tasks, policies (with their options), model aliases and supported architectures."""
-    from pkvbench.tasks.registry import all_tasks
+    from pkvbench.tasks.registry import all_tasks, task_groups
 
     click.echo("Tasks:")
     for spec in all_tasks().values():
-        click.echo(f"  {spec.name:14} {spec.description}")
+        click.echo(f"  {spec.name:22} {spec.description}")
+    click.echo("Task groups (--task GROUP):")
+    for group, members in task_groups().items():
+        click.echo(f"  {group:14} {', '.join(members)}")
     click.echo("Policies (options with defaults):")
     for name, cls in POLICIES.items():
         defaults = " ".join(f"{k}={v}" for k, v in cls().options.items())

@@ -5,9 +5,17 @@
 
 from __future__ import annotations
 
+import logging
+import re
+import string
+import threading
+from collections import Counter
 from collections.abc import Callable, Mapping
+from difflib import SequenceMatcher
 from functools import cache
 from typing import Any
+
+from pkvbench.errors import PkvError
 
 
 @cache
@@ -25,3 +33,238 @@ def rouge1(prediction: str, answers: list[str], meta: Mapping[str, Any] | None =
 
 Metric = Callable[[str, list[str], Mapping[str, Any]], float]
 METRICS: dict[str, Metric] = {"rouge1": rouge1}
+
+
+# --- RULER: string matching, as RULER's evaluation (scripts/eval/synthetic/constants.py) -------------------------
+
+
+def string_match_all(prediction: str, answers: list[str], meta: Mapping[str, Any] | None = None) -> float:
+    """RULER's string_match_all: the fraction of the expected strings found in the prediction (case-insensitive)."""
+    return sum(answer.lower() in prediction.lower() for answer in answers) / len(answers) if answers else 0.0
+
+
+def string_match_part(prediction: str, answers: list[str], meta: Mapping[str, Any] | None = None) -> float:
+    """RULER's string_match_part: 1 if any expected string is found in the prediction (case-insensitive), else 0."""
+    return float(any(answer.lower() in prediction.lower() for answer in answers))
+
+
+METRICS.update({"string_match_all": string_match_all, "string_match_part": string_match_part})
+
+
+# --- LongBench (v1 and LongBench-E): the official scorer's metrics, rule for rule -------------------------------
+#
+# Each function below scores one prediction against one answer the way LongBench's ``metrics.py`` does; the
+# registered metrics take the best over a sample's answers (starting from 0, as the official ``scorer`` does).
+
+_EN_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_ASCII_PUNCTUATION = frozenset(string.punctuation)
+# The official Chinese punctuation list, as it is: it has "》" but not "《", and ends with an ASCII ".".
+_ZH_PUNCTUATION = frozenset(
+    string.punctuation
+    + "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+)
+
+
+def normalize_en(text: str) -> str:
+    """Lowercase, drop ASCII punctuation, then the articles a/an/the (whole words), then collapse whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in _ASCII_PUNCTUATION)
+    return " ".join(_EN_ARTICLES.sub(" ", text).split())
+
+
+def normalize_zh(text: str) -> str:
+    """Lowercase, drop ASCII and the listed Chinese punctuation, remove all whitespace."""
+    return "".join("".join(ch for ch in text.lower() if ch not in _ZH_PUNCTUATION).split())
+
+
+def token_f1(prediction_tokens: list[str], answer_tokens: list[str]) -> float:
+    """Multiset F1 of two token lists (0 when nothing is shared, including when either is empty)."""
+    shared = sum((Counter(prediction_tokens) & Counter(answer_tokens)).values())
+    if shared == 0:
+        return 0.0
+    precision = shared / len(prediction_tokens)
+    recall = shared / len(answer_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def qa_f1_one(prediction: str, answer: str) -> float:
+    return token_f1(normalize_en(prediction).split(), normalize_en(answer).split())
+
+
+@cache
+def _jieba():
+    import jieba
+
+    jieba.setLogLevel(logging.WARNING)  # its dictionary-loading chatter goes to stderr otherwise
+    return jieba
+
+
+def jieba_tokens(text: str) -> list[str]:
+    """jieba's accurate mode (``cut_all=False``, HMM on), as the official scorer calls it."""
+    return list(_jieba().cut(text, cut_all=False))
+
+
+def qa_f1_zh_one(prediction: str, answer: str) -> float:
+    def tokens(text: str) -> list[str]:
+        return [t for t in (normalize_zh(token) for token in jieba_tokens(text)) if t]
+
+    return token_f1(tokens(prediction), tokens(answer))
+
+
+class _RougeLCall(threading.Thread):
+    """One ``rouge`` 1.0.1 ``get_scores`` call on a fresh thread.
+
+    The package reconstructs each longest common subsequence recursively, so long text without a "." raises
+    RecursionError, which the official scorer turns into a score of 0. How long is too long depends on how deep
+    the call stack already is. On a fresh thread ``get_scores`` runs three Python frames deep, as it does under the
+    official ``eval.py`` (module → scorer → rouge_score → get_scores), so the limit falls on the same word for every
+    caller of ours (the runner, ``pkvbench score``, tests) and matches the official scorer on the same interpreter.
+    """
+
+    def __init__(self, prediction: str, answer: str):
+        super().__init__(name="pkvbench-rouge", daemon=True)
+        self.prediction, self.answer, self.result = prediction, answer, 0.0
+
+    def run(self) -> None:  # frame 3, under threading's _bootstrap and _bootstrap_inner
+        try:
+            self.result = _rouge_package().get_scores([self.prediction], [self.answer], avg=True)["rouge-l"]["f"]
+        except Exception:  # the official scorer's bare except: any failure scores 0
+            self.result = 0.0
+
+
+@cache
+def _rouge_package():
+    try:
+        from rouge import Rouge
+    except ImportError:  # a broken install, not bad input
+        raise PkvError("ROUGE-L scoring needs the PyPI package rouge==1.0.1: pip install rouge==1.0.1") from None
+    return Rouge()
+
+
+def rouge_l_one(prediction: str, answer: str) -> float:
+    """ROUGE-L F of the ``rouge`` package (1.0.1), as LongBench calls it: text split into sentences at ".",
+    words at single spaces, summary-level union LCS over unique words; 0 when the package raises (an empty or
+    "."-only prediction or answer, or its recursion limit on long text without a ".")."""
+    call = _RougeLCall(prediction, answer)
+    call.start()
+    call.join()
+    return float(call.result)
+
+
+def rouge_zh_one(prediction: str, answer: str) -> float:
+    return rouge_l_one(" ".join(jieba_tokens(prediction)), " ".join(jieba_tokens(answer)))
+
+
+def classification_one(prediction: str, answer: str, all_classes: list[str]) -> float:
+    """Classes named in the prediction; those that are part of the answer but not the answer itself are dropped.
+
+    The official loop removes items from the list it is iterating over, so the item right after each removed one
+    is never checked: it is kept even when it should go. Reproduced here: scores depend on it.
+    """
+    matches = [name for name in all_classes if name in prediction]
+    index = 0  # a for-loop over a list walks an index; removing shifts the next item into the place just checked
+    while index < len(matches):
+        term = matches[index]
+        if term in answer and term != answer:
+            matches.remove(term)
+        index += 1
+    return 1.0 / len(matches) if answer in matches else 0.0
+
+
+def _share_of_numbers(prediction: str, target: str) -> float:
+    numbers = re.findall(r"\d+", prediction)
+    return sum(number == target for number in numbers) / len(numbers) if numbers else 0.0
+
+
+def _paragraph_share(prediction: str, answer: str, pattern: str) -> float:
+    """The share of the numbers in the prediction that equal the answer's paragraph number (an answer without one,
+    which the official scorer would crash on, scores 0)."""
+    found = re.findall(pattern, answer)
+    return _share_of_numbers(prediction, found[0]) if found else 0.0
+
+
+def retrieval_one(prediction: str, answer: str) -> float:
+    return _paragraph_share(prediction, answer, r"Paragraph (\d+)")
+
+
+def retrieval_zh_one(prediction: str, answer: str) -> float:
+    return _paragraph_share(prediction, answer, r"段落(\d+)")
+
+
+def count_one(prediction: str, answer: str) -> float:
+    return _share_of_numbers(prediction, str(answer))
+
+
+def fuzz_ratio(a: str, b: str) -> int:
+    """fuzzywuzzy's ``fuzz.ratio`` in its pure-Python form (no python-Levenshtein): 100 for equal strings, 0 when
+    either is empty, else round(100 × difflib ``SequenceMatcher(None, a, b).ratio()``), Python's round (half to
+    even), autojunk on as difflib's default."""
+    if a == b:
+        return 100
+    if not a or not b:
+        return 0
+    return int(round(100 * SequenceMatcher(None, a, b).ratio()))
+
+
+def code_sim_one(prediction: str, answer: str) -> float:
+    """fuzz ratio / 100 of the prediction's first line (after leading newlines) with no "`", "#" or "//"
+    ("" if there is none) against the answer."""
+    candidate = next(
+        (line for line in prediction.lstrip("\n").split("\n") if "`" not in line and "#" not in line and "//" not in line),
+        "",
+    )
+    return fuzz_ratio(candidate, answer) / 100
+
+
+def first_line(prediction: str) -> str:
+    """LongBench's rule for trec, triviaqa, samsum and lsht: strip leading newlines, keep the first line."""
+    return prediction.lstrip("\n").split("\n")[0]
+
+
+PREDICTION_RULES: dict[str, Callable[[str], str]] = {"first_line": first_line}
+
+
+def prepare_prediction(prediction: str, rules: tuple[str, ...] | list[str] = ()) -> str:
+    """Apply a task's prediction rules (``postprocess`` in its YAML) before scoring; the raw text is what's stored."""
+    for rule in rules:
+        prediction = PREDICTION_RULES[rule](prediction)
+    return prediction
+
+
+def _best_over_answers(one: Callable[[str, str], float], doc: str) -> Metric:
+    def metric(prediction: str, answers: list[str], meta: Mapping[str, Any] | None = None) -> float:
+        return max([0.0] + [float(one(prediction, answer)) for answer in answers])
+
+    metric.__doc__ = doc
+    return metric
+
+
+def _classification(prediction: str, answers: list[str], meta: Mapping[str, Any] | None = None) -> float:
+    all_classes = list((meta or {}).get("all_classes") or [])
+    return max([0.0] + [classification_one(prediction, answer, all_classes) for answer in answers])
+
+
+LONGBENCH_METRICS: dict[str, Metric] = {
+    "qa_f1": _best_over_answers(qa_f1_one, "Token F1 after English normalisation (LongBench qa_f1_score)."),
+    "qa_f1_zh": _best_over_answers(qa_f1_zh_one, "Token F1 over jieba tokens (LongBench qa_f1_zh_score)."),
+    "rouge": _best_over_answers(rouge_l_one, "ROUGE-L F of the rouge 1.0.1 package (LongBench rouge_score)."),
+    "rouge_zh": _best_over_answers(rouge_zh_one, "ROUGE-L F over jieba tokens (LongBench rouge_zh_score)."),
+    "classification": _classification,
+    "retrieval": _best_over_answers(retrieval_one, "Paragraph-number retrieval (LongBench retrieval_score)."),
+    "retrieval_zh": _best_over_answers(retrieval_zh_one, "段落-number retrieval (LongBench retrieval_zh_score)."),
+    "count": _best_over_answers(count_one, "Passage count (LongBench count_score)."),
+    "code_sim": _best_over_answers(code_sim_one, "fuzzywuzzy ratio of the first code line (LongBench code_sim_score)."),
+}
+METRICS.update(LONGBENCH_METRICS)
+
+
+def dataset_score(scores: list[float]) -> float:
+    """LongBench's dataset score: round(100 × mean, 2)."""
+    return round(100 * sum(scores) / len(scores), 2)
+
+
+LENGTH_BUCKETS = ("0-4k", "4-8k", "8k+")
+
+
+def length_bucket(length: int) -> str:
+    """LongBench-E's bucket of a sample by its ``length`` field (words or characters, as the data gives it)."""
+    return "0-4k" if length < 4000 else "4-8k" if length < 8000 else "8k+"

@@ -109,3 +109,43 @@ def summarize(rows: list[dict[str, Any]]) -> pd.DataFrame:
     )
     table["score"] = (table["score"] * 100).round(2)
     return table[columns]
+
+
+def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tuple[int, int]:
+    """Combine run folders (typically the shards of one run) into ``out``; returns (rows written, duplicates dropped).
+
+    The folders must come from the same run options, shard aside. A key present in two folders is kept once; if the
+    two rows disagree on the prediction the merge is refused, since that means the runs were not the same.
+    """
+    infos = []
+    for folder in folders:
+        run_path = Path(folder) / RUN
+        if not run_path.exists():
+            raise PkvError(f"{folder} is not a run folder (no {RUN})")
+        infos.append(json.loads(run_path.read_text()))
+    base = {k: v for k, v in infos[0]["options"].items() if k != "shard"}
+    for folder, info in zip(folders, infos):
+        other = {k: v for k, v in info["options"].items() if k != "shard"}
+        if other != base:
+            changed = sorted(k for k in set(base) | set(other) if base.get(k) != other.get(k))
+            raise PkvError(f"{folder} was run with other options than {folders[0]} ({', '.join(changed)} differ)")
+    if Path(out).resolve() in {Path(f).resolve() for f in folders}:
+        raise PkvError("--out must be a new folder, not one of the inputs")
+    merged: dict[tuple, dict[str, Any]] = {}
+    duplicates = 0
+    for folder in folders:
+        for row in read_rows(folder):
+            key = row_key(row)
+            if key in merged:
+                if merged[key]["pred"] != row["pred"]:
+                    raise PkvError(f"{folder}: row {key} disagrees with an earlier folder's; not merging")
+                duplicates += 1
+                continue
+            merged[key] = row
+    store = ResultStore(out)
+    info = {**infos[0], "options": base, "merged_from": [str(f) for f in folders]}
+    store.open(info, overwrite=True)
+    for row in merged.values():
+        store.append(row)
+    store.write_summary()
+    return len(merged), duplicates

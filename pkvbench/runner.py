@@ -1,21 +1,28 @@
-"""Runs a grid: tasks × samples × policies × budgets, one prefill per sample."""
+"""Runs a grid: tasks × samples × policies × budgets, one prefill per sample.
+
+The unit of work is a sample with its whole policy × budget grid (so the prefill is shared); ``--shard i/n`` takes
+every n-th unit, and ``run_sample`` is all an executor needs to run one.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from pkvbench.budgets import Budget
 from pkvbench.engine.generation import Engine
-from pkvbench.metrics import METRICS
+from pkvbench.errors import PkvError
+from pkvbench.metrics import METRICS, prepare_prediction
 from pkvbench.policies import Policy
 from pkvbench.results import ResultStore, row_key
-from pkvbench.tasks.base import TaskOptions, TaskSpec
+from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec
 from pkvbench.tasks.registry import build_samples
+
+Config = tuple[Policy, Budget]
 
 
 @dataclass
@@ -26,6 +33,78 @@ class RunStats:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Shard ``index`` of ``count`` (1-based, as written on the command line: ``--shard 2/4``)."""
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        index, sep, count = str(text).partition("/")
+        try:
+            shard = cls(int(index), int(count))
+        except ValueError:
+            shard = None
+        if not sep or shard is None or not 1 <= shard.index <= shard.count:
+            raise PkvError(f"--shard {text!r}: write i/n with 1 <= i <= n, e.g. 1/4")
+        return shard
+
+    def takes(self, position: int) -> bool:
+        return position % self.count == self.index - 1
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def work_items(tasks: list[TaskSpec], tokenizer, options: TaskOptions, shard: Shard | None = None) -> list[tuple[TaskSpec, Sample]]:
+    """Every (task, sample) of the run in a fixed order; a shard keeps every n-th one."""
+    items = [(task, sample) for task in tasks for sample in build_samples(task, tokenizer, options)]
+    return [item for position, item in enumerate(items) if shard is None or shard.takes(position)]
+
+
+def row_identity(task: TaskSpec, sample_id: str, policy: Policy, budget: Budget) -> dict:
+    return {"task": task.name, "sample_id": sample_id, "policy": policy.label, "budget": budget.value}
+
+
+def run_sample(engine: Engine, task: TaskSpec, sample: Sample, configs: list[Config], max_new_tokens: int | None = None) -> Iterator[dict]:
+    """Prefill ``sample`` once, then yield one result row per configuration as soon as it is decoded."""
+    metric = METRICS[task.metric]
+    new_tokens = max_new_tokens or task.max_new_tokens
+    prefill = engine.prefill(_as_tensor(sample.input_ids), [policy for policy, _ in configs])
+    full_cache_decode = None  # every config that keeps the whole prompt decodes to the same tokens
+    for policy, budget in configs:
+        selection_started = time.perf_counter()
+        cache = engine.compress(prefill, policy, budget)
+        selection_s = time.perf_counter() - selection_started
+        if cache.plan.compressed:
+            decoded = engine.decode(prefill, cache, new_tokens, task.stop_strings, task.min_new_tokens)
+        else:
+            full_cache_decode = full_cache_decode or engine.decode(
+                prefill, cache, new_tokens, task.stop_strings, task.min_new_tokens
+            )
+            decoded = full_cache_decode
+        yield {
+            **row_identity(task, sample.sample_id, policy, budget),
+            "model": engine.loaded.name,
+            "policy_options": policy.options,
+            "budget_tokens": round(sum(cache.kept_per_layer) / len(cache.kept_per_layer), 3),
+            "requested_tokens": cache.plan.requested,
+            "context_tokens": prefill.context_len,
+            "kv_kept": cache.kept_per_layer,
+            "kv_bytes": cache.nbytes,
+            "pred": decoded.text,
+            "answers": sample.answers,
+            "score": metric(prepare_prediction(decoded.text, task.postprocess), sample.answers, sample.meta),
+            "new_tokens": len(decoded.tokens),
+            "prefill_s": round(prefill.seconds, 4),
+            "selection_s": round(selection_s, 4),
+            "decode_s": round(decoded.seconds, 4),
+            **sample.extras,
+        }
+
+
 def run_grid(
     engine: Engine,
     tasks: list[TaskSpec],
@@ -34,6 +113,7 @@ def run_grid(
     options: TaskOptions,
     store: ResultStore,
     *,
+    shard: Shard | None = None,
     max_new_tokens: int | None = None,
     quiet: bool = False,
     on_row: Callable[[dict], None] | None = None,
@@ -41,63 +121,31 @@ def run_grid(
     started = time.perf_counter()
     stats = RunStats()
     done = store.done_keys()
-    work = [(task, build_samples(task, engine.tokenizer, options)) for task in tasks]
+    items = work_items(tasks, engine.tokenizer, options, shard)
     configs = [(policy, budget) for policy in policies for budget in budgets]
-    total = sum(len(samples) for _, samples in work) * len(configs)
-    bar = tqdm(total=total, disable=quiet or not sys.stderr.isatty(), unit="run", dynamic_ncols=True)
-    for task, samples in work:
-        metric = METRICS[task.metric]
-        new_tokens = max_new_tokens or task.max_new_tokens
-        for sample in samples:
-            pending = [
-                (p, b) for p, b in configs if row_key(_key_row(task, sample.sample_id, p, b)) not in done
-            ]
-            bar.update(len(configs) - len(pending))
-            stats.skipped += len(configs) - len(pending)
-            if not pending:
-                continue
-            prefill = engine.prefill(_as_tensor(sample.input_ids), [p for p, _ in pending])
-            stats.prefills += 1
-            full_cache_decode = None  # every config that keeps the whole prompt decodes to the same tokens
-            for policy, budget in pending:
-                selection_started = time.perf_counter()
-                cache = engine.compress(prefill, policy, budget)
-                selection_s = time.perf_counter() - selection_started
-                if cache.plan.compressed:
-                    decoded = engine.decode(prefill, cache, new_tokens, task.stop_strings)
-                else:
-                    full_cache_decode = full_cache_decode or engine.decode(prefill, cache, new_tokens, task.stop_strings)
-                    decoded = full_cache_decode
-                row = {
-                    **_key_row(task, sample.sample_id, policy, budget),
-                    "model": engine.loaded.name,
-                    "policy_options": policy.options,
-                    "budget_tokens": round(sum(cache.kept_per_layer) / len(cache.kept_per_layer), 3),
-                    "requested_tokens": cache.plan.requested,
-                    "context_tokens": prefill.context_len,
-                    "kv_kept": cache.kept_per_layer,
-                    "kv_bytes": cache.nbytes,
-                    "pred": decoded.text,
-                    "answers": sample.answers,
-                    "score": metric(decoded.text, sample.answers, sample.meta),
-                    "new_tokens": len(decoded.tokens),
-                    "prefill_s": round(prefill.seconds, 4),
-                    "selection_s": round(selection_s, 4),
-                    "decode_s": round(decoded.seconds, 4),
-                    **sample.extras,
-                }
-                store.append(row)
-                stats.written += 1
-                if on_row:
-                    on_row(row)
-                bar.update(1)
+    pending_per_item = [
+        [(p, b) for p, b in configs if row_key(row_identity(task, sample.sample_id, p, b)) not in done]
+        for task, sample in items
+    ]
+    total = len(items) * len(configs)
+    stats.skipped = total - sum(map(len, pending_per_item))
+    # Rows already done start the bar (initial=) instead of being counted as progress: a resumed run's rate and ETA
+    # then come from the rows it really computes.
+    bar = tqdm(total=total, initial=stats.skipped, disable=quiet or not sys.stderr.isatty(), unit="run",
+               dynamic_ncols=True, desc="samples × configs")
+    for (task, sample), pending in zip(items, pending_per_item):
+        if not pending:
+            continue
+        stats.prefills += 1
+        for row in run_sample(engine, task, sample, pending, max_new_tokens):
+            store.append(row)
+            stats.written += 1
+            if on_row:
+                on_row(row)
+            bar.update(1)
     bar.close()
     stats.seconds = time.perf_counter() - started
     return stats
-
-
-def _key_row(task: TaskSpec, sample_id: str, policy: Policy, budget: Budget) -> dict:
-    return {"task": task.name, "sample_id": sample_id, "policy": policy.label, "budget": budget.value}
 
 
 def _as_tensor(ids: list[int]):

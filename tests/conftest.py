@@ -19,3 +19,13 @@ def engine(loaded):
     from pkvbench.engine.generation import Engine
 
     return Engine(loaded)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The embedded model's tokenizer alone: read from the model's float copy (made once if missing), in about 1 s."""
+    from transformers import AutoTokenizer
+
+    from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, float_copy_of_gguf
+
+    return AutoTokenizer.from_pretrained(str(float_copy_of_gguf(DEFAULT_MODEL, ALIASES[DEFAULT_MODEL])))

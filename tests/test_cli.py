@@ -25,7 +25,7 @@ def pkvbench_in_process(capsys, *args):
 @pytest.mark.parametrize(
     "args,expected",
     [
-        (["run", "--task", "nope"], "unknown task 'nope'; valid tasks: needle"),
+        (["run", "--task", "nope"], "unknown task 'nope'; valid groups: "),
         (["run", "--policy", "snapkv,magic"], "unknown policy 'magic'; valid policies: full, streamingllm, h2o, snapkv, pyramidkv"),
         (["run", "--model", "tiny"], "unknown model 'tiny'"),
         (["run", "--budget", "0"], "must be positive"),

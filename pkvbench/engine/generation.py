@@ -15,6 +15,7 @@ import torch
 
 from pkvbench import budgets
 from pkvbench.engine.attention import StatsRecorder, recording
+from pkvbench.engine.cache import decoding_cache
 from pkvbench.engine.models import LoadedModel
 from pkvbench.errors import PkvError
 from pkvbench.policies import LayerStats, Policy
@@ -28,12 +29,16 @@ class Prefill:
     keys: list[torch.Tensor]  # per layer [1, Hkv, T, D]
     values: list[torch.Tensor]
     stats: list[LayerStats]
-    first_token: int  # greedy token after the prompt (the prefill saw the full cache, so it is the same for all)
+    last_logits: torch.Tensor  # [vocab] after the prompt: the prefill saw the full cache, so it is the same for all
     seconds: float
 
     @property
     def context_len(self) -> int:
         return self.input_ids.shape[1]
+
+    @property
+    def first_token(self) -> int:
+        return int(self.last_logits.argmax())
 
 
 @dataclass
@@ -104,7 +109,6 @@ class Engine:
         started = time.perf_counter()
         with recording(recorder):
             logits = self._forward(input_ids, cache, torch.arange(length, device=self.device)[None])
-        first_token = int(logits.argmax())
         self._sync()
         seconds = time.perf_counter() - started
         layers = [cache.layers[i] for i in range(self.loaded.num_layers)]
@@ -117,7 +121,7 @@ class Engine:
             keys=[layer.keys for layer in layers],
             values=[layer.values for layer in layers],
             stats=stats,
-            first_token=first_token,
+            last_logits=logits,
             seconds=seconds,
         )
 
@@ -140,27 +144,47 @@ class Engine:
         return CompressedCache(keys=keys, values=values, plan=plan)
 
     @torch.inference_mode()
-    def decode(self, prefill: Prefill, cache: CompressedCache, max_new_tokens: int, stop_strings: tuple[str, ...] = ()) -> Decoded:
-        """Greedy decoding from the compressed cache, at the original positions."""
-        from transformers import DynamicCache
+    def decode(
+        self,
+        prefill: Prefill,
+        cache: CompressedCache,
+        max_new_tokens: int,
+        stop_strings: tuple[str, ...] = (),
+        min_new_tokens: int = 0,
+    ) -> Decoded:
+        """Greedy decoding from the compressed cache, at the original positions.
 
-        live = DynamicCache()
-        for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
-            live.update(k, v, layer)  # the first update stores the tensors as they are; later ones concatenate
+        Stops after an end-of-sequence token, once the text holds a stop string, or at ``max_new_tokens``. For the
+        first ``min_new_tokens`` tokens the end tokens and the stop strings' tokens cannot be chosen (transformers'
+        ``min_length``, which LongBench's samsum uses so that an answer never starts with its stop newline).
+        """
         started = time.perf_counter()
-        tokens = [prefill.first_token]
+        live = decoding_cache(cache.keys, cache.values, room=max_new_tokens)
+        barred = sorted(self.stop_ids | self._last_token_ids(stop_strings)) if min_new_tokens else []
+        tokens = [self._greedy(prefill.last_logits, barred if min_new_tokens > 0 else [])]
         position = prefill.context_len
         while len(tokens) < max_new_tokens and tokens[-1] not in self.stop_ids:
             if stop_strings and any(s in self.tokenizer.decode(tokens) for s in stop_strings):
                 break
             step = torch.tensor([[tokens[-1]]], device=self.device)
             logits = self._forward(step, live, torch.tensor([[position]], device=self.device))
-            tokens.append(int(logits.argmax()))
+            tokens.append(self._greedy(logits, barred if len(tokens) < min_new_tokens else []))
             position += 1
         self._sync()
         seconds = time.perf_counter() - started
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return Decoded(tokens=tokens, text=text, seconds=seconds)
+
+    @staticmethod
+    def _greedy(logits: torch.Tensor, barred: list[int]) -> int:
+        if barred:
+            logits = logits.clone()
+            logits[barred] = float("-inf")
+        return int(logits.argmax())
+
+    def _last_token_ids(self, strings: tuple[str, ...]) -> set[int]:
+        """The token each stop string ends with (how LongBench's pred.py turns "\n" into a stop id)."""
+        return {self.tokenizer.encode(s, add_special_tokens=False)[-1] for s in strings}
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pkvbench.errors import PkvError
+from pkvbench.errors import PkvError, first_line
 
 # RoPE + grouped-query-attention decoders whose attention modules follow transformers' shared layout
 # (q/k/v projections, ``layer_idx``, ``scaling``, the attention-function registry).
@@ -161,11 +161,6 @@ def check_model_name(name: str) -> None:
         )
 
 
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def load_model(
     name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"
 ) -> LoadedModel:
@@ -186,7 +181,7 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise PkvError(f"could not load model {name}: {_first_line(exc)}") from None
+        raise PkvError(f"could not load model {name}: {first_line(exc)}") from None
     check_architecture(config, name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -194,7 +189,7 @@ def load_model(
             path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
         )
     except (OSError, ValueError, ImportError) as exc:
-        raise PkvError(f"could not load model {name}: {_first_line(exc)}") from None
+        raise PkvError(f"could not load model {name}: {first_line(exc)}") from None
     model.to(device).eval()
     install_recording_attention(model)
     return LoadedModel(

@@ -31,6 +31,7 @@ class TaskOptions:
     verify: bool = True  # check data files against known checksums
     max_length: int | None = None  # prompt tokens, for tasks that truncate long inputs
     sample_ids: tuple[str, ...] | None = None  # select samples by id
+    context_window: int | None = None  # model positions for default truncation (else read from the model config)
 
     def __post_init__(self) -> None:
         for depth in self.depths or ():
@@ -52,6 +53,8 @@ class TaskSpec:
     chat_template: bool
     config: dict[str, Any]
     stop_strings: tuple[str, ...] = ()
+    min_new_tokens: int = 0  # tokens generated before an end or stop token may be chosen
+    postprocess: tuple[str, ...] = ()  # rules applied to a prediction before scoring (metrics.PREDICTION_RULES)
 
 
 def chat_prompt_ids(tokenizer, system: str | None, user: str) -> list[int]:

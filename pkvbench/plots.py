@@ -1,0 +1,279 @@
+"""Figures: needle heatmaps, score-vs-budget curves, per-layer budget charts (matplotlib/seaborn, headless).
+
+Every function writes PNG files and returns their paths. Titles name the model, task, policy and budget; scores are
+0–1 on heatmaps (as in the paper's needle figures) and × 100 on curves (as in its tables).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: never needs a display
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+from matplotlib.cm import ScalarMappable  # noqa: E402
+from matplotlib.colors import LinearSegmentedColormap, Normalize  # noqa: E402
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
+
+from pkvbench.errors import PkvError  # noqa: E402
+from pkvbench.report import (  # noqa: E402
+    Runs,
+    budget_sort_key,
+    model_display_name,
+    policy_sort_key,
+    task_order,
+)
+
+# Red → yellow → green, the colours of Kamradt's needle plots that the paper reuses.
+NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
+DPI = 100
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=+-]+", "-", str(text)).strip("-")
+
+
+def budget_title(label: str) -> str:
+    value = float(label)
+    if value < 1:
+        return f"budget {value * 100:g}% of the prompt"
+    return f"budget {int(value)}"
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+# --- needle heatmaps -------------------------------------------------------------------------------------------------
+
+def needle_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows of tasks laid out on a length × depth grid (the needle task)."""
+    if not {"length", "depth"} <= set(rows.columns):
+        return rows.iloc[0:0]
+    grid = rows[rows["length"].notna() & rows["depth"].notna()]
+    # A task is a grid task only if all of its rows carry a depth (LongBench rows carry a length, never a depth).
+    tasks = [t for t, g in rows.groupby("task") if g["depth"].notna().all()]
+    return grid[grid["task"].isin(tasks)].copy()
+
+
+def _grid(cell: pd.DataFrame) -> pd.DataFrame:
+    grid = cell.groupby(["depth", "length"])["score"].mean().unstack("length")
+    grid = grid.sort_index().reindex(columns=sorted(grid.columns))
+    grid.index = [f"{d:g}" for d in grid.index]
+    grid.columns = [f"{int(c)}" for c in grid.columns]
+    return grid
+
+
+def _heatmap(ax, grid: pd.DataFrame, cbar: bool, cbar_ax=None) -> None:
+    sns.heatmap(
+        grid, ax=ax, cmap=NEEDLE_CMAP, vmin=0, vmax=1, annot=True, fmt=".2f", annot_kws={"size": 9},
+        linewidths=0.5, linecolor="white", cbar=cbar, cbar_ax=cbar_ax,
+        cbar_kws={"label": "score (ROUGE-1 F, 0–1)"} if cbar else None,
+    )
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth (%)")
+    ax.tick_params(axis="y", rotation=0)
+
+
+def plot_needle_heatmaps(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """One PNG per task × model × policy × budget, and per task × model one grid (rows budgets, columns policies)."""
+    out_dir = Path(out_dir)
+    rows = needle_rows(rows)
+    paths: list[Path] = []
+    for (task, model), per_model in rows.groupby(["task", "model"], sort=False):
+        name = model_display_name(model)
+        policies = sorted(per_model["policy"].unique(), key=policy_sort_key)
+        budgets = sorted(per_model["budget"].unique(), key=budget_sort_key)
+        for policy in policies:
+            for budget in budgets:
+                cell = per_model[(per_model["policy"] == policy) & (per_model["budget"] == budget)]
+                if cell.empty:
+                    continue
+                grid = _grid(cell)
+                fig, ax = plt.subplots(figsize=(1.0 * grid.shape[1] + 3.2, 0.45 * grid.shape[0] + 2.2))
+                _heatmap(ax, grid, cbar=True)
+                ax.set_title(f"{task} · {name}\n{policy} · {budget_title(budget)} · mean {cell['score'].mean():.2f}",
+                             fontsize=10)
+                paths.append(_save(fig, out_dir / f"{slug(task)}_heatmap_{slug(name)}_{slug(policy)}_{slug(budget)}.png"))
+        # The combined figure: each row a budget, the policies side by side.
+        n_rows, n_cols = len(budgets), len(policies)
+        sample = _grid(per_model)
+        width = n_cols * (0.75 * sample.shape[1] + 1.6) + 1.2
+        height = n_rows * (0.35 * sample.shape[0] + 1.3) + 0.8
+        fig, axes = plt.subplots(n_rows, n_cols, figsize=(width, height), squeeze=False, sharex=True, sharey=True)
+        for i, budget in enumerate(budgets):
+            for j, policy in enumerate(policies):
+                ax = axes[i][j]
+                cell = per_model[(per_model["policy"] == policy) & (per_model["budget"] == budget)]
+                if cell.empty:
+                    ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="grey")
+                    ax.set_xticks([])
+                    ax.set_yticks([])
+                    ax.set_title(f"{policy} · {budget_title(budget)}", fontsize=9)
+                    continue
+                _heatmap(ax, _grid(cell), cbar=False)
+                ax.set_title(f"{policy} · {budget_title(budget)}\nmean {cell['score'].mean():.2f}", fontsize=9)
+                if i < n_rows - 1:
+                    ax.set_xlabel("")
+                if j > 0:
+                    ax.set_ylabel("")
+        fig.suptitle(f"{task} · {name}: policies side by side at each budget (score 0–1)", fontsize=12)
+        fig.tight_layout(rect=(0, 0, 0.93, 0.97))
+        cbar_ax = fig.add_axes((0.94, 0.15, 0.012, 0.7))
+        fig.colorbar(ScalarMappable(Normalize(0, 1), NEEDLE_CMAP), cax=cbar_ax, label="score (ROUGE-1 F, 0–1)")
+        paths.append(_save(fig, out_dir / f"{slug(task)}_heatmaps_{slug(name)}_all.png"))
+    return paths
+
+
+# --- score-vs-budget curves ------------------------------------------------------------------------------------------
+
+def curve_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """model, policy, budget, task, score (× 100): one point per cell, plus task ``avg`` (mean over the model's
+    tasks, only where every task has the cell)."""
+    cells = rows.groupby(["model", "policy", "budget", "task"], sort=False)["score"].mean().mul(100).reset_index()
+    parts = [cells]
+    for model, per_model in cells.groupby("model", sort=False):
+        tasks = per_model["task"].nunique()
+        if tasks < 2:
+            continue
+        avg = per_model.groupby(["model", "policy", "budget"], sort=False)["score"].agg(["mean", "count"]).reset_index()
+        avg = avg[avg["count"] == tasks].drop(columns="count").rename(columns={"mean": "score"})
+        avg["task"] = "avg"
+        parts.append(avg)
+    return pd.concat(parts, ignore_index=True)
+
+
+def _full_reference(rows: pd.DataFrame, model: str, task: str) -> float | None:
+    """The full cache keeps everything at every budget: its score is the mean over its samples (each once)."""
+    full = rows[(rows["model"] == model) & (rows["policy"] == "full")]
+    if task != "avg":
+        full = full[full["task"] == task]
+        if full.empty:
+            return None
+        return full.drop_duplicates("sample_id")["score"].mean() * 100
+    tasks = rows[rows["model"] == model]["task"].unique()
+    means = [full[full["task"] == t].drop_duplicates("sample_id")["score"].mean() for t in tasks]
+    if not means or any(pd.isna(m) for m in means):
+        return None
+    return sum(means) / len(means) * 100
+
+
+def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """Per model one figure: a row of panels per task (and one for the average over tasks), a column per budget
+    kind (token budgets, fractions of the prompt), each on its own log axis; a line per policy; the full cache as
+    a horizontal reference line."""
+    out_dir = Path(out_dir)
+    points = curve_table(rows)
+    paths = []
+    palette = sns.color_palette("colorblind", 10)
+    for model, per_model in points.groupby("model", sort=False):
+        name = model_display_name(model)
+        tasks = task_order(t for t in per_model["task"].unique() if t != "avg")
+        if (per_model["task"] == "avg").any():
+            tasks.append("avg")
+        budgets = per_model["budget"].unique()
+        kinds = [k for k, pred in (("tokens", lambda b: float(b) >= 1), ("fraction", lambda b: float(b) < 1))
+                 if any(pred(b) for b in budgets)]
+        policies = sorted((p for p in per_model["policy"].unique() if p != "full"), key=policy_sort_key)
+        colours = {p: palette[i % len(palette)] for i, p in enumerate(policies)}
+        panels = [(task, kind) for task in tasks for kind in kinds]  # a task's kinds side by side
+        n_cols = min(len(panels), 4)
+        n_rows = math.ceil(len(panels) / n_cols)
+        fig, axes = plt.subplots(n_rows, n_cols, figsize=(4.4 * n_cols + 1.8, 3.3 * n_rows), squeeze=False)
+        for ax in axes.flat[len(panels):]:
+            ax.set_visible(False)
+        handles = {}
+        for (task, kind), ax in zip(panels, axes.flat):
+            full_score = _full_reference(rows, model, task)
+            sub = per_model[per_model["task"] == task]
+            sub = sub[[(float(b) >= 1) == (kind == "tokens") for b in sub["budget"]]]
+            ticks = sorted({float(b) for b in sub["budget"]})
+            for policy in policies:
+                line = sub[sub["policy"] == policy].copy()
+                if line.empty:
+                    continue
+                line["x"] = line["budget"].astype(float)
+                line = line.sort_values("x")
+                (handle,) = ax.plot(line["x"], line["score"], marker="o", color=colours[policy], label=policy,
+                                    linewidth=1.8)
+                handles.setdefault(policy, handle)
+            if full_score is not None:
+                handle = ax.axhline(full_score, color="black", linestyle="--", linewidth=1.2,
+                                    label="full cache")
+                handles.setdefault("full cache", handle)
+            if ticks:
+                ax.set_xscale("log")
+                low, high = min(ticks), max(ticks)
+                pad = 1.25 if high > low else 1.6
+                ax.set_xlim(low / pad, high * pad)
+                ax.xaxis.set_major_locator(FixedLocator(ticks))
+                ax.xaxis.set_minor_locator(NullLocator())
+                ax.xaxis.set_major_formatter(FuncFormatter(
+                    (lambda x, _: f"{x:g}") if kind == "tokens" else (lambda x, _: f"{x * 100:g}%")))
+            ax.set_ylim(0, 105)
+            ax.grid(True, alpha=0.3)
+            ax.set_xlabel("KV budget (entries per head per layer, log)" if kind == "tokens"
+                          else "KV budget (fraction of the prompt, log)", fontsize=9)
+            ax.set_ylabel("score (× 100)")
+            title = "average over tasks" if task == "avg" else task
+            ax.set_title(f"{title} · {name}", fontsize=10)
+        fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), title="policy")
+        fig.suptitle(f"{name}: score vs KV budget, one line per policy (full cache dashed)", fontsize=12)
+        fig.tight_layout(rect=(0, 0, 1, 0.98))
+        paths.append(_save(fig, out_dir / f"curves_{slug(name)}.png"))
+    return paths
+
+
+def plot_runs(runs: Runs, out_dir: str | Path) -> list[Path]:
+    rows = runs.rows[runs.rows["score"].notna()]
+    if rows.empty:
+        raise PkvError("no scored rows to plot")
+    return plot_needle_heatmaps(rows, out_dir) + plot_budget_curves(rows, out_dir)
+
+
+# --- per-layer budgets -----------------------------------------------------------------------------------------------
+
+def plot_layer_budgets(entries: list[dict], path: str | Path) -> Path:
+    """Entries kept per layer for each policy, one panel per budget; pyramid shapes as bars, uniform ones as a
+    dashed line (a uniform reference is drawn even when no uniform policy was asked for)."""
+    path = Path(path)
+    if path.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise PkvError(f"--plot {path}: use a .png, .pdf or .svg file name")
+    budgets = list(dict.fromkeys(e["budget"] for e in entries))
+    fig, axes = plt.subplots(len(budgets), 1, figsize=(9, 3.4 * len(budgets)), squeeze=False)
+    palette = sns.color_palette("colorblind", 10)
+    for ax, budget in zip(axes[:, 0], budgets):
+        panel = [e for e in entries if e["budget"] == budget]
+        shaped = [e for e in panel if len(set(e["per_layer"])) > 1]
+        flat = [e for e in panel if len(set(e["per_layer"])) <= 1]
+        width = 0.8 / max(len(shaped), 1)
+        for i, e in enumerate(shaped):
+            xs = [layer + (i - (len(shaped) - 1) / 2) * width for layer in range(e["layers"])]
+            ax.bar(xs, e["per_layer"], width=width, color=palette[i % len(palette)],
+                   label=f"{e['policy']} (mean {e['mean']:g})")
+        names = ", ".join(e["policy"] for e in flat)
+        k = flat[0]["per_layer"][0] if flat else panel[0]["effective"]
+        ax.axhline(k, color="black", linestyle="--", linewidth=1.2,
+                   label=f"uniform{' (' + names + ')' if names else ''}: {k}")
+        layers = panel[0]["layers"]
+        ax.set_xlim(-0.7, layers - 0.3)
+        step = max(1, math.ceil(layers / 16))
+        ax.set_xticks(range(0, layers, step))
+        ax.set_xlabel("layer (0 = bottom)")
+        ax.set_ylabel("entries kept per KV head")
+        policies = ", ".join(e["policy"] for e in panel)
+        ax.set_title(f"entries kept per layer: {policies} · {budget_title(str(budget))} · prompt T={panel[0]['context']}"
+                     f", {layers} layers", fontsize=10)
+        ax.legend(fontsize=8, loc="upper right")
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, path)

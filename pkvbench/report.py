@@ -1,0 +1,453 @@
+"""Results people read: merge run folders into one tidy table, and compare a run with the paper's Table 1.
+
+A *cell* is one model × policy × budget × task; its score is the mean of the sample scores × 100 (two decimals,
+LongBench's convention; the needle task's cell is the mean over its whole length × depth grid). ``avg`` is the plain
+mean over the table's tasks, as the paper reports it, and is missing when any of those tasks is: an average over
+fewer tasks would not be comparable with the others. Missing cells stay missing (NaN; ``—`` in Markdown, empty in
+CSV, ``--`` in LaTeX), never 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from pkvbench.budgets import budget_label
+from pkvbench.errors import PkvError
+from pkvbench.results import ROWS, RUN, read_rows
+
+# LongBench v1's 21 tasks in the order of its own tables (the paper's 16 English tasks keep their Table 1 order).
+LONGBENCH_ORDER = (
+    "narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh", "hotpotqa", "2wikimqa", "musique", "dureader",
+    "gov_report", "qmsum", "multi_news", "vcsum", "trec", "triviaqa", "samsum", "lsht", "passage_count",
+    "passage_retrieval_en", "passage_retrieval_zh", "lcc", "repobench-p",
+)
+POLICY_ORDER = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")
+# LongBench-E buckets of the sample's ``length`` field, as LongBench's own eval.py cuts them.
+LENGTH_BUCKETS = (("0-4k", 0, 4000), ("4-8k", 4000, 8000), ("8k+", 8000, math.inf))
+FORMATS = ("markdown", "csv", "latex")
+KEY = ["model", "policy", "budget"]
+
+REFERENCE_DIR = Path(__file__).resolve().parents[1] / "results" / "reference"
+REFERENCES = {"pyramidkv-table1": "pyramidkv_table1.csv"}
+# What the paper's policies are in pkvbench's terms (arXiv 2406.02069, Table 1; the PyramidKV code's defaults).
+PAPER_POLICY_OPTIONS = {
+    "full": {},
+    "streamingllm": {},
+    "h2o": {"window": 8, "scores": "window"},
+    "snapkv": {"window": 8, "kernel": 7, "pooling": "max"},
+    "pyramidkv": {"window": 8, "kernel": 7, "pooling": "max", "beta": 20.0},
+}
+# Run model names (aliases, Hugging Face ids) that are the paper's models.
+PAPER_MODELS = {
+    "meta-llama/Meta-Llama-3-8B-Instruct": "Llama-3-8B-Instruct",
+    "mistralai/Mistral-7B-Instruct-v0.2": "Mistral-7B-Instruct",
+}
+
+
+# --- loading ---------------------------------------------------------------------------------------------------------
+
+def run_folders(paths: list[str | os.PathLike]) -> list[Path]:
+    """Each path is a run folder (with samples.jsonl) or a folder above run folders (searched recursively)."""
+    if not paths:
+        raise PkvError("give one or more run folders (each with a samples.jsonl)")
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_dir():
+            raise PkvError(f"{path}: no such folder")
+        if (path / ROWS).is_file():
+            found.append(path)
+            continue
+        below = sorted(p.parent for p in path.rglob(ROWS))
+        if not below:
+            raise PkvError(f"{path}: not a run folder (no {ROWS} in it or below it)")
+        found.extend(below)
+    return list(dict.fromkeys(found))
+
+
+def model_display_name(model: str) -> str:
+    """A readable model name for titles: the alias's real name, or the last part of a Hugging Face id."""
+    from pkvbench.engine.models import ALIASES  # light: no torch at import time
+
+    if model in ALIASES:
+        return ALIASES[model].filename.split(".")[0]
+    return model.rstrip("/").split("/")[-1]
+
+
+@dataclass
+class Runs:
+    """Every result row of some run folders, merged, plus what was noticed on the way."""
+
+    rows: pd.DataFrame
+    folders: list[Path]
+    notes: list[str] = field(default_factory=list)
+
+
+def load_runs(paths: list[str | os.PathLike]) -> Runs:
+    """Read and merge run folders. The same sample × policy × budget of the same model found twice is kept once
+    (the first folder given wins) and counted in a note, so merging overlapping runs never double-counts."""
+    folders = run_folders(paths)
+    frames, notes = [], []
+    for folder in folders:
+        rows = read_rows(folder)
+        if not rows:
+            notes.append(f"{folder}: no result rows yet")
+            continue
+        frame = pd.DataFrame(rows)
+        missing = [c for c in ("task", "sample_id", "policy", "budget", "score") if c not in frame.columns]
+        if missing:
+            raise PkvError(f"{folder / ROWS}: rows lack {', '.join(missing)}; not a pkvbench result file")
+        if "model" not in frame.columns:
+            frame["model"] = _run_model(folder)
+        frame["model"] = frame["model"].fillna(_run_model(folder))
+        frame["folder"] = str(folder)
+        frames.append(frame)
+    if not frames:
+        raise PkvError(f"no result rows in {', '.join(map(str, folders))}")
+    merged = pd.concat(frames, ignore_index=True)
+    merged["budget"] = [budget_label(b) for b in merged["budget"]]
+    merged["sample_id"] = merged["sample_id"].astype(str)
+    merged["score"] = pd.to_numeric(merged["score"], errors="coerce")
+    keys = ["model", "task", "sample_id", "policy", "budget"]
+    duplicated = merged.duplicated(keys, keep="first")
+    if duplicated.any():
+        notes.append(f"{int(duplicated.sum())} rows found in more than one folder were counted once (first folder wins)")
+        merged = merged[~duplicated].reset_index(drop=True)
+    return Runs(merged, folders, notes)
+
+
+def _run_model(folder: Path) -> str:
+    try:
+        return json.loads((folder / RUN).read_text())["options"]["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown"
+
+
+# --- ordering --------------------------------------------------------------------------------------------------------
+
+def budget_sort_key(label: str) -> tuple[int, float]:
+    """Token budgets first (ascending), then fractions (ascending)."""
+    value = float(label)
+    return (0, value) if value >= 1 else (1, value)
+
+
+def policy_sort_key(label: str) -> tuple[int, str]:
+    name = label.split(":")[0]
+    return (POLICY_ORDER.index(name) if name in POLICY_ORDER else len(POLICY_ORDER), label)
+
+
+def task_order(tasks) -> list[str]:
+    def key(task: str) -> tuple[int, int, str]:
+        base = task[:-2] if task.endswith("_e") else task
+        if base in LONGBENCH_ORDER:
+            return (0, LONGBENCH_ORDER.index(base), task)
+        return (1, 0, task)
+
+    return sorted(dict.fromkeys(tasks), key=key)
+
+
+def sort_rows(frame: pd.DataFrame, columns=KEY) -> pd.DataFrame:
+    keys = {"policy": policy_sort_key, "budget": budget_sort_key}
+    order = sorted(
+        range(len(frame)),
+        key=lambda i: tuple(keys.get(c, lambda v: v)(frame.iloc[i][c]) for c in columns),
+    )
+    return frame.iloc[order].reset_index(drop=True)
+
+
+# --- the table -------------------------------------------------------------------------------------------------------
+
+def length_bucket(length) -> str | None:
+    try:
+        value = float(length)
+    except (TypeError, ValueError):
+        return None
+    if math.isnan(value):
+        return None
+    for name, low, high in LENGTH_BUCKETS:
+        if low <= value < high:
+            return name
+    return None
+
+
+def report_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows model × policy × budget; columns: each task, LongBench-E buckets (``task 0-4k`` ...) for ``*_e`` tasks
+    whose rows carry ``length``, ``avg`` (mean over the model's tasks, missing if any of them is), ``tasks`` (how
+    many task cells are filled) and ``n`` (samples behind the row)."""
+    tasks = task_order(rows["task"].unique())
+    cells = rows.groupby([*KEY, "task"], sort=False)["score"].mean().mul(100).unstack("task")
+    cells = cells.reindex(columns=tasks)
+    pieces = [cells]
+    bucket_columns = []
+    if "length" in rows.columns:
+        for task in tasks:
+            if not task.endswith("_e"):
+                continue
+            sub = rows[rows["task"] == task].copy()
+            sub["bucket"] = [length_bucket(v) for v in sub["length"]]
+            sub = sub[sub["bucket"].notna()]
+            if sub.empty:
+                continue
+            by_bucket = sub.groupby([*KEY, "bucket"], sort=False)["score"].mean().mul(100).unstack("bucket")
+            names = [name for name, _, _ in LENGTH_BUCKETS if name in by_bucket.columns]
+            by_bucket = by_bucket[names].rename(columns=lambda b, t=task: f"{t} {b}")
+            bucket_columns += list(by_bucket.columns)
+            pieces.append(by_bucket)
+    table = pd.concat(pieces, axis=1)
+    # Put each task's buckets right after the task.
+    ordered = []
+    for task in tasks:
+        ordered.append(task)
+        ordered += [c for c in bucket_columns if c.startswith(f"{task} ")]
+    table = table[ordered]
+    # The average runs over the tasks of the row's model (those any of its rows has): merging a needle run of one
+    # model with a LongBench run of another must not blank both averages; a task missing in one row of a model does.
+    model_tasks = {
+        model: [t for t in tasks if per_model[t].notna().any()]
+        for model, per_model in table.groupby(level="model", sort=False)
+    }
+    table["avg"] = [
+        table.loc[index, model_tasks[index[0]]].mean(skipna=False) for index in table.index
+    ]
+    table["tasks"] = table[tasks].notna().sum(axis=1)
+    table["n"] = rows.groupby(KEY, sort=False).size()
+    table = table.reset_index()
+    table[ordered + ["avg"]] = table[ordered + ["avg"]].astype(float).round(2)
+    return sort_rows(table)
+
+
+def uneven_counts(rows: pd.DataFrame) -> list[str]:
+    """Cells with fewer samples than the fullest cell of their task (a run stopped early, a --limit): worth a note."""
+    counts = rows.groupby(["task", *KEY]).size()
+    notes = []
+    for task, per_task in counts.groupby(level="task"):
+        most = per_task.max()
+        for (_, model, policy, budget), n in per_task.items():
+            if n < most:
+                notes.append(f"{task}: {model} {policy} @ {budget} has {n} samples, others up to {most}")
+    return notes
+
+
+# --- formats ---------------------------------------------------------------------------------------------------------
+
+def _cell(value, missing: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return missing
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def to_markdown(table: pd.DataFrame, missing: str = "—") -> str:
+    header = [str(c) for c in table.columns]
+    body = [[_cell(v, missing) for v in row] for row in table.itertuples(index=False)]
+    numeric = [pd.api.types.is_numeric_dtype(table[c]) for c in table.columns]
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---:" if num else "---" for num in numeric) + "|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(table: pd.DataFrame) -> str:
+    return table.to_csv(index=False, float_format="%.2f", na_rep="")
+
+
+def _latex_escape(text: str) -> str:
+    for char, escaped in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("$", r"\$"), ("#", r"\#"),
+                          ("_", r"\_"), ("{", r"\{"), ("}", r"\}"), ("~", r"\textasciitilde{}"), ("^", r"\^{}")):
+        text = text.replace(char, escaped)
+    return text
+
+
+def to_latex(table: pd.DataFrame, missing: str = "--") -> str:
+    numeric = [pd.api.types.is_numeric_dtype(table[c]) for c in table.columns]
+    lines = [
+        r"\begin{tabular}{" + "".join("r" if num else "l" for num in numeric) + "}",
+        r"\toprule",
+        " & ".join(_latex_escape(str(c)) for c in table.columns) + r" \\",
+        r"\midrule",
+    ]
+    for row in table.itertuples(index=False):
+        lines.append(" & ".join(_latex_escape(_cell(v, missing)) for v in row) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+def render(table: pd.DataFrame, fmt: str) -> str:
+    if fmt == "markdown":
+        return to_markdown(table)
+    if fmt == "csv":
+        return to_csv(table)
+    if fmt == "latex":
+        return to_latex(table)
+    raise PkvError(f"unknown format {fmt!r}; valid formats: {', '.join(FORMATS)}")
+
+
+# --- the paper's Table 1 ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Reference:
+    """A reference table: per-task scores, the printed averages, and the models it covers."""
+
+    name: str
+    scores: pd.DataFrame  # model, policy, budget, task, score (tasks only)
+    printed_average: pd.DataFrame  # model, policy, budget, average
+
+    @property
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(self.scores["model"]))
+
+    def row_means(self) -> pd.DataFrame:
+        """model, policy, budget, row_mean (the mean of the row's task scores, unrounded), average (printed)."""
+        means = self.scores.groupby(KEY, sort=False)["score"].mean().rename("row_mean").reset_index()
+        return means.merge(self.printed_average, on=KEY, how="left")
+
+    def average_mismatches(self, tolerance: float = 0.01) -> pd.DataFrame:
+        """Rows whose printed average is not the mean of their task scores up to rounding or truncation to two
+        decimals (the paper's four Mistral rows; two Llama-3 H2O averages are truncated, e.g. 35.379 → 35.37)."""
+        means = self.row_means()
+        return means[(means["average"] - means["row_mean"]).abs() > tolerance].reset_index(drop=True)
+
+
+def load_reference(name_or_path: str) -> Reference:
+    if name_or_path in REFERENCES:
+        path = REFERENCE_DIR / REFERENCES[name_or_path]
+    elif Path(name_or_path).is_file():
+        path = Path(name_or_path)
+    else:
+        raise PkvError(f"unknown reference {name_or_path!r}; valid references: {', '.join(REFERENCES)} (or a CSV file)")
+    try:
+        frame = pd.read_csv(path, dtype={"budget": str}, comment="#")
+    except (OSError, ValueError) as exc:
+        raise PkvError(f"{path}: cannot read the reference table ({exc})") from None
+    expected = {"model", "policy", "budget", "task", "score"}
+    if not expected <= set(frame.columns):
+        raise PkvError(f"{path}: a reference table needs the columns {', '.join(sorted(expected))}")
+    frame["score"] = frame["score"].astype(float)
+    is_avg = frame["task"] == "average"
+    printed = frame[is_avg].rename(columns={"score": "average"}).drop(columns="task")[[*KEY, "average"]]
+    return Reference(name_or_path, frame[~is_avg][[*KEY, "task", "score"]].reset_index(drop=True),
+                     printed.reset_index(drop=True))
+
+
+@dataclass
+class Comparison:
+    table: pd.DataFrame  # model, policy, budget, task, measured, paper, delta, n
+    statements: list[str]
+
+
+def _options_differ(policy_label: str, options: dict | None) -> list[str]:
+    name = policy_label.split(":")[0]
+    wanted = PAPER_POLICY_OPTIONS.get(name, {})
+    options = options if isinstance(options, dict) else {}
+    return [f"run has {k}={_text(options.get(k))}, the paper {k}={_text(v)}"
+            for k, v in wanted.items() if k in options and options.get(k) != v]
+
+
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def compare(runs: Runs, reference: Reference, paper_model: str | None = None) -> Comparison:
+    """Measured vs paper for the cells both have: the run's policies matched by name (options that differ from the
+    paper's are stated), token budgets matched exactly, ``full`` at any budget matched with the paper's full cache.
+    Per model × policy × budget an ``average`` row compares the means over the tasks in common (so a partial run is
+    compared with the paper's mean over the same tasks, not with its 16-task average)."""
+    rows = runs.rows
+    statements: list[str] = []
+    ref_tasks = set(reference.scores["task"])
+    common_tasks = task_order(t for t in rows["task"].unique() if t in ref_tasks)
+    if not common_tasks:
+        others = [model_display_name(m) for m in rows["model"].unique()
+                  if m not in PAPER_MODELS and m not in reference.models]
+        raise PkvError(
+            f"nothing to compare: the run's tasks ({', '.join(task_order(rows['task'].unique()))}) are not in "
+            f"{reference.name} ({', '.join(task_order(ref_tasks))})"
+            + (f"; and the run's model ({', '.join(others)}) is not the paper's" if others else "")
+        )
+    if paper_model is not None and paper_model not in reference.models:
+        raise PkvError(f"unknown paper model {paper_model!r}; {reference.name} has {', '.join(reference.models)}")
+    rows = rows[rows["task"].isin(common_tasks)].copy()
+    rows["paper_policy"] = [p.split(":")[0] for p in rows["policy"]]
+    rows = rows[rows["paper_policy"].isin(set(reference.scores["policy"]))]
+    ref_budgets = set(reference.scores["budget"])
+    rows["paper_budget"] = ["full" if p == "full" else b for p, b in zip(rows["paper_policy"], rows["budget"])]
+    rows = rows[rows["paper_budget"].isin(ref_budgets)]
+    if rows.empty:
+        raise PkvError(
+            f"nothing to compare: none of the run's policy × budget cells is in {reference.name} "
+            f"(its budgets: {', '.join(sorted(ref_budgets - {'full'}, key=float))} entries, and full)"
+        )
+    # The full cache is the same at every budget: one full row per model, the budget column says "full".
+    full = rows["paper_policy"] == "full"
+    rows.loc[full, "budget"] = "full"
+    rows = rows.drop_duplicates(["model", "task", "sample_id", "policy", "budget"])
+
+    out = []
+    for model, per_model in rows.groupby("model", sort=False):
+        shown = model_display_name(model)
+        target = PAPER_MODELS.get(model) or (model if model in reference.models else None)
+        if target is None:
+            target = paper_model or reference.models[0]
+            statements.append(
+                f"The run's model ({shown}) is not the paper's: its numbers are compared with {target}'s, so the "
+                "deltas show how the two models differ, not whether the paper is reproduced."
+            )
+        elif paper_model is not None and paper_model != target:
+            statements.append(f"The run's model is {target}; compared with {paper_model} as asked (--paper-model).")
+            target = paper_model
+        ref = reference.scores[reference.scores["model"] == target]
+        measured = (per_model.groupby(["policy", "paper_policy", "budget", "task"], sort=False)["score"]
+                    .agg(measured="mean", n="count").reset_index())
+        measured["measured"] *= 100
+        merged = measured.merge(
+            ref.rename(columns={"policy": "paper_policy", "score": "paper"})[["paper_policy", "budget", "task", "paper"]],
+            on=["paper_policy", "budget", "task"], how="inner",
+        )
+        for (policy, budget), cell in merged.groupby(["policy", "budget"], sort=False):
+            cell = cell.set_index("task").reindex(task_order(cell["task"]))
+            for task, r in cell.iterrows():
+                out.append({"model": shown, "paper_model": target, "policy": policy, "budget": budget, "task": task,
+                            "measured": r["measured"], "paper": r["paper"], "n": int(r["n"])})
+            tasks_done = len(cell)
+            avg_label = "average" if tasks_done == len(ref_tasks) else f"average ({tasks_done} of {len(ref_tasks)} tasks)"
+            out.append({"model": shown, "paper_model": target, "policy": policy, "budget": budget, "task": avg_label,
+                        "measured": cell["measured"].mean(), "paper": cell["paper"].mean(), "n": int(cell["n"].sum())})
+        options = per_model.drop_duplicates("policy").set_index("policy")
+        for policy in options.index:
+            differ = _options_differ(policy, options.loc[policy].get("policy_options") if "policy_options" in options else None)
+            if differ:
+                statements.append(f"{policy}: {'; '.join(differ)}: not the paper's setting.")
+    table = pd.DataFrame(out)
+    table["delta"] = table["measured"] - table["paper"]
+    for column in ("measured", "paper", "delta"):
+        table[column] = table[column].astype(float).round(2)
+    table = _sort_comparison(table)
+    mismatches = reference.average_mismatches()
+    for r in mismatches.itertuples(index=False):
+        if r.model in set(table["paper_model"]):
+            statements.append(
+                f"{reference.name}: {r.model} {r.policy} @ {r.budget} prints average {r.average:.2f} but its 16 task "
+                f"scores average {r.row_mean:.2f}; the paper column uses the row mean."
+            )
+    return Comparison(table[["model", "paper_model", "policy", "budget", "task", "measured", "paper", "delta", "n"]],
+                      statements)
+
+
+def _sort_comparison(table: pd.DataFrame) -> pd.DataFrame:
+    def key(i: int):
+        r = table.iloc[i]
+        budget = (-1, 0.0) if r["budget"] == "full" else budget_sort_key(r["budget"])
+        is_avg = str(r["task"]).startswith("average")
+        return (r["model"], budget, policy_sort_key(r["policy"]), is_avg)
+
+    order = sorted(range(len(table)), key=key)  # stable: tasks keep their order inside a cell
+    return table.iloc[order].reset_index(drop=True)
