@@ -27,6 +27,10 @@ def row_key(row: dict[str, Any]) -> tuple[str, str, str, str]:
     return (row["task"], str(row["sample_id"]), row["policy"], budget_label(row["budget"]))
 
 
+def differing_keys(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
+    return sorted(k for k in set(first) | set(second) if first.get(k) != second.get(k))
+
+
 class ResultStore:
     def __init__(self, out_dir: str | os.PathLike):
         self.dir = Path(out_dir)
@@ -39,7 +43,7 @@ class ResultStore:
             shutil.rmtree(self.dir)
         if run_path.exists():
             previous = json.loads(run_path.read_text())["options"]
-            changed = sorted(k for k in set(previous) | set(run_info["options"]) if previous.get(k) != run_info["options"].get(k))
+            changed = differing_keys(previous, run_info["options"])
             if changed:
                 raise PkvError(
                     f"{self.dir} holds a run with other options ({', '.join(changed)} differ); "
@@ -127,7 +131,7 @@ def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tupl
     for folder, info in zip(folders, infos):
         other = {k: v for k, v in info["options"].items() if k != "shard"}
         if other != base:
-            changed = sorted(k for k in set(base) | set(other) if base.get(k) != other.get(k))
+            changed = differing_keys(base, other)
             raise PkvError(f"{folder} was run with other options than {folders[0]} ({', '.join(changed)} differ)")
     if Path(out).resolve() in {Path(f).resolve() for f in folders}:
         raise PkvError("--out must be a new folder, not one of the inputs")

@@ -161,7 +161,7 @@ class Engine:
         started = time.perf_counter()
         live = decoding_cache(cache.keys, cache.values, room=max_new_tokens)
         barred = sorted(self.stop_ids | self._last_token_ids(stop_strings)) if min_new_tokens else []
-        tokens = [self._greedy(prefill.last_logits, barred if min_new_tokens > 0 else [])]
+        tokens = [self._greedy(prefill.last_logits, barred)]
         position = prefill.context_len
         while len(tokens) < max_new_tokens and tokens[-1] not in self.stop_ids:
             if stop_strings and any(s in self.tokenizer.decode(tokens) for s in stop_strings):
