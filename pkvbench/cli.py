@@ -71,6 +71,52 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def sample_options(command):
+    """The options that choose a task's samples (shared by ``run`` and ``funnel``)."""
+    for option in reversed([
+        click.option("--lengths", help="Context lengths in prompt tokens, comma-separated (needle, RULER default: 1000,2000,4000)."),
+        click.option("--depths", help="Needle depths in percent, comma-separated (default: 0,25,50,75,100)."),
+        click.option("--limit", type=int, help="At most this many samples per task (RULER, trec-fewshot: per task and length)."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated tasks and torch."),
+        click.option("--data-dir", type=click.Path(file_okay=False), help="Folder with a task's data files (e.g. LongBench <name>.jsonl)."),
+        click.option("--no-verify", is_flag=True, help="Do not check data files against their known checksums."),
+        click.option("--max-length", type=click.IntRange(min=1), help="Truncate longer prompts to this many tokens (tasks that do)."),
+        click.option("--sample-id", "sample_ids", help="Only these sample ids, comma-separated."),
+    ]):
+        command = option(command)
+    return command
+
+
+def model_options(command):
+    """The options that choose and place the model (shared by ``run`` and ``funnel``)."""
+    for option in reversed([
+        click.option("--model", default=DEFAULT_MODEL, show_default=True,
+                     help=f"Alias ({', '.join(ALIASES)}), Hugging Face model id, or local folder."),
+        click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES)),
+        click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPES),
+                     help="auto = float32 on CPU, bfloat16 on CUDA."),
+        click.option("--attn-implementation", default="sdpa", show_default=True,
+                     help="transformers attention kernel (sdpa, eager, flash_attention_2, ...)."),
+    ]):
+        command = option(command)
+    return command
+
+
+def task_options(lengths, depths, limit, seed, data_dir, no_verify, max_length, sample_ids):
+    from pkvbench.tasks.base import TaskOptions
+
+    return TaskOptions(
+        lengths=parse_numbers(lengths, "--lengths", int),
+        depths=parse_numbers(depths, "--depths", float),
+        limit=limit,
+        seed=seed,
+        data_dir=data_dir,
+        verify=not no_verify,
+        max_length=max_length,
+        sample_ids=tuple(split_list(sample_ids, "--sample-id")) if sample_ids is not None else None,
+    )
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="pkvbench")
 def cli() -> None:
@@ -101,28 +147,27 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
               help="Budgets, comma-separated: below 1 a fraction of the prompt (0.007 = 0.7%), else entries per KV head per layer.")
 @click.option("--policy-arg", "policy_args", multiple=True, metavar="NAME=VALUE",
               help="Option for every policy that has it (window, sink, kernel, pooling, beta, gqa, scores, normalize). Repeatable.")
-@click.option("--lengths", help="Context lengths in prompt tokens, comma-separated (needle, RULER default: 1000,2000,4000).")
-@click.option("--depths", help="Needle depths in percent, comma-separated (default: 0,25,50,75,100).")
-@click.option("--limit", type=int, help="At most this many samples per task (RULER, trec-fewshot: per task and length).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated tasks and torch.")
-@click.option("--data-dir", type=click.Path(file_okay=False), help="Folder with a task's data files (e.g. LongBench <name>.jsonl).")
-@click.option("--no-verify", is_flag=True, help="Do not check data files against their known checksums.")
-@click.option("--max-length", type=click.IntRange(min=1), help="Truncate longer prompts to this many tokens (tasks that do).")
-@click.option("--sample-id", "sample_ids", help="Only these sample ids, comma-separated.")
-@click.option("--model", default=DEFAULT_MODEL, show_default=True,
-              help=f"Alias ({', '.join(ALIASES)}), Hugging Face model id, or local folder.")
-@click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES))
-@click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPES),
-              help="auto = float32 on CPU, bfloat16 on CUDA.")
-@click.option("--attn-implementation", default="sdpa", show_default=True, help="transformers attention kernel (sdpa, eager, flash_attention_2, ...).")
+@sample_options
+@model_options
 @click.option("--max-new-tokens", type=int, help="Override the task's answer length.")
 @click.option("--out", type=click.Path(file_okay=False), help="Result folder (default: results/runs/<model>/<tasks>).")
 @click.option("--overwrite", is_flag=True, help="Discard what --out holds and start afresh.")
 @click.option("--shard", help="Run only shard i of n (i/n, 1-based): every n-th sample, each with its whole grid. "
               "Give each shard its own --out and combine them with `pkvbench merge`.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Where the samples run: this process, or Ray workers that each load the model once "
+                   "(pip install 'pkvbench[ray]'). Results and resume are the same.")
+@click.option("--ray-address", help="With --executor ray: 'auto' or HOST:PORT of an existing Ray cluster "
+              "(default: start one on this machine, loopback only).")
+@click.option("--workers", type=click.IntRange(min=1),
+              help="With --executor ray: how many workers (default: as many as the cluster's CPUs and GPUs fit).")
+@click.option("--gpus-per-worker", type=click.FloatRange(min=0),
+              help="With --executor ray: GPUs each worker reserves (default: 1 if the cluster has GPUs, else 0; "
+                   "0.5 puts two workers on a GPU).")
 def run(task, policy, budget, policy_args, lengths, depths, limit, seed, data_dir, no_verify, max_length, sample_ids,
-        model, device, dtype, attn_implementation, max_new_tokens, out, overwrite, shard, quiet) -> None:
+        model, device, dtype, attn_implementation, max_new_tokens, out, overwrite, shard, quiet, executor, ray_address,
+        workers, gpus_per_worker) -> None:
     """Run policies × budgets over a task's samples; write samples.jsonl, summary.csv and run.json.
 
     Each sample is prefilled once; every policy × budget derives its cache from that prefill. Rerunning the same
@@ -132,23 +177,13 @@ def run(task, policy, budget, policy_args, lengths, depths, limit, seed, data_di
     Example:
       pkvbench run --task needle --policy full,snapkv,pyramidkv --budget 128,0.12 --lengths 1000,2000 --depths 0,50,100
     """
-    from pkvbench.tasks.base import TaskOptions
     from pkvbench.tasks.registry import expand_tasks
 
     tasks = expand_tasks(list(dict.fromkeys(split_list(task, "--task"))))
     policies = parse_policies(policy, policy_args)
     budgets = parse_budgets(budget)
     shard = Shard.parse(shard) if shard is not None else None
-    options = TaskOptions(
-        lengths=parse_numbers(lengths, "--lengths", int),
-        depths=parse_numbers(depths, "--depths", float),
-        limit=limit,
-        seed=seed,
-        data_dir=data_dir,
-        verify=not no_verify,
-        max_length=max_length,
-        sample_ids=tuple(split_list(sample_ids, "--sample-id")) if sample_ids is not None else None,
-    )
+    options = task_options(lengths, depths, limit, seed, data_dir, no_verify, max_length, sample_ids)
     if max_new_tokens is not None and max_new_tokens < 1:
         raise PkvError("--max-new-tokens must be at least 1")
     out = Path(out or Path("results/runs") / model.replace("/", "--") / "+".join(t.name for t in tasks))
@@ -163,37 +198,60 @@ def run(task, policy, budget, policy_args, lengths, depths, limit, seed, data_di
 
     import torch
 
-    from pkvbench.engine.generation import Engine
-    from pkvbench.engine.models import load_model
     from pkvbench.results import ResultStore
 
     check_model_name(model)
+    if executor == "ray":
+        from pkvbench.ray_executor import check_ray
+
+        check_ray()
+    elif (ray_address, workers, gpus_per_worker) != (None, None, None):
+        raise PkvError("--ray-address, --workers and --gpus-per-worker go with --executor ray")
     store = ResultStore(out)
-    # Check the folder before the (slow) model load, and record the run once the model is known.
+    # Check the folder before the (slow) model load, and record the run once the model is known. The executor and
+    # its settings are not run options: a run may be resumed by another executor.
     store.open({"options": run_options}, overwrite=overwrite)
     make_deterministic(seed)
-    loaded = load_model(model, device=device, dtype=dtype, attn_implementation=attn_implementation)
-    store.open(
-        {
-            "options": run_options,
-            "model": {"name": loaded.name, "source": loaded.source, "device": loaded.device, "dtype": loaded.dtype,
-                      "layers": loaded.num_layers, "kv_heads": loaded.num_kv_heads, "head_dim": loaded.head_dim},
-            "policies": {p.label: p.options for p in policies},
-            "versions": {"pkvbench": __version__, "torch": torch.__version__, "transformers": _version("transformers"),
-                         "python": platform.python_version()},
-            "commit": git_commit(),
-            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        }
-    )
+
+    def record(model_info: dict) -> None:
+        store.open(
+            {
+                "options": run_options,
+                "model": model_info,
+                "policies": {p.label: p.options for p in policies},
+                "executor": executor,
+                "versions": {"pkvbench": __version__, "torch": torch.__version__,
+                             "transformers": _version("transformers"), "python": platform.python_version()},
+                "commit": git_commit(),
+                "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
+        )
+
     try:
-        stats = run_grid(Engine(loaded), tasks, policies, budgets, options, store, shard=shard,
-                         max_new_tokens=max_new_tokens, quiet=quiet)
+        if executor == "ray":
+            from pkvbench.ray_executor import ModelSpec, RaySettings, run_grid_on_ray
+
+            stats = run_grid_on_ray(
+                RaySettings(ray_address, workers, gpus_per_worker),
+                ModelSpec(model, device, dtype, attn_implementation, seed),
+                tasks, policies, budgets, options, store, shard=shard, max_new_tokens=max_new_tokens, quiet=quiet,
+                on_model=record,
+            )
+        else:
+            from pkvbench.engine.generation import Engine
+            from pkvbench.engine.models import load_model
+
+            loaded = load_model(model, device=device, dtype=dtype, attn_implementation=attn_implementation)
+            record(loaded.describe())
+            stats = run_grid(Engine(loaded), tasks, policies, budgets, options, store, shard=shard,
+                             max_new_tokens=max_new_tokens, quiet=quiet)
     finally:
         table = store.write_summary()
     if not quiet:
         click.echo(table.to_string(index=False) if len(table) else "(no rows)")
+    lost = f", {stats.workers_lost} lost worker(s) replaced" if stats.workers_lost else ""
     click.echo(
-        f"{stats.written} rows written, {stats.skipped} already done, {stats.prefills} prefills, "
+        f"{stats.written} rows written, {stats.skipped} already done, {stats.prefills} prefills{lost}, "
         f"{stats.seconds:.1f} s → {out}/samples.jsonl, {out}/summary.csv"
     )
 
@@ -396,6 +454,95 @@ def list_() -> None:
     for name, alias in ALIASES.items():
         click.echo(f"  {name:14} {alias.description} (from {alias.distribution}=={alias.version})")
     click.echo(f"  or any Hugging Face id / local folder of: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+@cli.command()
+@click.option("--task", default="needle", show_default=True, help="Task name(s), comma-separated (see `pkvbench list`).")
+@sample_options
+@model_options
+@click.option("--window", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Observation window: the last queries whose attention is measured (SnapKV/PyramidKV's window).")
+@click.option("--sink", type=click.IntRange(min=0), default=4, show_default=True, help="First tokens counted as the attention sink.")
+@click.option("--top-k", type=click.IntRange(min=1), default=128, show_default=True, help="k of the top-k mass statistic.")
+@click.option("--budget", default="128", show_default=True,
+              help="Budget whose PyramidKV per-layer allocation is drawn over the curves (fraction or entries).")
+@click.option("--out", type=click.Path(file_okay=False), help="Folder (default: results/funnel/<model>/<tasks>).")
+@click.option("--overwrite", is_flag=True, help="Discard what --out holds and start afresh.")
+@click.option("--quiet", is_flag=True, help="No progress bar, no verdict on the terminal (it is still written).")
+def funnel(task, lengths, depths, limit, seed, data_dir, no_verify, max_length, sample_ids, model, device, dtype,
+           attn_implementation, window, sink, top_k, budget, out, overwrite, quiet) -> None:
+    """Does attention funnel with depth in this model? PyramidKV's premise, measured.
+
+    Prefills each sample once and, per layer and head, measures the last --window queries' attention: normalised
+    entropy, mass on the top 1% and top-k keys, mass on the first --sink tokens, keys holding 90% of the mass.
+    Writes funnel_samples.jsonl (a line per sample; rerunning resumes), funnel.csv (per layer, mean and spread over
+    samples), funnel_heads.csv (per layer and head), funnel.png (curves with PyramidKV's per-layer budget) and
+    verdict.txt (a paragraph per task, also printed).
+
+    \b
+    Example:
+      pkvbench funnel --task needle,trec-fewshot --data-dir ../shared/data/trec --lengths 2000 --limit 5
+    """
+    from pkvbench.tasks.registry import expand_tasks
+
+    tasks = expand_tasks(list(dict.fromkeys(split_list(task, "--task"))))
+    options = task_options(lengths, depths, limit, seed, data_dir, no_verify, max_length, sample_ids)
+    overlay_budgets = parse_budgets(budget)
+    if len(overlay_budgets) != 1:
+        raise PkvError("--budget takes one budget here (the one drawn over the curves)")
+    overlay_budget = overlay_budgets[0]
+    out = Path(out or Path("results/funnel") / model.replace("/", "--") / "+".join(t.name for t in tasks))
+    run_options = json.loads(json.dumps({
+        "model": model, "device": device, "dtype": dtype, "attn_implementation": attn_implementation,
+        "tasks": [t.name for t in tasks], "lengths": options.lengths, "depths": options.depths, "limit": limit,
+        "seed": seed, "data_dir": data_dir, "max_length": max_length, "sample_ids": options.sample_ids,
+        "window": window, "sink": sink, "top_k": top_k,
+    }))
+
+    from tqdm import tqdm
+
+    from pkvbench import funnel as measure
+    from pkvbench.engine.generation import Engine
+    from pkvbench.engine.models import load_model
+    from pkvbench.results import ResultStore
+    from pkvbench.runner import work_items
+
+    check_model_name(model)
+    store = ResultStore(out, rows_name=measure.SAMPLES, info_name=measure.INFO)
+    store.open({"options": run_options}, overwrite=overwrite)
+    make_deterministic(seed)
+    loaded = load_model(model, device=device, dtype=dtype, attn_implementation=attn_implementation)
+    store.open({"options": run_options, "model": loaded.describe()})
+    engine = Engine(loaded)
+    items = work_items(tasks, engine.tokenizer, options)
+    if not items:
+        raise PkvError("no samples to measure (check --task, --limit, --sample-id)")
+    bar = tqdm(total=len(items), disable=quiet or not sys.stderr.isatty(), unit="sample", desc="funnel")
+    stats = measure.run_funnel(engine, items, store, window, sink, top_k, on_sample=lambda: bar.update(1))
+    bar.close()
+
+    from pkvbench.plots import plot_funnel
+
+    frame = measure.sample_frame(store.rows())
+    per_layer, per_head = measure.funnel_tables(frame)
+    per_layer.to_csv(out / measure.TABLE, index=False)
+    per_head.to_csv(out / measure.HEAD_TABLE, index=False)
+    verdicts, overlays = [], {}
+    pyramid = parse_policy("pyramidkv")
+    for name, samples in frame.groupby("task", sort=False)[["sample_id", "context_tokens"]]:
+        samples = samples.drop_duplicates("sample_id")
+        context = samples["context_tokens"].mean()
+        layer_plan = plan(pyramid, overlay_budget, round(context), loaded.num_layers)
+        overlays[name] = {"per_layer": layer_plan.per_layer, "uniform": layer_plan.effective,
+                          "label": f"budget {overlay_budget} at T={round(context)}"}
+        verdicts.append(measure.verdict(per_layer, name, loaded.name, len(samples), context, sink,
+                                        layer_plan.per_layer, str(overlay_budget)))
+    (out / measure.VERDICT).write_text("\n\n".join(verdicts) + "\n", encoding="utf-8")
+    plot_funnel(per_layer, overlays, loaded.name, out / measure.FIGURE)
+    if not quiet:
+        click.echo("\n\n".join(verdicts))
+    click.echo(f"{stats.written} samples measured, {stats.skipped} already done, {stats.seconds:.1f} s → "
+               f"{out}/{measure.TABLE}, {measure.HEAD_TABLE}, {measure.FIGURE}, {measure.VERDICT}")
 
 
 def _version(package: str) -> str | None:

@@ -277,3 +277,48 @@ def plot_layer_budgets(entries: list[dict], path: str | Path) -> Path:
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def plot_funnel(per_layer: pd.DataFrame, overlays: dict[str, dict], title: str, path: str | Path) -> Path:
+    """Per-layer attention statistics (mean, shaded ± one std over samples), one panel per task, with the per-layer
+    budget PyramidKV would give that task's prompts as bars on a second axis (``overlays[task]``: ``per_layer``,
+    ``uniform``, ``label``)."""
+    from pkvbench.funnel import STATISTICS
+
+    shares = [name for name in STATISTICS if name != "keys_for_90"]  # the ones on a 0–1 scale
+    tasks = list(dict.fromkeys(per_layer["task"]))
+    fig, axes = plt.subplots(len(tasks), 1, figsize=(10, 4.2 * len(tasks)), squeeze=False)
+    palette = dict(zip(shares, sns.color_palette("colorblind", len(shares))))
+    for ax, task in zip(axes[:, 0], tasks):
+        overlay = overlays[task]
+        budget_ax = ax.twinx()
+        budget_ax.bar(range(len(overlay["per_layer"])), overlay["per_layer"], color="0.85", width=0.8,
+                      label=f"pyramidkv entries kept ({overlay['label']})")
+        budget_ax.axhline(overlay["uniform"], color="0.5", linestyle="--", linewidth=1,
+                          label=f"uniform: {overlay['uniform']}")
+        budget_ax.set_ylabel("entries kept per KV head")
+        budget_ax.set_ylim(0, max(overlay["per_layer"]) * 1.15)
+        ax.set_zorder(budget_ax.get_zorder() + 1)  # curves over the bars
+        ax.patch.set_visible(False)
+        panel = per_layer[per_layer["task"] == task]
+        for name in shares:
+            curve = panel[panel["statistic"] == name].sort_values("layer")
+            spread = curve["std"].fillna(0)
+            ax.plot(curve["layer"], curve["mean"], marker=".", color=palette[name], label=name)
+            ax.fill_between(curve["layer"], (curve["mean"] - spread).clip(lower=0), (curve["mean"] + spread).clip(upper=1),
+                            color=palette[name], alpha=0.15, linewidth=0)
+        layers = int(panel["layer"].max()) + 1
+        ax.set_xlim(-0.7, layers - 0.3)
+        ax.set_xticks(range(0, layers, max(1, math.ceil(layers / 16))))
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("layer (0 = bottom)")
+        ax.set_ylabel("share (mean over samples, ± std)")
+        samples = int(panel["samples"].max())
+        ax.set_title(f"{title} · {task} · {samples} samples, last-window queries", fontsize=10)
+        handles, labels = ax.get_legend_handles_labels()
+        more_handles, more_labels = budget_ax.get_legend_handles_labels()
+        ax.legend(handles + more_handles, labels + more_labels, fontsize=7, loc="upper center", ncol=4,
+                  bbox_to_anchor=(0.5, -0.14))
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, Path(path))

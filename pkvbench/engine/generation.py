@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pkvbench import budgets
-from pkvbench.engine.attention import StatsRecorder, recording
+from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.cache import decoding_cache
 from pkvbench.engine.models import LoadedModel
 from pkvbench.errors import PkvError
@@ -87,7 +87,8 @@ class Engine:
 
     def _forward(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor) -> torch.Tensor:
         out = self.model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1, **{self._cache_arg: cache}
+            input_ids=input_ids, position_ids=position_ids, use_cache=cache is not None, logits_to_keep=1,
+            **{self._cache_arg: cache},
         )
         return out.logits[0, -1]
 
@@ -98,19 +99,12 @@ class Engine:
 
         input_ids = input_ids.to(self.device)
         length = input_ids.shape[1]
-        sliding = getattr(self.model.config, "sliding_window", None)
-        if sliding and getattr(self.model.config, "use_sliding_window", True) and length > sliding:
-            raise PkvError(f"prompt of {length} tokens exceeds the model's sliding window ({sliding}); not supported")
         recorder = StatsRecorder(
             windows=set().union(*(p.windows_needed for p in policies)),
             accumulated=any(p.needs_accumulated for p in policies),
         )
         cache = DynamicCache()
-        started = time.perf_counter()
-        with recording(recorder):
-            logits = self._forward(input_ids, cache, torch.arange(length, device=self.device)[None])
-        self._sync()
-        seconds = time.perf_counter() - started
+        logits, seconds = self.recorded_forward(input_ids, recorder, cache)
         layers = [cache.layers[i] for i in range(self.loaded.num_layers)]
         stats = [
             recorder.layers.get(i, LayerStats(context_len=length, num_kv_heads=self.loaded.num_kv_heads))
@@ -124,6 +118,21 @@ class Engine:
             last_logits=logits,
             seconds=seconds,
         )
+
+    @torch.inference_mode()
+    def recorded_forward(self, input_ids: torch.Tensor, recorder: Recorder, cache=None) -> tuple[torch.Tensor, float]:
+        """The prompt's forward pass with ``recorder`` seeing every layer's queries and keys; returns the last
+        position's logits and the seconds taken. ``cache`` (if given) is filled with the full cache."""
+        input_ids = input_ids.to(self.device)
+        length = input_ids.shape[1]
+        sliding = getattr(self.model.config, "sliding_window", None)
+        if sliding and getattr(self.model.config, "use_sliding_window", True) and length > sliding:
+            raise PkvError(f"prompt of {length} tokens exceeds the model's sliding window ({sliding}); not supported")
+        started = time.perf_counter()
+        with recording(recorder):
+            logits = self._forward(input_ids, cache, torch.arange(length, device=self.device)[None])
+        self._sync()
+        return logits, time.perf_counter() - started
 
     def compress(self, prefill: Prefill, policy: Policy, budget: budgets.Budget) -> CompressedCache:
         """Gather the entries ``policy`` keeps at ``budget`` from the full cache (no second forward pass)."""

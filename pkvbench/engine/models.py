@@ -76,6 +76,11 @@ class LoadedModel:
     def head_dim(self) -> int:
         return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
 
+    def describe(self) -> dict:
+        """What a run records about its model (run.json's ``model``)."""
+        return {"name": self.name, "source": self.source, "device": self.device, "dtype": self.dtype,
+                "layers": self.num_layers, "kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+
 
 def cache_root() -> Path:
     root = os.environ.get("PKVBENCH_CACHE") or os.path.join(
@@ -161,6 +166,25 @@ def check_model_name(name: str) -> None:
         )
 
 
+def model_path(name: str) -> tuple[str, str]:
+    """Where ``name`` loads from (a folder or a hub id) and what run.json calls its source."""
+    if name in ALIASES:
+        alias = ALIASES[name]
+        return str(float_copy_of_gguf(name, alias)), f"{alias.distribution}=={alias.version}"
+    return name, name
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL):
+    """The model's tokenizer alone (what building samples needs), the same one ``load_model`` returns."""
+    from transformers import AutoTokenizer
+
+    check_model_name(name)
+    try:
+        return AutoTokenizer.from_pretrained(model_path(name)[0])
+    except (OSError, ValueError, ImportError) as exc:
+        raise PkvError(f"could not load the tokenizer of {name}: {first_line(exc)}") from None
+
+
 def load_model(
     name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"
 ) -> LoadedModel:
@@ -174,10 +198,7 @@ def load_model(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     started = time.perf_counter()
-    if name in ALIASES:
-        path, source = str(float_copy_of_gguf(name, ALIASES[name])), f"{ALIASES[name].distribution}=={ALIASES[name].version}"
-    else:
-        path, source = name, name
+    path, source = model_path(name)
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
