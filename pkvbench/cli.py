@@ -499,8 +499,6 @@ def funnel(task, lengths, depths, limit, seed, data_dir, no_verify, max_length, 
         "window": window, "sink": sink, "top_k": top_k,
     }))
 
-    from tqdm import tqdm
-
     from pkvbench import funnel as measure
     from pkvbench.engine.generation import Engine
     from pkvbench.engine.models import load_model
@@ -517,28 +515,9 @@ def funnel(task, lengths, depths, limit, seed, data_dir, no_verify, max_length, 
     items = work_items(tasks, engine.tokenizer, options)
     if not items:
         raise PkvError("no samples to measure (check --task, --limit, --sample-id)")
-    bar = tqdm(total=len(items), disable=quiet or not sys.stderr.isatty(), unit="sample", desc="funnel")
-    stats = measure.run_funnel(engine, items, store, window, sink, top_k, on_sample=lambda: bar.update(1))
-    bar.close()
+    stats = measure.run_funnel(engine, items, store, window, sink, top_k, quiet=quiet)
 
-    from pkvbench.plots import plot_funnel
-
-    frame = measure.sample_frame(store.rows())
-    per_layer, per_head = measure.funnel_tables(frame)
-    per_layer.to_csv(out / measure.TABLE, index=False)
-    per_head.to_csv(out / measure.HEAD_TABLE, index=False)
-    verdicts, overlays = [], {}
-    pyramid = parse_policy("pyramidkv")
-    for name, samples in frame.groupby("task", sort=False)[["sample_id", "context_tokens"]]:
-        samples = samples.drop_duplicates("sample_id")
-        context = samples["context_tokens"].mean()
-        layer_plan = plan(pyramid, overlay_budget, round(context), loaded.num_layers)
-        overlays[name] = {"per_layer": layer_plan.per_layer, "uniform": layer_plan.effective,
-                          "label": f"budget {overlay_budget} at T={round(context)}"}
-        verdicts.append(measure.verdict(per_layer, name, loaded.name, len(samples), context, sink,
-                                        layer_plan.per_layer, str(overlay_budget)))
-    (out / measure.VERDICT).write_text("\n\n".join(verdicts) + "\n", encoding="utf-8")
-    plot_funnel(per_layer, overlays, loaded.name, out / measure.FIGURE)
+    verdicts = measure.write_reports(out, store.rows(), loaded.name, loaded.num_layers, overlay_budget, sink)
     if not quiet:
         click.echo("\n\n".join(verdicts))
     click.echo(f"{stats.written} samples measured, {stats.skipped} already done, {stats.seconds:.1f} s → "

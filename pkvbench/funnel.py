@@ -11,13 +11,18 @@ spread over samples and heads) and ``funnel_heads.csv`` (per layer and head), an
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pandas as pd
 import torch
+from tqdm import tqdm
 
+from pkvbench.budgets import Budget, plan
 from pkvbench.engine.attention import window_attention_probs
+from pkvbench.policies import parse_policy
 
 SAMPLES = "funnel_samples.jsonl"
 INFO = "funnel.json"
@@ -236,22 +241,45 @@ class FunnelStats:
     seconds: float = 0.0
 
 
-def run_funnel(engine, items, store, window: int, sink: int, top_k: int, on_sample=None) -> FunnelStats:
+def run_funnel(engine, items, store, window: int, sink: int, top_k: int, quiet: bool = False) -> FunnelStats:
     """Measure every (task, sample) of ``items`` not yet in ``store``, appending one line per sample."""
     started = time.perf_counter()
-    stats = FunnelStats()
     done = {(row["task"], str(row["sample_id"])) for row in store.rows()}
-    for task, sample in items:
-        if (task.name, sample.sample_id) in done:
-            stats.skipped += 1
-            continue
+    pending = [(task, sample) for task, sample in items if (task.name, sample.sample_id) not in done]
+    stats = FunnelStats(skipped=len(items) - len(pending))
+    bar = tqdm(total=len(items), initial=stats.skipped, disable=quiet or not sys.stderr.isatty(), unit="sample",
+               desc="funnel")
+    for task, sample in pending:
         measured, seconds = measure_sample(engine, sample.input_ids, window, sink, top_k)
         store.append({
             "task": task.name, "sample_id": sample.sample_id, "context_tokens": len(sample.input_ids),
             **sample.extras, "forward_s": round(seconds, 4), "stats": measured,
         })
         stats.written += 1
-        if on_sample:
-            on_sample()
+        bar.update(1)
+    bar.close()
     stats.seconds = time.perf_counter() - started
     return stats
+
+
+def write_reports(out: Path, records: list[dict], model: str, num_layers: int, budget: Budget, sink: int) -> list[str]:
+    """From the per-sample records: ``funnel.csv``, ``funnel_heads.csv``, ``verdict.txt`` (returned, a paragraph per
+    task) and ``funnel.png`` with the per-layer entries PyramidKV keeps at ``budget`` for each task's mean length."""
+    from pkvbench.plots import plot_funnel
+
+    frame = sample_frame(records)
+    per_layer, per_head = funnel_tables(frame)
+    per_layer.to_csv(out / TABLE, index=False)
+    per_head.to_csv(out / HEAD_TABLE, index=False)
+    verdicts, overlays = [], {}
+    pyramid = parse_policy("pyramidkv")
+    for task, samples in frame.groupby("task", sort=False)[["sample_id", "context_tokens"]]:
+        samples = samples.drop_duplicates("sample_id")
+        context = samples["context_tokens"].mean()
+        layer_plan = plan(pyramid, budget, round(context), num_layers)
+        overlays[task] = {"per_layer": layer_plan.per_layer, "uniform": layer_plan.effective,
+                          "label": f"budget {budget} at T={round(context)}"}
+        verdicts.append(verdict(per_layer, task, model, len(samples), context, sink, layer_plan.per_layer, str(budget)))
+    (out / VERDICT).write_text("\n\n".join(verdicts) + "\n", encoding="utf-8")
+    plot_funnel(per_layer, overlays, model, out / FIGURE)
+    return verdicts
