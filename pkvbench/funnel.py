@@ -178,7 +178,8 @@ def verdict(per_layer: pd.DataFrame, task: str, model: str, samples: int, contex
             pyramid: list[int] | None = None, budget: str | None = None) -> str:
     """A paragraph: does attention concentrate with depth on ``task``, how strongly, and where; with ``pyramid``
     (PyramidKV's entries per layer at ``budget``), how those compare with the keys that hold 90% of the attention."""
-    curve = per_layer[per_layer["task"] == task].pivot(index="layer", columns="statistic", values="mean")
+    rows = per_layer[per_layer["task"] == task]
+    curve = rows.pivot(index="layer", columns="statistic", values="mean")
     layers = pd.Series(curve.index, index=curve.index, dtype=float)
     entropy, keys_share, sinks = curve["entropy"], curve["keys_for_90_frac"], curve["sink_mass"]
     rho_entropy, rho_keys = spearman(layers, entropy), spearman(layers, keys_share)
@@ -213,7 +214,7 @@ def verdict(per_layer: pd.DataFrame, task: str, model: str, samples: int, contex
         + f"Most concentrated: layers {lowest}; most spread: layers {highest}. The first {sink} tokens hold "
         f"{sinks.iloc[low].mean():.0%} of the attention in the lowest third and {sinks.iloc[high].mean():.0%} in the top "
         f"third. {premise}."
-        + (f" {budget_fit(per_layer[per_layer['task'] == task], pyramid, budget, low, high)}" if pyramid else "")
+        + (f" {budget_fit(rows, pyramid, budget, low, high)}" if pyramid else "")
     )
 
 
