@@ -24,9 +24,13 @@ class Budget:
         try:
             number = float(text)
         except ValueError:
-            raise PkvError(f"budget {text!r} is not a number; use a fraction below 1 (0.12) or an integer entry count (128)") from None
+            raise PkvError(
+                f"budget {text!r} is not a number; use a fraction below 1 (0.12) or an integer entry count (128)"
+            ) from None
         if not math.isfinite(number) or number <= 0:
-            raise PkvError(f"budget {text!r} must be positive: a fraction below 1 (0.12) or an integer entry count (128)")
+            raise PkvError(
+                f"budget {text!r} must be positive: a fraction below 1 (0.12) or an integer entry count (128)"
+            )
         if number >= 1:
             if number != int(number):
                 raise PkvError(f"budget {text!r}: a budget of 1 or more counts entries and must be an integer")

@@ -1,120 +1,90 @@
-"""The ``pkvbench`` command line: parse, validate, call. Every error a user can cause is one line and exit 2."""
+"""The ``pkvbench`` command line: parse options, call the API, print. Every error a user can cause is one line on
+stderr and exit code 2; an internal error is one line and exit code 1."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
-import subprocess
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import click
 
-from pkvbench import __version__
-from pkvbench.budgets import Budget, parse_budgets, plan
-from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, SUPPORTED_ARCHITECTURES, check_model_name
+from pkvbench._version import __version__
+from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, SUPPORTED_ARCHITECTURES
 from pkvbench.errors import PkvError
-from pkvbench.policies import POLICIES, check_shared_options, parse_option_pairs, parse_policy
-from pkvbench.runner import Shard, run_grid
-
-ALL_POLICIES = ",".join(POLICIES)
+from pkvbench.io import atomic_write
 
 
-def split_list(text: str, what: str) -> list[str]:
-    items = [item.strip() for item in str(text).split(",") if item.strip()]
-    if not items:
-        raise PkvError(f"{what} is empty; give a comma-separated list")
-    return items
+def _options(*options):
+    """Apply several Click options in the order they are listed (as --help shows them)."""
+
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
 
 
-def parse_numbers(text: str | None, what: str, kind: type) -> tuple | None:
-    if text is None:
-        return None
-    values = []
-    for item in split_list(text, what):
-        try:
-            value = kind(item)
-        except ValueError:
-            raise PkvError(f"{what}: {item!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if value < 0 or (kind is int and value == 0):
-            raise PkvError(f"{what}: {item!r} must be positive")
-        values.append(value)
-    return tuple(dict.fromkeys(values))
-
-
-def parse_policies(text: str, policy_args: tuple[str, ...]):
-    shared = parse_option_pairs(list(policy_args))
-    policies = [parse_policy(spec, shared) for spec in split_list(text, "--policy")]
-    check_shared_options(shared, policies)
-    return list({p.label: p for p in policies}.values())
-
-
-def make_deterministic(seed: int) -> None:
-    """Same command, same predictions: seed torch and ask for deterministic kernels (cuBLAS needs its workspace
-    setting before CUDA starts; kernels with no deterministic version warn instead of failing)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    import torch
-
-    torch.manual_seed(seed)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def sample_options(command):
-    """The options that choose a task's samples (shared by ``run`` and ``funnel``)."""
-    for option in reversed([
-        click.option("--lengths", help="Context lengths in prompt tokens, comma-separated (needle, RULER default: 1000,2000,4000)."),
-        click.option("--depths", help="Needle depths in percent, comma-separated (default: 0,25,50,75,100)."),
-        click.option("--limit", type=int, help="At most this many samples per task (RULER, trec-fewshot: per task and length)."),
-        click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated tasks and torch."),
-        click.option("--data-dir", type=click.Path(file_okay=False), help="Folder with a task's data files (e.g. LongBench <name>.jsonl)."),
-        click.option("--no-verify", is_flag=True, help="Do not check data files against their known checksums."),
-        click.option("--max-length", type=click.IntRange(min=1), help="Truncate longer prompts to this many tokens (tasks that do)."),
-        click.option("--sample-id", "sample_ids", help="Only these sample ids, comma-separated."),
-    ]):
-        command = option(command)
-    return command
-
-
-def model_options(command):
-    """The options that choose and place the model (shared by ``run`` and ``funnel``)."""
-    for option in reversed([
-        click.option("--model", default=DEFAULT_MODEL, show_default=True,
-                     help=f"Alias ({', '.join(ALIASES)}), Hugging Face model id, or local folder."),
-        click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES)),
-        click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPES),
-                     help="auto = float32 on CPU, bfloat16 on CUDA."),
-        click.option("--attn-implementation", default="sdpa", show_default=True,
-                     help="transformers attention kernel (sdpa, eager, flash_attention_2, ...)."),
-    ]):
-        command = option(command)
-    return command
-
-
-def task_options(lengths, depths, limit, seed, data_dir, no_verify, max_length, sample_ids):
-    from pkvbench.tasks.base import TaskOptions
-
-    return TaskOptions(
-        lengths=parse_numbers(lengths, "--lengths", int),
-        depths=parse_numbers(depths, "--depths", float),
-        limit=limit,
-        seed=seed,
-        data_dir=data_dir,
-        verify=not no_verify,
-        max_length=max_length,
-        sample_ids=tuple(split_list(sample_ids, "--sample-id")) if sample_ids is not None else None,
-    )
+sample_options = _options(
+    click.option(
+        "--lengths", help="Context lengths in prompt tokens, comma-separated (needle, RULER default: 1000,2000,4000)."
+    ),
+    click.option("--depths", help="Needle depths in percent, comma-separated (default: 0,25,50,75,100)."),
+    click.option(
+        "--limit",
+        type=click.IntRange(min=1),
+        help="At most this many samples per task (RULER, trec-fewshot: per task and length).",
+    ),
+    click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated tasks and torch."),
+    click.option(
+        "--data-dir",
+        type=click.Path(file_okay=False),
+        help="Folder with a task's data files (e.g. LongBench <name>.jsonl).",
+    ),
+    click.option(
+        "--no-verify",
+        "verify",
+        is_flag=True,
+        flag_value=False,
+        default=True,
+        help="Do not check data files against their known checksums.",
+    ),
+    click.option(
+        "--max-length", type=click.IntRange(min=1), help="Truncate longer prompts to this many tokens (tasks that do)."
+    ),
+    click.option("--sample-id", "sample_ids", help="Only these sample ids, comma-separated."),
+    click.option(
+        "--include-path",
+        "include_paths",
+        multiple=True,
+        type=click.Path(file_okay=False),
+        help="A folder of your own task YAML files (repeatable; $PKVBENCH_TASKS works too).",
+    ),
+)
+model_options = _options(
+    click.option(
+        "--model",
+        default=DEFAULT_MODEL,
+        show_default=True,
+        help=f"Alias ({', '.join(ALIASES)}), Hugging Face model id, local folder, or a .gguf file.",
+    ),
+    click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES)),
+    click.option(
+        "--dtype",
+        default="auto",
+        show_default=True,
+        type=click.Choice(DTYPES),
+        help="auto = float32 on CPU, bfloat16 on CUDA.",
+    ),
+    click.option(
+        "--attn-implementation",
+        default="sdpa",
+        show_default=True,
+        help="transformers attention kernel (sdpa, eager, flash_attention_2, ...).",
+    ),
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -127,47 +97,110 @@ def cli() -> None:
     """
 
 
-def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """``--config FILE``: the file's options become this command's defaults, so flags on the line still win."""
-    if value is not None:
-        from pkvbench.config import load_run_config
-
-        ctx.default_map = {**(ctx.default_map or {}), **load_run_config(value, ctx.command)}
+def _click_default(value):
+    """A config value as Click expects a default: lists of a comma option as one comma string."""
+    if isinstance(value, dict):
+        return tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in value.items())
+    if isinstance(value, list):
+        return ",".join(str(v).lower() if isinstance(v, bool) else str(v) for v in value)
     return value
 
 
+def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--config FILE``: the file's options become this command's defaults, so flags on the line still win."""
+    if value is not None:
+        from dataclasses import fields
+
+        from pkvbench.api import RunConfig
+        from pkvbench.config import read_run_config
+
+        values = read_run_config(value, [f.name for f in fields(RunConfig)])
+        multiple = {p.name for p in ctx.command.params if getattr(p, "multiple", False)}
+        defaults = {
+            k: (tuple(v) if k in multiple and isinstance(v, list) else _click_default(v)) for k, v in values.items()
+        }
+        ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+def _default_policies() -> str:
+    from pkvbench.policies.registry import default_grid
+
+    return ",".join(default_grid())
+
+
 @cli.command()
-@click.option("--config", type=click.Path(dir_okay=False), is_eager=True, expose_value=False, callback=_load_config,
-              help="YAML file of run options (keys as the long options: task, policy, budget, max-length, ...; "
-                   "see configs/). Options given on the command line override it.")
-@click.option("--task", default="needle", show_default=True, help="Task name(s), comma-separated (see `pkvbench list`).")
-@click.option("--policy", default=ALL_POLICIES, show_default=True,
-              help="Policies, comma-separated; options inline as name:opt=value, e.g. snapkv:window=32.")
-@click.option("--budget", default="128", show_default=True,
-              help="Budgets, comma-separated: below 1 a fraction of the prompt (0.007 = 0.7%), else entries per KV head per layer.")
-@click.option("--policy-arg", "policy_args", multiple=True, metavar="NAME=VALUE",
-              help="Option for every policy that has it (window, sink, kernel, pooling, beta, gqa, scores, normalize). Repeatable.")
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False),
+    is_eager=True,
+    expose_value=False,
+    callback=_load_config,
+    help="YAML file of run options (keys as the long options: task, policy, budget, max-length, ...; "
+    "see configs/). Options given on the command line override it.",
+)
+@click.option(
+    "--task", "tasks", default="needle", show_default=True, help="Task name(s), comma-separated (see `pkvbench list`)."
+)
+@click.option(
+    "--policy",
+    "policies",
+    default=_default_policies,
+    show_default="full and the paper's four",
+    help="Policies, comma-separated; options inline as name:opt=value, e.g. snapkv:window=32.",
+)
+@click.option(
+    "--budget",
+    "budgets",
+    default="128",
+    show_default=True,
+    help="Budgets, comma-separated: below 1 a fraction of the prompt (0.007 = 0.7%), else entries per KV head per layer.",
+)
+@click.option(
+    "--policy-arg",
+    "policy_args",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Option for every policy that has it (window, sink, kernel, pooling, beta, gqa, scores, normalize). Repeatable.",
+)
 @sample_options
 @model_options
 @click.option("--max-new-tokens", type=int, help="Override the task's answer length.")
 @click.option("--out", type=click.Path(file_okay=False), help="Result folder (default: results/runs/<model>/<tasks>).")
-@click.option("--overwrite", is_flag=True, help="Discard what --out holds and start afresh.")
-@click.option("--shard", help="Run only shard i of n (i/n, 1-based): every n-th sample, each with its whole grid. "
-              "Give each shard its own --out and combine them with `pkvbench merge`.")
+@click.option(
+    "--overwrite", is_flag=True, help="Replace what --out holds (only a pkvbench run folder) and start afresh."
+)
+@click.option(
+    "--shard",
+    help="Run only shard i of n (i/n, 1-based): every n-th sample, each with its whole grid. "
+    "Give each shard its own --out and combine them with `pkvbench merge`.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              help="Where the samples run: this process, or Ray workers that each load the model once "
-                   "(pip install 'pkvbench[ray]'). Results and resume are the same.")
-@click.option("--ray-address", help="With --executor ray: 'auto' or HOST:PORT of an existing Ray cluster "
-              "(default: start one on this machine, loopback only).")
-@click.option("--workers", type=click.IntRange(min=1),
-              help="With --executor ray: how many workers (default: as many as the cluster's CPUs and GPUs fit).")
-@click.option("--gpus-per-worker", type=click.FloatRange(min=0),
-              help="With --executor ray: GPUs each worker reserves (default: 1 if the cluster has GPUs, else 0; "
-                   "0.5 puts two workers on a GPU).")
-def run(task, policy, budget, policy_args, lengths, depths, limit, seed, data_dir, no_verify, max_length, sample_ids,
-        model, device, dtype, attn_implementation, max_new_tokens, out, overwrite, shard, quiet, executor, ray_address,
-        workers, gpus_per_worker) -> None:
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Where the samples run: this process, or Ray workers that each load the model once "
+    "(pip install 'pkvbench[ray]'). Results and resume are the same.",
+)
+@click.option(
+    "--ray-address",
+    help="With --executor ray: 'auto' or HOST:PORT of an existing Ray cluster "
+    "(default: start one on this machine, loopback only).",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    help="With --executor ray: how many workers (default: as many as the cluster's CPUs and GPUs fit).",
+)
+@click.option(
+    "--gpus-per-worker",
+    type=click.FloatRange(min=0),
+    help="With --executor ray: GPUs each worker reserves (default: 1 if the cluster has GPUs, else 0; "
+    "0.5 puts two workers on a GPU).",
+)
+def run(**options) -> None:
     """Run policies × budgets over a task's samples; write samples.jsonl, summary.csv and run.json.
 
     Each sample is prefilled once; every policy × budget derives its cache from that prefill. Rerunning the same
@@ -177,78 +210,13 @@ def run(task, policy, budget, policy_args, lengths, depths, limit, seed, data_di
     Example:
       pkvbench run --task needle --policy full,snapkv,pyramidkv --budget 128,0.12 --lengths 1000,2000 --depths 0,50,100
     """
-    from pkvbench.tasks.registry import expand_tasks
+    from pkvbench.api import RunConfig, evaluate
 
-    tasks = expand_tasks(list(dict.fromkeys(split_list(task, "--task"))))
-    policies = parse_policies(policy, policy_args)
-    budgets = parse_budgets(budget)
-    shard = Shard.parse(shard) if shard is not None else None
-    options = task_options(lengths, depths, limit, seed, data_dir, no_verify, max_length, sample_ids)
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise PkvError("--max-new-tokens must be at least 1")
-    out = Path(out or Path("results/runs") / model.replace("/", "--") / "+".join(t.name for t in tasks))
-    run_options = {
-        "model": model, "device": device, "dtype": dtype, "attn_implementation": attn_implementation,
-        "tasks": [t.name for t in tasks], "policies": [p.label for p in policies],
-        "budgets": [b.value for b in budgets], "lengths": options.lengths, "depths": options.depths,
-        "limit": limit, "seed": seed, "max_new_tokens": max_new_tokens, "data_dir": data_dir,
-        "max_length": max_length, "sample_ids": options.sample_ids, "shard": str(shard) if shard else None,
-    }
-    run_options = json.loads(json.dumps(run_options))  # tuples → lists, as they will read back from run.json
-
-    import torch
-
-    from pkvbench.results import ResultStore
-
-    check_model_name(model)
-    if executor == "ray":
-        from pkvbench.ray_executor import check_ray
-
-        check_ray()
-    elif (ray_address, workers, gpus_per_worker) != (None, None, None):
-        raise PkvError("--ray-address, --workers and --gpus-per-worker go with --executor ray")
-    store = ResultStore(out)
-    # Check the folder before the (slow) model load, and record the run once the model is known. The executor and
-    # its settings are not run options: a run may be resumed by another executor.
-    store.open({"options": run_options}, overwrite=overwrite)
-    make_deterministic(seed)
-
-    def record(model_info: dict) -> None:
-        store.open(
-            {
-                "options": run_options,
-                "model": model_info,
-                "policies": {p.label: p.options for p in policies},
-                "executor": executor,
-                "versions": {"pkvbench": __version__, "torch": torch.__version__,
-                             "transformers": _version("transformers"), "python": platform.python_version()},
-                "commit": git_commit(),
-                "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            }
-        )
-
-    try:
-        if executor == "ray":
-            from pkvbench.ray_executor import ModelSpec, RaySettings, run_grid_on_ray
-
-            stats = run_grid_on_ray(
-                RaySettings(ray_address, workers, gpus_per_worker),
-                ModelSpec(model, device, dtype, attn_implementation, seed),
-                tasks, policies, budgets, options, store, shard=shard, max_new_tokens=max_new_tokens, quiet=quiet,
-                on_model=record,
-            )
-        else:
-            from pkvbench.engine.generation import Engine
-            from pkvbench.engine.models import load_model
-
-            loaded = load_model(model, device=device, dtype=dtype, attn_implementation=attn_implementation)
-            record(loaded.describe())
-            stats = run_grid(Engine(loaded), tasks, policies, budgets, options, store, shard=shard,
-                             max_new_tokens=max_new_tokens, quiet=quiet)
-    finally:
-        table = store.write_summary()
-    if not quiet:
+    result = evaluate(RunConfig(**options))
+    if not options["quiet"]:
+        table = result.summary
         click.echo(table.to_string(index=False) if len(table) else "(no rows)")
+    stats, out = result.stats, result.out
     lost = f", {stats.workers_lost} lost worker(s) replaced" if stats.workers_lost else ""
     click.echo(
         f"{stats.written} rows written, {stats.skipped} already done, {stats.prefills} prefills{lost}, "
@@ -268,26 +236,38 @@ def merge(folders, out) -> None:
 
 
 @cli.command()
-@click.option("--policy", default="pyramidkv", show_default=True, help="Policies, comma-separated (options as in `run`).")
-@click.option("--budget", default="128", show_default=True, help="Budgets, comma-separated (fractions or entry counts).")
-@click.option("--policy-arg", "policy_args", multiple=True, metavar="NAME=VALUE", help="Option for every policy that has it.")
-@click.option("--layers", type=click.IntRange(min=1), default=30, show_default=True, help="Number of layers (30 = the embedded model).")
-@click.option("--context", type=click.IntRange(min=1), default=8192, show_default=True, help="Prompt length T in tokens.")
+@click.option(
+    "--policy", default="pyramidkv", show_default=True, help="Policies, comma-separated (options as in `run`)."
+)
+@click.option(
+    "--budget", default="128", show_default=True, help="Budgets, comma-separated (fractions or entry counts)."
+)
+@click.option(
+    "--policy-arg", "policy_args", multiple=True, metavar="NAME=VALUE", help="Option for every policy that has it."
+)
+@click.option(
+    "--layers",
+    type=click.IntRange(min=1),
+    default=30,
+    show_default=True,
+    help="Number of layers (30 = the embedded model).",
+)
+@click.option(
+    "--context", type=click.IntRange(min=1), default=8192, show_default=True, help="Prompt length T in tokens."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@click.option("--plot", "plot_file", type=click.Path(dir_okay=False),
-              help="Also draw entries kept per layer (one panel per budget, uniform as a reference) to this PNG.")
+@click.option(
+    "--plot",
+    "plot_file",
+    type=click.Path(dir_okay=False),
+    help="Also draw entries kept per layer (one panel per budget, uniform as a reference) to this PNG.",
+)
 def budgets(policy, budget, policy_args, layers, context, as_json, plot_file) -> None:
     """Per-layer budgets (entries per KV head) a policy would keep: the function the engine uses."""
-    entries = []
-    for pol in parse_policies(policy, policy_args):
-        for bud in parse_budgets(budget):
-            layer_plan = plan(pol, bud, context, layers)
-            entries.append({
-                "policy": pol.label, "budget": bud.value, "context": context, "layers": layers,
-                "requested": layer_plan.requested, "effective": layer_plan.effective,
-                "compressed": layer_plan.compressed, "total": sum(layer_plan.per_layer),
-                "mean": layer_plan.mean, "per_layer": layer_plan.per_layer,
-            })
+    from pkvbench.api import layer_budget_table
+    from pkvbench.budgets import budget_label
+
+    entries = layer_budget_table(policy, budget, policy_args, context, layers)
     if plot_file:
         from pkvbench.plots import plot_layer_budgets
 
@@ -296,15 +276,19 @@ def budgets(policy, budget, policy_args, layers, context, as_json, plot_file) ->
         click.echo(json.dumps(entries if len(entries) > 1 else entries[0], indent=2))
         return
     for e in entries:
-        click.echo(f"{e['policy']} at budget {Budget(e['budget'])} (T={context}, L={layers}): mean {e['mean']:g}, "
-                   f"total {e['total']}, requested {e['requested']}, {'compressed' if e['compressed'] else 'not compressed'}")
+        click.echo(
+            f"{e['policy']} at budget {budget_label(e['budget'])} (T={context}, L={layers}): mean {e['mean']:g}, "
+            f"total {e['total']}, requested {e['requested']}, {'compressed' if e['compressed'] else 'not compressed'}"
+        )
         click.echo("  per layer (0 = bottom): " + " ".join(map(str, e["per_layer"])))
 
 
 @cli.command()
 @click.argument("folders", nargs=-1, required=True, type=click.Path())
 @click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "latex"]), default="markdown", show_default=True)
-@click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Write the table to this file instead of stdout.")
+@click.option(
+    "--out", "out_file", type=click.Path(dir_okay=False), help="Write the table to this file instead of stdout."
+)
 def report(folders, fmt, out_file) -> None:
     """One table from run folders: rows model × policy × budget, a column per task (score × 100), LongBench-E
     length buckets, avg (mean over tasks; missing if a task is), tasks filled and n samples. Missing cells stay
@@ -313,7 +297,7 @@ def report(folders, fmt, out_file) -> None:
 
     runs = load_runs(list(folders))
     text = render(report_table(runs.rows), fmt)
-    _write_or_echo(text, out_file)
+    _write_or_echo(text, out_file, runs.folders)
     for note in runs.notes + uneven_counts(runs.rows):
         click.echo(f"note: {note}", err=True)
 
@@ -337,8 +321,11 @@ def plot(folders, out_dir) -> None:
 @cli.command()
 @click.argument("folders", nargs=-1, required=True, type=click.Path())
 @click.option("--reference", default="pyramidkv-table1", show_default=True, help="Reference name or CSV file.")
-@click.option("--paper-model", help="The paper's model to compare with when the run's model is not one of them "
-                                    "(default: the reference's first, Llama-3-8B-Instruct).")
+@click.option(
+    "--paper-model",
+    help="The paper's model to compare with when the run's model is not one of them "
+    "(default: the reference's first, Llama-3-8B-Instruct).",
+)
 @click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "latex"]), default="markdown", show_default=True)
 def compare(folders, reference, paper_model, fmt) -> None:
     """Measured vs the paper per task and average (score × 100, delta = measured − paper), for the cells both have."""
@@ -351,21 +338,24 @@ def compare(folders, reference, paper_model, fmt) -> None:
     click.echo(render(result.table, fmt), nl=False)
 
 
-def _write_or_echo(text: str, out_file: str | None) -> None:
+def _write_or_echo(text: str, out_file: str | None, inputs: list[Path] = ()) -> None:
+    """Print ``text``, or write it to ``out_file`` (atomically; never over one of the input folders' files)."""
     if out_file is None:
         click.echo(text, nl=False)
         return
-    try:
-        Path(out_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_file).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise PkvError(f"cannot write {out_file}: {exc.strerror or exc}") from None
+    target = Path(out_file).resolve()
+    for folder in inputs:
+        if target.parent == Path(folder).resolve():
+            raise PkvError(f"--out {out_file} is inside the input folder {folder}; write it elsewhere")
+    atomic_write(out_file, text)
     click.echo(f"table → {out_file}", err=True)
 
 
 @cli.command()
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Write the scored lines here (default: stdout).")
+@click.option(
+    "--out", "out_file", type=click.Path(dir_okay=False), help="Write the scored lines here (default: stdout)."
+)
 @click.option("--dataset", help="Dataset of lines that name none (an official pred/<model>/<dataset>.jsonl file).")
 def score(file, out_file, dataset) -> None:
     """Score LongBench predictions as the official eval.py does.
@@ -375,21 +365,12 @@ def score(file, out_file, dataset) -> None:
     all_classes). The lines come back with score (0-1); per-dataset scores (round(100 × mean, 2), and the
     0-4k / 4-8k / 8k+ buckets for LongBench-E) are printed, on stderr when the lines go to stdout.
     """
-    from pkvbench.tasks.longbench import score_rows
+    from pkvbench.io import read_json_lines
+    from pkvbench.tasks.scoring import score_rows
 
-    try:
-        text = Path(file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PkvError(f"cannot read {file}: {getattr(exc, 'strerror', None) or exc}") from None
-    rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise PkvError(f"{file}, line {number}: not valid JSON ({exc.msg})") from None
-            if not isinstance(rows[-1], dict):
-                raise PkvError(f"{file}, line {number}: expected a JSON object")
+    if out_file is not None and Path(out_file).resolve() == Path(file).resolve():
+        raise PkvError("--out must not be the input file")
+    rows = read_json_lines(file, "predictions file")
     if not rows:
         raise PkvError(f"{file} has no predictions")
     scored, summary = score_rows(rows, dataset, where=file)
@@ -405,11 +386,27 @@ def score(file, out_file, dataset) -> None:
 
 
 @cli.command()
-@click.option("--baseline", required=True, type=click.Path(dir_okay=False), help="Baseline CSV (model,task,policy,budget,n,score).")
-@click.option("--results", "results", required=True, multiple=True, type=click.Path(exists=True, file_okay=False),
-              help="Run folder(s) to check (repeatable).")
-@click.option("--tolerance", type=click.FloatRange(min=0), default=2.0, show_default=True,
-              help="Allowed fall in score points (× 100 scale) before a cell fails.")
+@click.option(
+    "--baseline",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Baseline CSV (model,task,policy,budget,n,score).",
+)
+@click.option(
+    "--results",
+    "results",
+    required=True,
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="Run folder(s) to check (repeatable).",
+)
+@click.option(
+    "--tolerance",
+    type=click.FloatRange(min=0),
+    default=2.0,
+    show_default=True,
+    help="Allowed fall in score points (× 100 scale) before a cell fails.",
+)
 @click.option("--per-cell", type=click.Path(exists=True, dir_okay=False), help="YAML of task: tolerance overrides.")
 @click.option("--update", is_flag=True, help="Write the run's cells as the new baseline instead of checking.")
 def check(baseline, results, tolerance, per_cell, update) -> None:
@@ -426,51 +423,83 @@ def check(baseline, results, tolerance, per_cell, update) -> None:
         return
     result = check_run(list(results), baseline, tolerance, per_cell)
     counts = result.table["status"].value_counts().to_dict()
-    summary = ", ".join(f"{counts[s]} {s.lower()}" for s in ("ok", "improved", "new", "REGRESSED", "MISSING", "COUNT") if s in counts)
+    summary = ", ".join(
+        f"{counts[s]} {s.lower()}" for s in ("ok", "improved", "new", "REGRESSED", "MISSING", "COUNT") if s in counts
+    )
     if result.passed:
         click.echo(f"check passed: {len(result.table)} cells ({summary}); tolerance {tolerance:g} points")
         return
-    click.echo(f"check FAILED: {len(result.failures)} of {len(result.table)} cells ({summary}); tolerance {tolerance:g} points", err=True)
+    click.echo(
+        f"check FAILED: {len(result.failures)} of {len(result.table)} cells ({summary}); tolerance {tolerance:g} points",
+        err=True,
+    )
     click.echo(format_failures(result), err=True)
     raise SystemExit(1)
 
 
 @cli.command(name="list")
-def list_() -> None:
+@click.option(
+    "--include-path",
+    "include_paths",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="A folder of your own task YAML files (repeatable; $PKVBENCH_TASKS works too).",
+)
+def list_(include_paths) -> None:
     """Tasks, policies (with their options), model aliases and supported architectures."""
-    from pkvbench.tasks.registry import all_tasks, task_groups
+    from pkvbench.policies.registry import registry
+    from pkvbench.tasks.registry import catalog
 
+    tasks = catalog(tuple(include_paths))
     click.echo("Tasks:")
-    for spec in all_tasks().values():
+    for spec in tasks.tasks.values():
         click.echo(f"  {spec.name:22} {spec.description}")
     click.echo("Task groups (--task GROUP):")
-    for group, members in task_groups().items():
+    for group, members in tasks.groups.items():
         click.echo(f"  {group:14} {', '.join(members)}")
     click.echo("Policies (options with defaults):")
-    for name, cls in POLICIES.items():
+    for name, cls in registry().items():
         defaults = " ".join(f"{k}={v}" for k, v in cls().options.items())
         click.echo(f"  {name:14} {cls.summary}" + (f"\n  {'':14} [{defaults}]" if defaults else ""))
     click.echo("Models:")
     for name, alias in ALIASES.items():
         click.echo(f"  {name:14} {alias.description} (from {alias.distribution}=={alias.version})")
-    click.echo(f"  or any Hugging Face id / local folder of: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    click.echo(f"  or any Hugging Face id / local folder / .gguf file of: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 @cli.command()
-@click.option("--task", default="needle", show_default=True, help="Task name(s), comma-separated (see `pkvbench list`).")
+@click.option(
+    "--task", "tasks", default="needle", show_default=True, help="Task name(s), comma-separated (see `pkvbench list`)."
+)
 @sample_options
 @model_options
-@click.option("--window", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Observation window: the last queries whose attention is measured (SnapKV/PyramidKV's window).")
-@click.option("--sink", type=click.IntRange(min=0), default=4, show_default=True, help="First tokens counted as the attention sink.")
-@click.option("--top-k", type=click.IntRange(min=1), default=128, show_default=True, help="k of the top-k mass statistic.")
-@click.option("--budget", default="128", show_default=True,
-              help="Budget whose PyramidKV per-layer allocation is drawn over the curves (fraction or entries).")
+@click.option(
+    "--window",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Observation window: the last queries whose attention is measured (SnapKV/PyramidKV's window).",
+)
+@click.option(
+    "--sink",
+    type=click.IntRange(min=0),
+    default=4,
+    show_default=True,
+    help="First tokens counted as the attention sink.",
+)
+@click.option(
+    "--top-k", type=click.IntRange(min=1), default=128, show_default=True, help="k of the top-k mass statistic."
+)
+@click.option(
+    "--budget",
+    default="128",
+    show_default=True,
+    help="Budget whose PyramidKV per-layer allocation is drawn over the curves (fraction or entries).",
+)
 @click.option("--out", type=click.Path(file_okay=False), help="Folder (default: results/funnel/<model>/<tasks>).")
 @click.option("--overwrite", is_flag=True, help="Discard what --out holds and start afresh.")
 @click.option("--quiet", is_flag=True, help="No progress bar, no verdict on the terminal (it is still written).")
-def funnel(task, lengths, depths, limit, seed, data_dir, no_verify, max_length, sample_ids, model, device, dtype,
-           attn_implementation, window, sink, top_k, budget, out, overwrite, quiet) -> None:
+def funnel(**options) -> None:
     """Does attention funnel with depth in this model? PyramidKV's premise, measured.
 
     Prefills each sample once and, per layer and head, measures the last --window queries' attention: normalised
@@ -483,54 +512,16 @@ def funnel(task, lengths, depths, limit, seed, data_dir, no_verify, max_length, 
     Example:
       pkvbench funnel --task needle,trec-fewshot --data-dir ../shared/data/trec --lengths 2000 --limit 5
     """
-    from pkvbench.tasks.registry import expand_tasks
-
-    tasks = expand_tasks(list(dict.fromkeys(split_list(task, "--task"))))
-    options = task_options(lengths, depths, limit, seed, data_dir, no_verify, max_length, sample_ids)
-    overlay_budgets = parse_budgets(budget)
-    if len(overlay_budgets) != 1:
-        raise PkvError("--budget takes one budget here (the one drawn over the curves)")
-    overlay_budget = overlay_budgets[0]
-    out = Path(out or Path("results/funnel") / model.replace("/", "--") / "+".join(t.name for t in tasks))
-    run_options = json.loads(json.dumps({
-        "model": model, "device": device, "dtype": dtype, "attn_implementation": attn_implementation,
-        "tasks": [t.name for t in tasks], "lengths": options.lengths, "depths": options.depths, "limit": limit,
-        "seed": seed, "data_dir": data_dir, "max_length": max_length, "sample_ids": options.sample_ids,
-        "window": window, "sink": sink, "top_k": top_k,
-    }))
-
     from pkvbench import funnel as measure
-    from pkvbench.engine.generation import Engine
-    from pkvbench.engine.models import load_model
-    from pkvbench.results import ResultStore
-    from pkvbench.runner import work_items
+    from pkvbench.api import FunnelConfig, measure_funnel
 
-    check_model_name(model)
-    store = ResultStore(out, rows_name=measure.SAMPLES, info_name=measure.INFO)
-    store.open({"options": run_options}, overwrite=overwrite)
-    make_deterministic(seed)
-    loaded = load_model(model, device=device, dtype=dtype, attn_implementation=attn_implementation)
-    store.open({"options": run_options, "model": loaded.describe()})
-    engine = Engine(loaded)
-    items = work_items(tasks, engine.tokenizer, options)
-    if not items:
-        raise PkvError("no samples to measure (check --task, --limit, --sample-id)")
-    stats = measure.run_funnel(engine, items, store, window, sink, top_k, quiet=quiet)
-
-    verdicts = measure.write_reports(out, store.rows(), loaded.name, loaded.num_layers, overlay_budget, sink)
-    if not quiet:
-        click.echo("\n\n".join(verdicts))
-    click.echo(f"{stats.written} samples measured, {stats.skipped} already done, {stats.seconds:.1f} s → "
-               f"{out}/{measure.TABLE}, {measure.HEAD_TABLE}, {measure.FIGURE}, {measure.VERDICT}")
-
-
-def _version(package: str) -> str | None:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    result = measure_funnel(FunnelConfig(**options))
+    if not options["quiet"]:
+        click.echo("\n\n".join(result.verdicts))
+    click.echo(
+        f"{result.written} samples measured, {result.skipped} already done, {result.seconds:.1f} s → "
+        f"{result.out}/{measure.TABLE}, {measure.HEAD_TABLE}, {measure.FIGURE}, {measure.VERDICT}"
+    )
 
 
 def _quiet_libraries() -> None:
@@ -568,7 +559,9 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # a bug, not bad input: still one line, with a way to see more
         if os.environ.get("PKVBENCH_DEBUG"):
             raise
-        click.echo(f"pkvbench: internal error: {type(exc).__name__}: {exc} (PKVBENCH_DEBUG=1 shows the traceback)", err=True)
+        click.echo(
+            f"pkvbench: internal error: {type(exc).__name__}: {exc} (PKVBENCH_DEBUG=1 shows the traceback)", err=True
+        )
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
 

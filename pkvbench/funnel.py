@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from pkvbench.budgets import Budget, plan
 from pkvbench.engine.attention import window_attention_probs
-from pkvbench.policies import parse_policy
+from pkvbench.io import atomic_write
+from pkvbench.policies.spec import parse_policy
 
 SAMPLES = "funnel_samples.jsonl"
 INFO = "funnel.json"
@@ -101,7 +102,9 @@ def measure_sample(engine, input_ids: list[int], window: int, sink: int, top_k: 
     _, seconds = engine.recorded_forward(torch.tensor([input_ids], dtype=torch.long), recorder)
     layers = [recorder.layers[i] for i in range(engine.loaded.num_layers)]
     # Six significant digits are far beyond what differs between samples, and keep the per-sample log small.
-    return {name: [[float(f"{v:.6g}") for v in layer[name].tolist()] for layer in layers] for name in STATISTICS}, seconds
+    return {
+        name: [[float(f"{v:.6g}") for v in layer[name].tolist()] for layer in layers] for name in STATISTICS
+    }, seconds
 
 
 def sample_frame(records: list[dict]) -> pd.DataFrame:
@@ -111,11 +114,16 @@ def sample_frame(records: list[dict]) -> pd.DataFrame:
         stats = record["stats"]
         for layer, heads in enumerate(stats["entropy"]):
             for head in range(len(heads)):
-                rows.append({
-                    "task": record["task"], "sample_id": str(record["sample_id"]),
-                    "context_tokens": record["context_tokens"], "layer": layer, "head": head,
-                    **{name: stats[name][layer][head] for name in STATISTICS},
-                })
+                rows.append(
+                    {
+                        "task": record["task"],
+                        "sample_id": str(record["sample_id"]),
+                        "context_tokens": record["context_tokens"],
+                        "layer": layer,
+                        "head": head,
+                        **{name: stats[name][layer][head] for name in STATISTICS},
+                    }
+                )
     return pd.DataFrame(rows)
 
 
@@ -132,9 +140,16 @@ def funnel_tables(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     layer_values = per_sample.agg(value="mean", head_std="std", head_min="min", head_max="max").reset_index()
     per_layer = (
         layer_values.groupby(["task", "statistic", "layer"], sort=False)
-        .agg(mean=("value", "mean"), std=("value", "std"), min=("value", "min"), max=("value", "max"),
-             head_std=("head_std", "mean"), head_min=("head_min", "mean"), head_max=("head_max", "mean"),
-             samples=("value", "count"))
+        .agg(
+            mean=("value", "mean"),
+            std=("value", "std"),
+            min=("value", "min"),
+            max=("value", "max"),
+            head_std=("head_std", "mean"),
+            head_min=("head_min", "mean"),
+            head_max=("head_max", "mean"),
+            samples=("value", "count"),
+        )
         .reset_index()
     )
     per_head = (
@@ -160,6 +175,7 @@ def spearman(x: pd.Series, y: pd.Series) -> float:
 def change_point(values: pd.Series) -> int:
     """Where a curve shifts: the split into a lower and an upper block that leaves the least squared error around
     the two block means (one step of binary segmentation; a single outlying layer does not win it)."""
+
     def squared_error(block: pd.Series) -> float:
         return float(((block - block.mean()) ** 2).sum())
 
@@ -174,8 +190,16 @@ def strength(rho: float) -> str:
     return "a strong" if size >= 0.7 else "a moderate" if size >= 0.4 else "a weak"
 
 
-def verdict(per_layer: pd.DataFrame, task: str, model: str, samples: int, context: float, sink: int,
-            pyramid: list[int] | None = None, budget: str | None = None) -> str:
+def verdict(
+    per_layer: pd.DataFrame,
+    task: str,
+    model: str,
+    samples: int,
+    context: float,
+    sink: int,
+    pyramid: list[int] | None = None,
+    budget: str | None = None,
+) -> str:
     """A paragraph: does attention concentrate with depth on ``task``, how strongly, and where; with ``pyramid``
     (PyramidKV's entries per layer at ``budget``), how those compare with the keys that hold 90% of the attention."""
     rows = per_layer[per_layer["task"] == task]
@@ -209,12 +233,15 @@ def verdict(per_layer: pd.DataFrame, task: str, model: str, samples: int, contex
         f"{entropy.iloc[high].mean():.2f} in the top third (Spearman rho against layer index {rho_entropy:+.2f}; "
         f"-1 would be a steady fall); 90% of the attention needs {keys_share.iloc[low].mean():.1%} of the keys in the "
         f"lowest third and {keys_share.iloc[high].mean():.1%} in the top third (rho {rho_keys:+.2f}). "
-        + (f"Split in two blocks, the entropy curve changes most between layers {split - 1} and {split} (mean "
-           f"{entropy.iloc[:split].mean():.2f} below, {entropy.iloc[split:].mean():.2f} from there up). " if split else "")
+        + (
+            f"Split in two blocks, the entropy curve changes most between layers {split - 1} and {split} (mean "
+            f"{entropy.iloc[:split].mean():.2f} below, {entropy.iloc[split:].mean():.2f} from there up). "
+            if split
+            else ""
+        )
         + f"Most concentrated: layers {lowest}; most spread: layers {highest}. The first {sink} tokens hold "
         f"{sinks.iloc[low].mean():.0%} of the attention in the lowest third and {sinks.iloc[high].mean():.0%} in the top "
-        f"third. {premise}."
-        + (f" {budget_fit(rows, pyramid, budget, low, high)}" if pyramid else "")
+        f"third. {premise}." + (f" {budget_fit(rows, pyramid, budget, low, high)}" if pyramid else "")
     )
 
 
@@ -230,8 +257,11 @@ def budget_fit(curves: pd.DataFrame, pyramid: list[int], budget: str, low: slice
         f"{needed['mean'].iloc[low].mean():.0f} and {needed['mean'].iloc[high].mean():.0f} keys on average over "
         f"heads ({needed['head_max'].iloc[low].mean():.0f} and {needed['head_max'].iloc[high].mean():.0f} in each "
         f"layer's widest head); "
-        + (f"it keeps fewer than the average head's in layers {', '.join(short)}." if short
-           else "it keeps more than the average head's in every layer.")
+        + (
+            f"it keeps fewer than the average head's in layers {', '.join(short)}."
+            if short
+            else "it keeps more than the average head's in every layer."
+        )
     )
 
 
@@ -248,14 +278,21 @@ def run_funnel(engine, items, store, window: int, sink: int, top_k: int, quiet: 
     done = {(row["task"], str(row["sample_id"])) for row in store.rows()}
     pending = [(task, sample) for task, sample in items if (task.name, sample.sample_id) not in done]
     stats = FunnelStats(skipped=len(items) - len(pending))
-    bar = tqdm(total=len(items), initial=stats.skipped, disable=quiet or not sys.stderr.isatty(), unit="sample",
-               desc="funnel")
+    bar = tqdm(
+        total=len(items), initial=stats.skipped, disable=quiet or not sys.stderr.isatty(), unit="sample", desc="funnel"
+    )
     for task, sample in pending:
         measured, seconds = measure_sample(engine, sample.input_ids, window, sink, top_k)
-        store.append({
-            "task": task.name, "sample_id": sample.sample_id, "context_tokens": len(sample.input_ids),
-            **sample.extras, "forward_s": round(seconds, 4), "stats": measured,
-        })
+        store.append(
+            {
+                "task": task.name,
+                "sample_id": sample.sample_id,
+                "context_tokens": len(sample.input_ids),
+                **sample.extras,
+                "forward_s": round(seconds, 4),
+                "stats": measured,
+            }
+        )
         stats.written += 1
         bar.update(1)
     bar.close()
@@ -263,24 +300,34 @@ def run_funnel(engine, items, store, window: int, sink: int, top_k: int, quiet: 
     return stats
 
 
-def write_reports(out: Path, records: list[dict], model: str, num_layers: int, budget: Budget, sink: int) -> list[str]:
-    """From the per-sample records: ``funnel.csv``, ``funnel_heads.csv``, ``verdict.txt`` (returned, a paragraph per
-    task) and ``funnel.png`` with the per-layer entries PyramidKV keeps at ``budget`` for each task's mean length."""
-    from pkvbench.plots import plot_funnel
+@dataclass
+class FunnelReport:
+    per_layer: pd.DataFrame
+    per_head: pd.DataFrame
+    verdicts: list[str]  # a paragraph per task
+    overlays: dict[str, dict]  # per task: PyramidKV's per-layer entries at the budget, for the figure
 
+
+def write_reports(
+    out: Path, records: list[dict], model: str, num_layers: int, budget: Budget, sink: int
+) -> FunnelReport:
+    """From the per-sample records: ``funnel.csv``, ``funnel_heads.csv`` and ``verdict.txt`` (a paragraph per task),
+    and for the figure the per-layer entries PyramidKV keeps at ``budget`` for each task's mean length."""
     frame = sample_frame(records)
     per_layer, per_head = funnel_tables(frame)
-    per_layer.to_csv(out / TABLE, index=False)
-    per_head.to_csv(out / HEAD_TABLE, index=False)
+    atomic_write(out / TABLE, per_layer.to_csv(index=False))
+    atomic_write(out / HEAD_TABLE, per_head.to_csv(index=False))
     verdicts, overlays = [], {}
     pyramid = parse_policy("pyramidkv")
     for task, samples in frame.groupby("task", sort=False)[["sample_id", "context_tokens"]]:
         samples = samples.drop_duplicates("sample_id")
         context = samples["context_tokens"].mean()
         layer_plan = plan(pyramid, budget, round(context), num_layers)
-        overlays[task] = {"per_layer": layer_plan.per_layer, "uniform": layer_plan.effective,
-                          "label": f"budget {budget} at T={round(context)}"}
+        overlays[task] = {
+            "per_layer": layer_plan.per_layer,
+            "uniform": layer_plan.effective,
+            "label": f"budget {budget} at T={round(context)}",
+        }
         verdicts.append(verdict(per_layer, task, model, len(samples), context, sink, layer_plan.per_layer, str(budget)))
-    (out / VERDICT).write_text("\n\n".join(verdicts) + "\n", encoding="utf-8")
-    plot_funnel(per_layer, overlays, model, out / FIGURE)
-    return verdicts
+    atomic_write(out / VERDICT, "\n\n".join(verdicts) + "\n")
+    return FunnelReport(per_layer, per_head, verdicts, overlays)

@@ -209,7 +209,11 @@ def code_sim_one(prediction: str, answer: str) -> float:
     """fuzz ratio / 100 of the prediction's first line (after leading newlines) with no "`", "#" or "//"
     ("" if there is none) against the answer."""
     candidate = next(
-        (line for line in prediction.lstrip("\n").split("\n") if "`" not in line and "#" not in line and "//" not in line),
+        (
+            line
+            for line in prediction.lstrip("\n").split("\n")
+            if "`" not in line and "#" not in line and "//" not in line
+        ),
         "",
     )
     return fuzz_ratio(candidate, answer) / 100

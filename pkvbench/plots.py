@@ -14,15 +14,15 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless: never needs a display
 
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-from matplotlib.cm import ScalarMappable  # noqa: E402
-from matplotlib.colors import LinearSegmentedColormap, Normalize  # noqa: E402
-from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import LinearSegmentedColormap, Normalize
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from pkvbench.errors import PkvError  # noqa: E402
-from pkvbench.report import (  # noqa: E402
+from pkvbench.errors import PkvError
+from pkvbench.report import (
     Runs,
     budget_sort_key,
     model_display_name,
@@ -55,6 +55,7 @@ def _save(fig, path: Path) -> Path:
 
 # --- needle heatmaps -------------------------------------------------------------------------------------------------
 
+
 def needle_rows(rows: pd.DataFrame) -> pd.DataFrame:
     """Rows of tasks laid out on a length × depth grid (the needle task)."""
     if not {"length", "depth"} <= set(rows.columns):
@@ -75,8 +76,18 @@ def _grid(cell: pd.DataFrame) -> pd.DataFrame:
 
 def _heatmap(ax, grid: pd.DataFrame, cbar: bool, cbar_ax=None) -> None:
     sns.heatmap(
-        grid, ax=ax, cmap=NEEDLE_CMAP, vmin=0, vmax=1, annot=True, fmt=".2f", annot_kws={"size": 9},
-        linewidths=0.5, linecolor="white", cbar=cbar, cbar_ax=cbar_ax,
+        grid,
+        ax=ax,
+        cmap=NEEDLE_CMAP,
+        vmin=0,
+        vmax=1,
+        annot=True,
+        fmt=".2f",
+        annot_kws={"size": 9},
+        linewidths=0.5,
+        linecolor="white",
+        cbar=cbar,
+        cbar_ax=cbar_ax,
         cbar_kws={"label": "score (ROUGE-1 F, 0–1)"} if cbar else None,
     )
     ax.set_xlabel("context length (tokens)")
@@ -101,9 +112,12 @@ def plot_needle_heatmaps(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
                 grid = _grid(cell)
                 fig, ax = plt.subplots(figsize=(1.0 * grid.shape[1] + 3.2, 0.45 * grid.shape[0] + 2.2))
                 _heatmap(ax, grid, cbar=True)
-                ax.set_title(f"{task} · {name}\n{policy} · {budget_title(budget)} · mean {cell['score'].mean():.2f}",
-                             fontsize=10)
-                paths.append(_save(fig, out_dir / f"{slug(task)}_heatmap_{slug(name)}_{slug(policy)}_{slug(budget)}.png"))
+                ax.set_title(
+                    f"{task} · {name}\n{policy} · {budget_title(budget)} · mean {cell['score'].mean():.2f}", fontsize=10
+                )
+                paths.append(
+                    _save(fig, out_dir / f"{slug(task)}_heatmap_{slug(name)}_{slug(policy)}_{slug(budget)}.png")
+                )
         # The combined figure: each row a budget, the policies side by side.
         n_rows, n_cols = len(budgets), len(policies)
         sample = _grid(per_model)
@@ -136,12 +150,13 @@ def plot_needle_heatmaps(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
 
 # --- score-vs-budget curves ------------------------------------------------------------------------------------------
 
+
 def curve_table(rows: pd.DataFrame) -> pd.DataFrame:
     """model, policy, budget, task, score (× 100): one point per cell, plus task ``avg`` (mean over the model's
     tasks, only where every task has the cell)."""
     cells = rows.groupby(["model", "policy", "budget", "task"], sort=False)["score"].mean().mul(100).reset_index()
     parts = [cells]
-    for model, per_model in cells.groupby("model", sort=False):
+    for _model, per_model in cells.groupby("model", sort=False):
         tasks = per_model["task"].nunique()
         if tasks < 2:
             continue
@@ -181,15 +196,18 @@ def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         if (per_model["task"] == "avg").any():
             tasks.append("avg")
         budgets = per_model["budget"].unique()
-        kinds = [k for k, pred in (("tokens", lambda b: float(b) >= 1), ("fraction", lambda b: float(b) < 1))
-                 if any(pred(b) for b in budgets)]
+        kinds = [
+            k
+            for k, pred in (("tokens", lambda b: float(b) >= 1), ("fraction", lambda b: float(b) < 1))
+            if any(pred(b) for b in budgets)
+        ]
         policies = sorted((p for p in per_model["policy"].unique() if p != "full"), key=policy_sort_key)
         colours = {p: palette[i % len(palette)] for i, p in enumerate(policies)}
         panels = [(task, kind) for task in tasks for kind in kinds]  # a task's kinds side by side
         n_cols = min(len(panels), 4)
         n_rows = math.ceil(len(panels) / n_cols)
         fig, axes = plt.subplots(n_rows, n_cols, figsize=(4.4 * n_cols + 1.8, 3.3 * n_rows), squeeze=False)
-        for ax in axes.flat[len(panels):]:
+        for ax in axes.flat[len(panels) :]:
             ax.set_visible(False)
         handles = {}
         for (task, kind), ax in zip(panels, axes.flat):
@@ -203,12 +221,12 @@ def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
                     continue
                 line["x"] = line["budget"].astype(float)
                 line = line.sort_values("x")
-                (handle,) = ax.plot(line["x"], line["score"], marker="o", color=colours[policy], label=policy,
-                                    linewidth=1.8)
+                (handle,) = ax.plot(
+                    line["x"], line["score"], marker="o", color=colours[policy], label=policy, linewidth=1.8
+                )
                 handles.setdefault(policy, handle)
             if full_score is not None:
-                handle = ax.axhline(full_score, color="black", linestyle="--", linewidth=1.2,
-                                    label="full cache")
+                handle = ax.axhline(full_score, color="black", linestyle="--", linewidth=1.2, label="full cache")
                 handles.setdefault("full cache", handle)
             if ticks:
                 ax.set_xscale("log")
@@ -217,12 +235,17 @@ def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
                 ax.set_xlim(low / pad, high * pad)
                 ax.xaxis.set_major_locator(FixedLocator(ticks))
                 ax.xaxis.set_minor_locator(NullLocator())
-                ax.xaxis.set_major_formatter(FuncFormatter(
-                    (lambda x, _: f"{x:g}") if kind == "tokens" else (lambda x, _: f"{x * 100:g}%")))
+                ax.xaxis.set_major_formatter(
+                    FuncFormatter((lambda x, _: f"{x:g}") if kind == "tokens" else (lambda x, _: f"{x * 100:g}%"))
+                )
             ax.set_ylim(0, 105)
             ax.grid(True, alpha=0.3)
-            ax.set_xlabel("KV budget (entries per head per layer, log)" if kind == "tokens"
-                          else "KV budget (fraction of the prompt, log)", fontsize=9)
+            ax.set_xlabel(
+                "KV budget (entries per head per layer, log)"
+                if kind == "tokens"
+                else "KV budget (fraction of the prompt, log)",
+                fontsize=9,
+            )
             ax.set_ylabel("score (× 100)")
             title = "average over tasks" if task == "avg" else task
             ax.set_title(f"{title} · {name}", fontsize=10)
@@ -242,6 +265,7 @@ def plot_runs(runs: Runs, out_dir: str | Path) -> list[Path]:
 
 # --- per-layer budgets -----------------------------------------------------------------------------------------------
 
+
 def plot_layer_budgets(entries: list[dict], path: str | Path) -> Path:
     """Entries kept per layer for each policy, one panel per budget; pyramid shapes as bars, uniform ones as a
     dashed line (a uniform reference is drawn even when no uniform policy was asked for)."""
@@ -258,12 +282,18 @@ def plot_layer_budgets(entries: list[dict], path: str | Path) -> Path:
         width = 0.8 / max(len(shaped), 1)
         for i, e in enumerate(shaped):
             xs = [layer + (i - (len(shaped) - 1) / 2) * width for layer in range(e["layers"])]
-            ax.bar(xs, e["per_layer"], width=width, color=palette[i % len(palette)],
-                   label=f"{e['policy']} (mean {e['mean']:g})")
+            ax.bar(
+                xs,
+                e["per_layer"],
+                width=width,
+                color=palette[i % len(palette)],
+                label=f"{e['policy']} (mean {e['mean']:g})",
+            )
         names = ", ".join(e["policy"] for e in flat)
         k = flat[0]["per_layer"][0] if flat else panel[0]["effective"]
-        ax.axhline(k, color="black", linestyle="--", linewidth=1.2,
-                   label=f"uniform{' (' + names + ')' if names else ''}: {k}")
+        ax.axhline(
+            k, color="black", linestyle="--", linewidth=1.2, label=f"uniform{' (' + names + ')' if names else ''}: {k}"
+        )
         layers = panel[0]["layers"]
         ax.set_xlim(-0.7, layers - 0.3)
         step = max(1, math.ceil(layers / 16))
@@ -271,8 +301,11 @@ def plot_layer_budgets(entries: list[dict], path: str | Path) -> Path:
         ax.set_xlabel("layer (0 = bottom)")
         ax.set_ylabel("entries kept per KV head")
         policies = ", ".join(e["policy"] for e in panel)
-        ax.set_title(f"entries kept per layer: {policies} · {budget_title(str(budget))} · prompt T={panel[0]['context']}"
-                     f", {layers} layers", fontsize=10)
+        ax.set_title(
+            f"entries kept per layer: {policies} · {budget_title(str(budget))} · prompt T={panel[0]['context']}"
+            f", {layers} layers",
+            fontsize=10,
+        )
         ax.legend(fontsize=8, loc="upper right")
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
@@ -292,10 +325,16 @@ def plot_funnel(per_layer: pd.DataFrame, overlays: dict[str, dict], title: str, 
     for ax, task in zip(axes[:, 0], tasks):
         overlay = overlays[task]
         budget_ax = ax.twinx()
-        budget_ax.bar(range(len(overlay["per_layer"])), overlay["per_layer"], color="0.85", width=0.8,
-                      label=f"pyramidkv entries kept ({overlay['label']})")
-        budget_ax.axhline(overlay["uniform"], color="0.5", linestyle="--", linewidth=1,
-                          label=f"uniform: {overlay['uniform']}")
+        budget_ax.bar(
+            range(len(overlay["per_layer"])),
+            overlay["per_layer"],
+            color="0.85",
+            width=0.8,
+            label=f"pyramidkv entries kept ({overlay['label']})",
+        )
+        budget_ax.axhline(
+            overlay["uniform"], color="0.5", linestyle="--", linewidth=1, label=f"uniform: {overlay['uniform']}"
+        )
         budget_ax.set_ylabel("entries kept per KV head")
         budget_ax.set_ylim(0, max(overlay["per_layer"]) * 1.15)
         ax.set_zorder(budget_ax.get_zorder() + 1)  # curves over the bars
@@ -305,8 +344,14 @@ def plot_funnel(per_layer: pd.DataFrame, overlays: dict[str, dict], title: str, 
             curve = panel[panel["statistic"] == name].sort_values("layer")
             spread = curve["std"].fillna(0)
             ax.plot(curve["layer"], curve["mean"], marker=".", color=palette[name], label=name)
-            ax.fill_between(curve["layer"], (curve["mean"] - spread).clip(lower=0), (curve["mean"] + spread).clip(upper=1),
-                            color=palette[name], alpha=0.15, linewidth=0)
+            ax.fill_between(
+                curve["layer"],
+                (curve["mean"] - spread).clip(lower=0),
+                (curve["mean"] + spread).clip(upper=1),
+                color=palette[name],
+                alpha=0.15,
+                linewidth=0,
+            )
         layers = int(panel["layer"].max()) + 1
         ax.set_xlim(-0.7, layers - 0.3)
         ax.set_xticks(range(0, layers, max(1, math.ceil(layers / 16))))
@@ -317,8 +362,14 @@ def plot_funnel(per_layer: pd.DataFrame, overlays: dict[str, dict], title: str, 
         ax.set_title(f"{title} · {task} · {samples} samples, last-window queries", fontsize=10)
         handles, labels = ax.get_legend_handles_labels()
         more_handles, more_labels = budget_ax.get_legend_handles_labels()
-        ax.legend(handles + more_handles, labels + more_labels, fontsize=7, loc="upper center", ncol=4,
-                  bbox_to_anchor=(0.5, -0.14))
+        ax.legend(
+            handles + more_handles,
+            labels + more_labels,
+            fontsize=7,
+            loc="upper center",
+            ncol=4,
+            bbox_to_anchor=(0.5, -0.14),
+        )
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     return _save(fig, Path(path))

@@ -9,6 +9,7 @@ what is still missing of that sample. Ray is imported here only, and only when a
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -57,14 +58,15 @@ class SampleWorker:
     def __init__(self, spec: ModelSpec, threads: int):
         import torch
 
-        from pkvbench.cli import make_deterministic
         from pkvbench.engine.generation import Engine
         from pkvbench.engine.models import load_model
+        from pkvbench.provenance import make_deterministic
 
         torch.set_num_threads(threads)
         make_deterministic(spec.seed)
-        self.loaded = load_model(spec.name, device=spec.device, dtype=spec.dtype,
-                                 attn_implementation=spec.attn_implementation)
+        self.loaded = load_model(
+            spec.name, device=spec.device, dtype=spec.dtype, attn_implementation=spec.attn_implementation
+        )
         self.engine = Engine(self.loaded)
 
     def describe(self) -> dict:
@@ -173,10 +175,8 @@ class _Pool:
         return self.actor_class.remote(self.model, CPUS_PER_WORKER)
 
     def replace(self, actor):
-        try:
-            self.ray.kill(actor, no_restart=True)  # gone already, or unreachable: make sure it is not half alive
-        except Exception:
-            pass
+        with contextlib.suppress(Exception):  # gone already, or unreachable: make sure it is not half alive
+            self.ray.kill(actor, no_restart=True)
         fresh = self._start()
         self.actors[self.actors.index(actor)] = fresh
         return fresh
@@ -196,7 +196,7 @@ def _worker_failed(exc) -> PkvError:
     last = lines[-1] if lines else type(exc).__name__
     ours = f"{PkvError.__module__}.{PkvError.__name__}: "
     if last.startswith(ours):
-        return PkvError(last[len(ours):])
+        return PkvError(last[len(ours) :])
     return PkvError(f"a Ray worker could not load the model: {last}")
 
 

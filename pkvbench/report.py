@@ -9,6 +9,7 @@ CSV, ``--`` in LaTeX), never 0.
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import math
 import os
@@ -19,21 +20,39 @@ import pandas as pd
 
 from pkvbench.budgets import budget_label
 from pkvbench.errors import PkvError
+from pkvbench.policies.registry import policy_order
 from pkvbench.results import ROWS, RUN, read_rows
 
 # LongBench v1's 21 tasks in the order of its own tables (the paper's 16 English tasks keep their Table 1 order).
 LONGBENCH_ORDER = (
-    "narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh", "hotpotqa", "2wikimqa", "musique", "dureader",
-    "gov_report", "qmsum", "multi_news", "vcsum", "trec", "triviaqa", "samsum", "lsht", "passage_count",
-    "passage_retrieval_en", "passage_retrieval_zh", "lcc", "repobench-p",
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "multifieldqa_zh",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "dureader",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "vcsum",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "lsht",
+    "passage_count",
+    "passage_retrieval_en",
+    "passage_retrieval_zh",
+    "lcc",
+    "repobench-p",
 )
-POLICY_ORDER = ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")
 # LongBench-E buckets of the sample's ``length`` field, as LongBench's own eval.py cuts them.
 LENGTH_BUCKETS = (("0-4k", 0, 4000), ("4-8k", 4000, 8000), ("8k+", 8000, math.inf))
 FORMATS = ("markdown", "csv", "latex")
 KEY = ["model", "policy", "budget"]
 
-REFERENCE_DIR = Path(__file__).resolve().parents[1] / "results" / "reference"
+REFERENCE_PACKAGE = "pkvbench.reference_tables"  # the project's results/reference/, installed as package data
 REFERENCES = {"pyramidkv-table1": "pyramidkv_table1.csv"}
 # What the paper's policies are in pkvbench's terms (arXiv 2406.02069, Table 1; the PyramidKV code's defaults).
 PAPER_POLICY_OPTIONS = {
@@ -51,6 +70,7 @@ PAPER_MODELS = {
 
 
 # --- loading ---------------------------------------------------------------------------------------------------------
+
 
 def run_folders(paths: list[str | os.PathLike]) -> list[Path]:
     """Each path is a run folder (with samples.jsonl) or a folder above run folders (searched recursively)."""
@@ -77,7 +97,7 @@ def model_display_name(model: str) -> str:
 
     if model in ALIASES:
         return ALIASES[model].filename.split(".")[0]
-    return model.rstrip("/").split("/")[-1]
+    return model.rstrip("/").split("/")[-1].removesuffix(".gguf")
 
 
 @dataclass
@@ -117,7 +137,9 @@ def load_runs(paths: list[str | os.PathLike]) -> Runs:
     keys = ["model", "task", "sample_id", "policy", "budget"]
     duplicated = merged.duplicated(keys, keep="first")
     if duplicated.any():
-        notes.append(f"{int(duplicated.sum())} rows found in more than one folder were counted once (first folder wins)")
+        notes.append(
+            f"{int(duplicated.sum())} rows found in more than one folder were counted once (first folder wins)"
+        )
         merged = merged[~duplicated].reset_index(drop=True)
     return Runs(merged, folders, notes)
 
@@ -131,6 +153,7 @@ def _run_model(folder: Path) -> str:
 
 # --- ordering --------------------------------------------------------------------------------------------------------
 
+
 def budget_sort_key(label: str) -> tuple[int, float]:
     """Token budgets first (ascending), then fractions (ascending)."""
     value = float(label)
@@ -138,8 +161,9 @@ def budget_sort_key(label: str) -> tuple[int, float]:
 
 
 def policy_sort_key(label: str) -> tuple[int, str]:
+    order = policy_order()
     name = label.split(":")[0]
-    return (POLICY_ORDER.index(name) if name in POLICY_ORDER else len(POLICY_ORDER), label)
+    return (order.index(name) if name in order else len(order), label)
 
 
 def task_order(tasks) -> list[str]:
@@ -162,6 +186,7 @@ def sort_rows(frame: pd.DataFrame, columns=KEY) -> pd.DataFrame:
 
 
 # --- the table -------------------------------------------------------------------------------------------------------
+
 
 def length_bucket(length) -> str | None:
     try:
@@ -212,9 +237,7 @@ def report_table(rows: pd.DataFrame) -> pd.DataFrame:
         model: [t for t in tasks if per_model[t].notna().any()]
         for model, per_model in table.groupby(level="model", sort=False)
     }
-    table["avg"] = [
-        table.loc[index, model_tasks[index[0]]].mean(skipna=False) for index in table.index
-    ]
+    table["avg"] = [table.loc[index, model_tasks[index[0]]].mean(skipna=False) for index in table.index]
     table["tasks"] = table[tasks].notna().sum(axis=1)
     table["n"] = rows.groupby(KEY, sort=False).size()
     table = table.reset_index()
@@ -235,6 +258,7 @@ def uneven_counts(rows: pd.DataFrame) -> list[str]:
 
 
 # --- formats ---------------------------------------------------------------------------------------------------------
+
 
 def _cell(value, missing: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -261,8 +285,18 @@ def to_csv(table: pd.DataFrame) -> str:
 
 
 def _latex_escape(text: str) -> str:
-    for char, escaped in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("$", r"\$"), ("#", r"\#"),
-                          ("_", r"\_"), ("{", r"\{"), ("}", r"\}"), ("~", r"\textasciitilde{}"), ("^", r"\^{}")):
+    for char, escaped in (
+        ("\\", r"\textbackslash{}"),
+        ("&", r"\&"),
+        ("%", r"\%"),
+        ("$", r"\$"),
+        ("#", r"\#"),
+        ("_", r"\_"),
+        ("{", r"\{"),
+        ("}", r"\}"),
+        ("~", r"\textasciitilde{}"),
+        ("^", r"\^{}"),
+    ):
         text = text.replace(char, escaped)
     return text
 
@@ -293,6 +327,7 @@ def render(table: pd.DataFrame, fmt: str) -> str:
 
 # --- the paper's Table 1 ---------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Reference:
     """A reference table: per-task scores, the printed averages, and the models it covers."""
@@ -319,7 +354,7 @@ class Reference:
 
 def load_reference(name_or_path: str) -> Reference:
     if name_or_path in REFERENCES:
-        path = REFERENCE_DIR / REFERENCES[name_or_path]
+        path = importlib.resources.files(REFERENCE_PACKAGE).joinpath(REFERENCES[name_or_path])
     elif Path(name_or_path).is_file():
         path = Path(name_or_path)
     else:
@@ -334,8 +369,9 @@ def load_reference(name_or_path: str) -> Reference:
     frame["score"] = frame["score"].astype(float)
     is_avg = frame["task"] == "average"
     printed = frame[is_avg].rename(columns={"score": "average"}).drop(columns="task")[[*KEY, "average"]]
-    return Reference(name_or_path, frame[~is_avg][[*KEY, "task", "score"]].reset_index(drop=True),
-                     printed.reset_index(drop=True))
+    return Reference(
+        name_or_path, frame[~is_avg][[*KEY, "task", "score"]].reset_index(drop=True), printed.reset_index(drop=True)
+    )
 
 
 @dataclass
@@ -348,8 +384,11 @@ def _options_differ(policy_label: str, options: dict | None) -> list[str]:
     name = policy_label.split(":")[0]
     wanted = PAPER_POLICY_OPTIONS.get(name, {})
     options = options if isinstance(options, dict) else {}
-    return [f"run has {k}={_text(options.get(k))}, the paper {k}={_text(v)}"
-            for k, v in wanted.items() if k in options and options.get(k) != v]
+    return [
+        f"run has {k}={_text(options.get(k))}, the paper {k}={_text(v)}"
+        for k, v in wanted.items()
+        if k in options and options.get(k) != v
+    ]
 
 
 def _text(value) -> str:
@@ -366,8 +405,9 @@ def compare(runs: Runs, reference: Reference, paper_model: str | None = None) ->
     ref_tasks = set(reference.scores["task"])
     common_tasks = task_order(t for t in rows["task"].unique() if t in ref_tasks)
     if not common_tasks:
-        others = [model_display_name(m) for m in rows["model"].unique()
-                  if m not in PAPER_MODELS and m not in reference.models]
+        others = [
+            model_display_name(m) for m in rows["model"].unique() if m not in PAPER_MODELS and m not in reference.models
+        ]
         raise PkvError(
             f"nothing to compare: the run's tasks ({', '.join(task_order(rows['task'].unique()))}) are not in "
             f"{reference.name} ({', '.join(task_order(ref_tasks))})"
@@ -405,25 +445,55 @@ def compare(runs: Runs, reference: Reference, paper_model: str | None = None) ->
             statements.append(f"The run's model is {target}; compared with {paper_model} as asked (--paper-model).")
             target = paper_model
         ref = reference.scores[reference.scores["model"] == target]
-        measured = (per_model.groupby(["policy", "paper_policy", "budget", "task"], sort=False)["score"]
-                    .agg(measured="mean", n="count").reset_index())
+        measured = (
+            per_model.groupby(["policy", "paper_policy", "budget", "task"], sort=False)["score"]
+            .agg(measured="mean", n="count")
+            .reset_index()
+        )
         measured["measured"] *= 100
         merged = measured.merge(
-            ref.rename(columns={"policy": "paper_policy", "score": "paper"})[["paper_policy", "budget", "task", "paper"]],
-            on=["paper_policy", "budget", "task"], how="inner",
+            ref.rename(columns={"policy": "paper_policy", "score": "paper"})[
+                ["paper_policy", "budget", "task", "paper"]
+            ],
+            on=["paper_policy", "budget", "task"],
+            how="inner",
         )
         for (policy, budget), cell in merged.groupby(["policy", "budget"], sort=False):
             cell = cell.set_index("task").reindex(task_order(cell["task"]))
             for task, r in cell.iterrows():
-                out.append({"model": shown, "paper_model": target, "policy": policy, "budget": budget, "task": task,
-                            "measured": r["measured"], "paper": r["paper"], "n": int(r["n"])})
+                out.append(
+                    {
+                        "model": shown,
+                        "paper_model": target,
+                        "policy": policy,
+                        "budget": budget,
+                        "task": task,
+                        "measured": r["measured"],
+                        "paper": r["paper"],
+                        "n": int(r["n"]),
+                    }
+                )
             tasks_done = len(cell)
-            avg_label = "average" if tasks_done == len(ref_tasks) else f"average ({tasks_done} of {len(ref_tasks)} tasks)"
-            out.append({"model": shown, "paper_model": target, "policy": policy, "budget": budget, "task": avg_label,
-                        "measured": cell["measured"].mean(), "paper": cell["paper"].mean(), "n": int(cell["n"].sum())})
+            avg_label = (
+                "average" if tasks_done == len(ref_tasks) else f"average ({tasks_done} of {len(ref_tasks)} tasks)"
+            )
+            out.append(
+                {
+                    "model": shown,
+                    "paper_model": target,
+                    "policy": policy,
+                    "budget": budget,
+                    "task": avg_label,
+                    "measured": cell["measured"].mean(),
+                    "paper": cell["paper"].mean(),
+                    "n": int(cell["n"].sum()),
+                }
+            )
         options = per_model.drop_duplicates("policy").set_index("policy")
         for policy in options.index:
-            differ = _options_differ(policy, options.loc[policy].get("policy_options") if "policy_options" in options else None)
+            differ = _options_differ(
+                policy, options.loc[policy].get("policy_options") if "policy_options" in options else None
+            )
             if differ:
                 statements.append(f"{policy}: {'; '.join(differ)}: not the paper's setting.")
     table = pd.DataFrame(out)
@@ -438,8 +508,9 @@ def compare(runs: Runs, reference: Reference, paper_model: str | None = None) ->
                 f"{reference.name}: {r.model} {r.policy} @ {r.budget} prints average {r.average:.2f} but its 16 task "
                 f"scores average {r.row_mean:.2f}; the paper column uses the row mean."
             )
-    return Comparison(table[["model", "paper_model", "policy", "budget", "task", "measured", "paper", "delta", "n"]],
-                      statements)
+    return Comparison(
+        table[["model", "paper_model", "policy", "budget", "task", "measured", "paper", "delta", "n"]], statements
+    )
 
 
 def _sort_comparison(table: pd.DataFrame) -> pd.DataFrame:

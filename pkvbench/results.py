@@ -80,7 +80,7 @@ class ResultStore:
         try:
             view = memoryview(data)
             while view:  # os.write may write less than asked
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -117,11 +117,7 @@ def summarize(rows: list[dict[str, Any]]) -> pd.DataFrame:
         return pd.DataFrame(columns=columns)
     frame = pd.DataFrame(rows)
     frame["budget"] = [budget_label(row["budget"]) for row in rows]
-    table = (
-        frame.groupby(["task", "policy", "budget"], sort=False)["score"]
-        .agg(n="count", score="mean")
-        .reset_index()
-    )
+    table = frame.groupby(["task", "policy", "budget"], sort=False)["score"].agg(n="count", score="mean").reset_index()
     table["score"] = (table["score"] * 100).round(2)
     return table[columns]
 

@@ -17,7 +17,7 @@ from pkvbench.budgets import Budget
 from pkvbench.engine.generation import Engine
 from pkvbench.errors import PkvError
 from pkvbench.metrics import METRICS, prepare_prediction
-from pkvbench.policies import Policy
+from pkvbench.policies.base import Policy
 from pkvbench.results import ResultStore, row_key
 from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec
 from pkvbench.tasks.registry import build_samples
@@ -59,7 +59,9 @@ class Shard:
         return f"{self.index}/{self.count}"
 
 
-def work_items(tasks: list[TaskSpec], tokenizer, options: TaskOptions, shard: Shard | None = None) -> list[tuple[TaskSpec, Sample]]:
+def work_items(
+    tasks: list[TaskSpec], tokenizer, options: TaskOptions, shard: Shard | None = None
+) -> list[tuple[TaskSpec, Sample]]:
     """Every (task, sample) of the run in a fixed order; a shard keeps every n-th one."""
     items = [(task, sample) for task in tasks for sample in build_samples(task, tokenizer, options)]
     return [item for position, item in enumerate(items) if shard is None or shard.takes(position)]
@@ -69,7 +71,9 @@ def row_identity(task: TaskSpec, sample_id: str, policy: Policy, budget: Budget)
     return {"task": task.name, "sample_id": sample_id, "policy": policy.label, "budget": budget.value}
 
 
-def run_sample(engine: Engine, task: TaskSpec, sample: Sample, configs: list[Config], max_new_tokens: int | None = None) -> Iterator[dict]:
+def run_sample(
+    engine: Engine, task: TaskSpec, sample: Sample, configs: list[Config], max_new_tokens: int | None = None
+) -> Iterator[dict]:
     """Prefill ``sample`` once, then yield one result row per configuration as soon as it is decoded."""
     metric = METRICS[task.metric]
     new_tokens = max_new_tokens or task.max_new_tokens
@@ -89,6 +93,7 @@ def run_sample(engine: Engine, task: TaskSpec, sample: Sample, configs: list[Con
         yield {
             **row_identity(task, sample.sample_id, policy, budget),
             "model": engine.loaded.name,
+            **task.identity,
             "policy_options": policy.options,
             "budget_tokens": round(sum(cache.kept_per_layer) / len(cache.kept_per_layer), 3),
             "requested_tokens": cache.plan.requested,
@@ -140,8 +145,15 @@ def plan_grid(
 class RowWriter:
     """Where every executor's finished rows go: appended to the store by this one writer, counted, on the bar."""
 
-    def __init__(self, store: ResultStore, plan: GridPlan, *, started: float, quiet: bool = False,
-                 on_row: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        store: ResultStore,
+        plan: GridPlan,
+        *,
+        started: float,
+        quiet: bool = False,
+        on_row: Callable[[dict], None] | None = None,
+    ):
         self.store = store
         self.on_row = on_row
         self.started = started
@@ -149,8 +161,14 @@ class RowWriter:
         self.written: set[tuple[str, str, str, str]] = set()
         # Rows already done start the bar (initial=) instead of being counted as progress: a resumed run's rate and
         # ETA then come from the rows it really computes.
-        self.bar = tqdm(total=plan.total, initial=plan.skipped, disable=quiet or not sys.stderr.isatty(), unit="run",
-                        dynamic_ncols=True, desc="samples × configs")
+        self.bar = tqdm(
+            total=plan.total,
+            initial=plan.skipped,
+            disable=quiet or not sys.stderr.isatty(),
+            unit="run",
+            dynamic_ncols=True,
+            desc="samples × configs",
+        )
 
     def write(self, row: dict) -> None:
         self.store.append(row)

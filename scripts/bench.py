@@ -54,9 +54,17 @@ def grid_speed(engine: Engine, length: int) -> list[dict]:
     shared, shared_s = timed(lambda: list(run_sample(engine, task, sample, configs)))
     alone, alone_s = timed(lambda: [r for c in configs for r in run_sample(engine, task, sample, [c])])
     same = [r["pred"] for r in shared] == [r["pred"] for r in alone]
-    return [{"measure": "grid speed (shared vs alone)", "context": length, "baseline_s": round(alone_s, 2),
-             "ours_s": round(shared_s, 2), "ratio": round(alone_s / shared_s, 2), "goal": ">= 4x",
-             "note": f"{len(configs)} configs; identical predictions: {same}"}]
+    return [
+        {
+            "measure": "grid speed (shared vs alone)",
+            "context": length,
+            "baseline_s": round(alone_s, 2),
+            "ours_s": round(shared_s, 2),
+            "ratio": round(alone_s / shared_s, 2),
+            "goal": ">= 4x",
+            "note": f"{len(configs)} configs; identical predictions: {same}",
+        }
+    ]
 
 
 def selection_overhead(engine: Engine, length: int, repeats: int = 2) -> list[dict]:
@@ -71,9 +79,17 @@ def selection_overhead(engine: Engine, length: int, repeats: int = 2) -> list[di
             prefill = engine.prefill(ids, [policy])
             _, select_s = timed(lambda: engine.compress(prefill, policy, Budget(128)))
             best = min(best, prefill.seconds + select_s)
-        rows.append({"measure": f"selection overhead ({spec})", "context": length, "baseline_s": round(plain, 3),
-                     "ours_s": round(best, 3), "ratio": round(best / plain, 3), "goal": f"<= {1 + goal:.2f}x",
-                     "note": f"overhead {100 * (best / plain - 1):.1f}%"})
+        rows.append(
+            {
+                "measure": f"selection overhead ({spec})",
+                "context": length,
+                "baseline_s": round(plain, 3),
+                "ours_s": round(best, 3),
+                "ratio": round(best / plain, 3),
+                "goal": f"<= {1 + goal:.2f}x",
+                "note": f"overhead {100 * (best / plain - 1):.1f}%",
+            }
+        )
     return rows
 
 
@@ -86,9 +102,17 @@ def decode_speed(engine: Engine, length: int, new_tokens: int = 32) -> list[dict
         cache = engine.compress(prefill, pol, Budget(128))
         decoded = min((engine.decode(prefill, cache, new_tokens) for _ in range(2)), key=lambda d: d.seconds)
         per_token[label] = decoded.seconds / max(1, len(decoded.tokens) - 1)
-    return [{"measure": "decode per token (budget 128 vs full)", "context": length,
-             "baseline_s": round(per_token["full"], 4), "ours_s": round(per_token["128"], 4),
-             "ratio": round(per_token["full"] / per_token["128"], 2), "goal": ">= 2x", "note": "seconds per token"}]
+    return [
+        {
+            "measure": "decode per token (budget 128 vs full)",
+            "context": length,
+            "baseline_s": round(per_token["full"], 4),
+            "ours_s": round(per_token["128"], 4),
+            "ratio": round(per_token["full"] / per_token["128"], 2),
+            "goal": ">= 2x",
+            "note": "seconds per token",
+        }
+    ]
 
 
 def kv_bytes(engine: Engine, length: int) -> list[dict]:
@@ -101,9 +125,17 @@ def kv_bytes(engine: Engine, length: int) -> list[dict]:
     for policy in policies:
         cache = engine.compress(prefill, policy, Budget(128))
         nominal = loaded.num_layers * 128 * entry_bytes
-        rows.append({"measure": f"KV bytes kept vs nominal ({policy.label})", "context": length, "baseline_s": None,
-                     "ours_s": None, "ratio": round(cache.nbytes / nominal, 4), "goal": "= 1",
-                     "note": f"{cache.nbytes} B kept, nominal {nominal} B"})
+        rows.append(
+            {
+                "measure": f"KV bytes kept vs nominal ({policy.label})",
+                "context": length,
+                "baseline_s": None,
+                "ours_s": None,
+                "ratio": round(cache.nbytes / nominal, 4),
+                "goal": "= 1",
+                "note": f"{cache.nbytes} B kept, nominal {nominal} B",
+            }
+        )
     return rows
 
 
@@ -111,12 +143,24 @@ def peak_rss(length: int) -> list[dict]:
     """Peak RSS of a grid vs. a single configuration, each in a fresh process."""
     peaks = {}
     for mode in ("single", "grid"):
-        out = subprocess.run([sys.executable, __file__, "--rss-probe", mode, "--lengths", str(length)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--rss-probe", mode, "--lengths", str(length)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         peaks[mode] = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
-    return [{"measure": "peak RSS (grid vs single config)", "context": length, "baseline_s": None, "ours_s": None,
-             "ratio": round(peaks["grid"] / peaks["single"], 3), "goal": "",
-             "note": f"grid {peaks['grid']:.0f} MB, single {peaks['single']:.0f} MB"}]
+    return [
+        {
+            "measure": "peak RSS (grid vs single config)",
+            "context": length,
+            "baseline_s": None,
+            "ours_s": None,
+            "ratio": round(peaks["grid"] / peaks["single"], 3),
+            "goal": "",
+            "note": f"grid {peaks['grid']:.0f} MB, single {peaks['single']:.0f} MB",
+        }
+    ]
 
 
 @click.command()

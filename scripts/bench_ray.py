@@ -20,10 +20,24 @@ from pathlib import Path
 
 from pkvbench.results import read_rows, row_key
 
-GRID = ["--task", "needle", "--policy", "full,snapkv,pyramidkv", "--budget", "64", "--lengths", "1000",
-        "--depths", "0,50,100", "--quiet"]
-SETUPS = {"local executor": [], "ray, 1 worker": ["--executor", "ray", "--workers", "1"],
-          "ray, 2 workers": ["--executor", "ray", "--workers", "2"]}
+GRID = [
+    "--task",
+    "needle",
+    "--policy",
+    "full,snapkv,pyramidkv",
+    "--budget",
+    "64",
+    "--lengths",
+    "1000",
+    "--depths",
+    "0,50,100",
+    "--quiet",
+]
+SETUPS = {
+    "local executor": [],
+    "ray, 1 worker": ["--executor", "ray", "--workers", "1"],
+    "ray, 2 workers": ["--executor", "ray", "--workers", "2"],
+}
 
 
 def main() -> None:
@@ -38,8 +52,12 @@ def main() -> None:
             for name, flags in SETUPS.items():
                 out = Path(tmp) / f"{round_}-{name.replace(' ', '_').replace(',', '')}"
                 started = time.perf_counter()
-                subprocess.run([sys.executable, "-m", "pkvbench", "run", *GRID, *flags, "--out", str(out)], env=env,
-                               check=True, stdout=subprocess.DEVNULL)
+                subprocess.run(
+                    [sys.executable, "-m", "pkvbench", "run", *GRID, *flags, "--out", str(out)],
+                    env=env,
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
                 times[name].append(time.perf_counter() - started)
                 rows = {row_key(r): (r["pred"], r["score"], r["kv_kept"]) for r in read_rows(out)}
                 outcomes[name] = json.dumps(sorted(rows.items()))

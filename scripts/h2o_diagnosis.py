@@ -36,7 +36,9 @@ def main(lengths, depths, budget_text, policies):
     engine = Engine(loaded)
     task = get_task("needle")
     tokenizer = loaded.tokenizer
-    options = TaskOptions(lengths=tuple(int(x) for x in lengths.split(",")), depths=tuple(float(x) for x in depths.split(",")))
+    options = TaskOptions(
+        lengths=tuple(int(x) for x in lengths.split(",")), depths=tuple(float(x) for x in depths.split(","))
+    )
     chosen = [parse_policy(p) for p in policies.split(",")]
     question_ids = tokenizer(task.config["question"], add_special_tokens=False)["input_ids"]
     needle_ids = tokenizer(task.config["needle"].strip(), add_special_tokens=False)["input_ids"][2:-2]
@@ -47,8 +49,10 @@ def main(lengths, depths, budget_text, policies):
         head = prefill.context_len // 10
         for policy in chosen:
             for budget in parse_budgets(budget_text):
-                per_layer = policy.layer_budgets(budget.entries(prefill.context_len), prefill.context_len, loaded.num_layers)
-                kept = torch.cat([policy.keep(stats, k).flatten() for stats, k in zip(prefill.stats, per_layer)])
+                per_layer = policy.layer_budgets(
+                    budget.entries(prefill.context_len), prefill.context_len, loaded.num_layers
+                )
+                kept = torch.cat([policy.select(stats, k).flatten() for stats, k in zip(prefill.stats, per_layer)])
                 slots = loaded.num_layers * loaded.num_kv_heads  # each position can be kept once per layer and KV head
                 in_head = (kept < head).float().mean().item()
                 q_kept = torch.isin(kept, torch.tensor(list(question))).sum().item() / (len(question) * slots)

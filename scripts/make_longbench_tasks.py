@@ -46,11 +46,40 @@ DATASETS = {
     "repobench-p": ("code_sim", "code", "complete the next line of code, with cross-file context"),
 }
 # LongBench-E: the same datasets re-sampled evenly over lengths, scored also per 0-4k / 4-8k / 8k+ bucket.
-E_DATASETS = ["qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa",
-              "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p"]
+E_DATASETS = [
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "gov_report",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+]
 # The 16 English and code datasets the PyramidKV paper reports.
-PAPER = ["narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
-         "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p"]
+PAPER = [
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+]
 # Official pred.py: these prompts go to the model without the chat template.
 RAW_PROMPT = {"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"}
 # Official eval.py: these predictions are cut to their first line before scoring.
@@ -72,10 +101,14 @@ _Dumper.add_representer(Quoted, lambda d, v: d.represent_scalar("tag:yaml.org,20
 
 def task_yaml(name: str, base: str, prompts: dict, maxlen: dict, sums: dict) -> str:
     metric, language, description = DATASETS[base]
-    groups = (["longbench-e"] if name.endswith("_e") else
-              (["longbench"] if base in PAPER else []) + (["longbench-zh"] if language == "zh" else []))
+    groups = (
+        ["longbench-e"]
+        if name.endswith("_e")
+        else (["longbench"] if base in PAPER else []) + (["longbench-zh"] if language == "zh" else [])
+    )
     spec = {
         "name": name,
+        "version": 1,
         "description": f"LongBench{'-E' if name.endswith('_e') else ''}: {description}",
         "generator": "longbench",
         "metric": metric,
@@ -121,8 +154,11 @@ def main() -> None:
         files[f"{index:02d}-{base}.yaml"] = task_yaml(base, base, prompts, maxlen, sums)
     for index, base in enumerate(E_DATASETS):
         files[f"e/{index:02d}-{base}_e.yaml"] = task_yaml(f"{base}_e", base, prompts, maxlen, sums)
-    changed = [path for path, text in files.items()
-               if not (OUT / path).is_file() or (OUT / path).read_text(encoding="utf-8") != text]
+    changed = [
+        path
+        for path, text in files.items()
+        if not (OUT / path).is_file() or (OUT / path).read_text(encoding="utf-8") != text
+    ]
     if args.check:
         print("\n".join(changed) or "up to date")
         sys.exit(1 if changed else 0)

@@ -38,11 +38,14 @@ def test_pyramid_matches_the_paper_formula_and_spends_exactly():
     assert per_layer[0] == 8 + 234  # bottom: 2(k-w) - (k-w)/beta = 240 - 6
     assert per_layer[-1] == 8 + 6  # top: (k-w)/beta
     assert per_layer == sorted(per_layer, reverse=True)
-    steps = {a - b for a, b in zip(per_layer, per_layer[1:])}
+    steps = {a - b for a, b in itertools.pairwise(per_layer)}
     assert steps <= {7, 8}  # a linear sequence, up to rounding (ideal step 228/31 = 7.35)
 
 
-@pytest.mark.parametrize("k,length,layers,window,beta", list(itertools.product([9, 20, 64, 128, 500], [100, 1000, 8192], [1, 2, 30, 32], [8, 32], [20, 5])))
+@pytest.mark.parametrize(
+    "k,length,layers,window,beta",
+    list(itertools.product([9, 20, 64, 128, 500], [100, 1000, 8192], [1, 2, 30, 32], [8, 32], [20, 5])),
+)
 def test_pyramid_total_and_bounds(k, length, layers, window, beta):
     per_layer = budgets.pyramid(k, length, layers, window=window, beta=beta)
     assert len(per_layer) == layers

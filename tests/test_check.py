@@ -12,8 +12,17 @@ def make_run(folder, scores):
     store.open({"options": {"model": "smollm2-135m"}}, overwrite=True)
     for (task, policy, budget), values in scores.items():
         for i, value in enumerate(values):
-            store.append({"task": task, "sample_id": f"s{i}", "model": "smollm2-135m", "policy": policy,
-                          "budget": budget, "score": value, "pred": ""})
+            store.append(
+                {
+                    "task": task,
+                    "sample_id": f"s{i}",
+                    "model": "smollm2-135m",
+                    "policy": policy,
+                    "budget": budget,
+                    "score": value,
+                    "pred": "",
+                }
+            )
     return str(folder)
 
 
@@ -34,7 +43,9 @@ def run_check(capsys, *args):
 @pytest.fixture
 def baseline(tmp_path, capsys):
     path = tmp_path / "baseline.csv"
-    code, out, _ = run_check(capsys, "--baseline", str(path), "--results", make_run(tmp_path / "base", BASE), "--update")
+    code, out, _ = run_check(
+        capsys, "--baseline", str(path), "--results", make_run(tmp_path / "base", BASE), "--update"
+    )
     assert code == 0 and "3 cells" in out
     assert path.read_text().splitlines()[0] == "model,task,policy,budget,n,score"
     return str(path)
@@ -69,7 +80,9 @@ def test_a_missing_cell_fails(tmp_path, capsys, baseline):
     partial = {k: v for k, v in BASE.items() if k[0] != "trec-fewshot"}
     code, _, err = run_check(capsys, "--baseline", baseline, "--results", make_run(tmp_path / "partial", partial))
     assert code == 1
-    assert [line.split()[:2] for line in err.splitlines() if line.startswith("MISSING")] == [["MISSING", "trec-fewshot"]]
+    assert [line.split()[:2] for line in err.splitlines() if line.startswith("MISSING")] == [
+        ["MISSING", "trec-fewshot"]
+    ]
 
 
 def test_a_changed_sample_count_fails(tmp_path, capsys, baseline):

@@ -9,7 +9,9 @@ import pytest
 
 def pkvbench(*args, cwd=None):
     """The real command, in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "pkvbench", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pkvbench", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 def pkvbench_in_process(capsys, *args):
@@ -26,7 +28,10 @@ def pkvbench_in_process(capsys, *args):
     "args,expected",
     [
         (["run", "--task", "nope"], "unknown task 'nope'; valid groups: "),
-        (["run", "--policy", "snapkv,magic"], "unknown policy 'magic'; valid policies: full, streamingllm, h2o, snapkv, pyramidkv"),
+        (
+            ["run", "--policy", "snapkv,magic"],
+            "unknown policy 'magic'; valid policies: full, streamingllm, h2o, snapkv, pyramidkv",
+        ),
         (["run", "--model", "tiny"], "unknown model 'tiny'"),
         (["run", "--budget", "0"], "must be positive"),
         (["run", "--budget", "-3"], "must be positive"),
@@ -37,7 +42,8 @@ def pkvbench_in_process(capsys, *args):
         (["run", "--lengths", "1000,x"], "--lengths: 'x' is not an integer"),
         (["run", "--depths", "150"], "outside 0..100"),
         (["run", "--policy-arg", "windw=3"], "none of the requested policies"),
-        (["run", "--policy", "snapkv:window=-1"], "must not be negative"),
+        (["run", "--policy", "snapkv:window=-1"], "window must be at least 1"),
+        (["run", "--policy", "snapkv:window=0"], "window must be at least 1"),
         (["run", "--dtype", "int8"], "int8"),
         (["budgets", "--budget", "abc"], "is not a number"),
     ],
@@ -55,7 +61,10 @@ def test_bad_input_is_one_clear_line(args, expected, tmp_path, capsys):
 def test_bad_input_in_a_real_process():
     result = pkvbench("run", "--budget", "0")
     assert result.returncode == 2
-    assert result.stderr.strip() == "pkvbench: error: budget '0' must be positive: a fraction below 1 (0.12) or an integer entry count (128)"
+    assert (
+        result.stderr.strip()
+        == "pkvbench: error: budget '0' must be positive: a fraction below 1 (0.12) or an integer entry count (128)"
+    )
 
 
 def test_unsupported_architecture(tmp_path):
@@ -76,7 +85,9 @@ def test_missing_model_package(monkeypatch):
 
 
 def test_budgets_json_is_the_engine_plan():
-    result = pkvbench("budgets", "--policy", "pyramidkv", "--budget", "128", "--layers", "32", "--context", "8192", "--json")
+    result = pkvbench(
+        "budgets", "--policy", "pyramidkv", "--budget", "128", "--layers", "32", "--context", "8192", "--json"
+    )
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["total"] == 32 * 128 and plan["per_layer"][0] == 242 and plan["per_layer"][-1] == 14

@@ -1,21 +1,21 @@
 """`pkvbench run --config FILE`: the file sets defaults, flags win, unknown keys are named. No model is loaded: the
 checks fail (or are captured) before the load."""
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from pkvbench.config import load_run_config
+from pkvbench.api import RunConfig, resolve
+from pkvbench.config import read_run_config
 from pkvbench.errors import PkvError
 
 CONFIGS = Path(__file__).parents[1] / "configs"
+FIELDS = [f.name for f in fields(RunConfig)]
 
 
-@pytest.fixture
-def run_command():
-    from pkvbench.cli import run
-
-    return run
+def load_run_config(path):
+    return read_run_config(path, FIELDS)
 
 
 def write(tmp_path, text):
@@ -24,8 +24,10 @@ def write(tmp_path, text):
     return path
 
 
-def test_keys_lists_and_mappings(tmp_path, run_command):
-    path = write(tmp_path, """
+def test_keys_lists_and_mappings(tmp_path):
+    path = write(
+        tmp_path,
+        """
 tasks: [needle]
 policy: [full, "snapkv:window=32"]
 budgets: [64, 0.05]
@@ -35,25 +37,46 @@ policy-arg: {window: 8}
 depths: [0, 50, 100]
 quiet: true
 limit:
-""")
-    assert load_run_config(path, run_command) == {
-        "task": "needle", "policy": "full,snapkv:window=32", "budget": "64,0.05", "max_length": "7950",
-        "max_new_tokens": "16", "policy_args": ("window=8",), "depths": "0,50,100", "quiet": True,
+""",
+    )
+    assert load_run_config(path) == {
+        "tasks": ["needle"],
+        "policies": ["full", "snapkv:window=32"],
+        "budgets": [64, 0.05],
+        "max_length": 7950,
+        "max_new_tokens": 16,
+        "policy_args": {"window": 8},
+        "depths": [0, 50, 100],
+        "quiet": True,
     }
+    config = RunConfig.from_file(path, out="elsewhere")
+    assert config.out == "elsewhere" and config.budgets == [64, 0.05]
+    run = resolve(config)
+    assert [p.label for p in run.policies] == ["full", "snapkv:window=32"]
+    assert [str(b) for b in run.budgets] == ["64", "0.05"] and run.options.depths == (0.0, 50.0, 100.0)
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("budget: 128\nbudgte: 64\n", "unknown key 'budgte'; valid keys: "),
-    ("config: other.yaml\n", "unknown key 'config'"),
-    ("quiet: yes please\n", "config key 'quiet': expected true or false"),
-    ("task: needle\ntasks: needle\n", "keys 'task' and 'tasks' set the same option"),
-    ("- task\n", "expected a mapping"),
-    ("budget: [128\n", "not valid YAML"),
-    ("budget: []\n", "the list is empty"),
-])
-def test_bad_configs_are_named(tmp_path, run_command, text, expected):
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("budget: 128\nbudgte: 64\n", "unknown key 'budgte'; valid keys: "),
+        ("config: other.yaml\n", "unknown key 'config'"),
+        ("quiet: yes please\n", "config key 'quiet': expected true or false"),
+        ("task: needle\ntasks: needle\n", "keys 'task' and 'tasks' set the same option"),
+        ("budget: 64\nbudget: 128\n", "the key 'budget' is given twice"),
+        ("model: [a, b]\n", "expected a single value, got a list"),
+        ("- task\n", "expected a mapping"),
+        ("budget: [128\n", "not valid YAML"),
+        ("budget: []\n", "the list is empty"),
+    ],
+)
+def test_bad_configs_are_named(tmp_path, text, expected):
     with pytest.raises(PkvError, match=expected.replace("[", r"\[")):
-        load_run_config(write(tmp_path, text), run_command)
+        load_run_config(write(tmp_path, text))
+
+
+def test_negated_flag(tmp_path):
+    assert load_run_config(write(tmp_path, "no-verify: true\n")) == {"verify": False}
 
 
 def invoke(args):
@@ -78,11 +101,12 @@ def invoke(args):
 def test_flags_override_the_file(tmp_path):
     path = write(tmp_path, "task: needle\nbudget: [64, 128]\nlengths: [1000]\nquiet: true\nmodel: smollm2-135m\n")
     from_file = invoke(["--config", str(path)])
-    assert from_file["budget"] == "64,128" and from_file["lengths"] == "1000" and from_file["quiet"] is True
+    assert from_file["budgets"] == "64,128" and from_file["lengths"] == "1000" and from_file["quiet"] is True
     overridden = invoke(["--budget", "32", "--config", str(path), "--lengths", "2000"])
-    assert overridden["budget"] == "32" and overridden["lengths"] == "2000"
-    assert overridden["quiet"] is True and overridden["task"] == "needle"
-    assert invoke([])["budget"] == "128"  # no config: the command's own defaults
+    assert overridden["budgets"] == "32" and overridden["lengths"] == "2000"
+    assert overridden["quiet"] is True and overridden["tasks"] == "needle"
+    assert invoke([])["budgets"] == "128"  # no config: the command's own defaults
+    assert invoke([])["policies"] == "full,streamingllm,h2o,snapkv,pyramidkv"  # the registry's default grid
 
 
 def test_unknown_key_through_the_cli_is_one_line(tmp_path, capsys):
@@ -103,34 +127,31 @@ def test_missing_config_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["run", "--config", str(tmp_path / "nope.yaml")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(err) == 1 and "no such file" in err[0]
+    assert exit_info.value.code == 2 and len(err) == 1 and "no such file" in err[0].lower()
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
-def test_shipped_configs_load(name, run_command):
-    loaded = load_run_config(CONFIGS / name, run_command)
-    assert loaded["task"] and loaded["policy"] and loaded["budget"] and loaded["out"]
+def test_shipped_configs_load(name):
+    run = resolve(RunConfig.from_file(CONFIGS / name))
+    assert run.tasks and run.policies and run.budgets and run.config.out
 
 
-def test_paper_table1_is_the_papers_setting(run_command):
-    loaded = load_run_config(CONFIGS / "paper-table1.yaml", run_command)
+def test_paper_table1_is_the_papers_setting():
+    loaded = load_run_config(CONFIGS / "paper-table1.yaml")
     assert loaded["model"] == "meta-llama/Meta-Llama-3-8B-Instruct"
-    assert loaded["task"] == "longbench"
-    assert loaded["budget"] == "128,2048"
-    assert loaded["max_length"] == "7950"
-    assert [p.split(":")[0] for p in loaded["policy"].split(",")] == ["full", "streamingllm", "h2o", "snapkv", "pyramidkv"]
-    assert "window=8" in loaded["policy_args"]
+    assert loaded["tasks"] == "longbench"
+    assert loaded["budgets"] == [128, 2048]
+    assert loaded["max_length"] == 7950
+    assert [p.split(":")[0] for p in loaded["policies"]] == ["full", "streamingllm", "h2o", "snapkv", "pyramidkv"]
+    assert loaded["policy_args"] == {"window": 8}
 
 
 def test_smoke_config_parses_as_a_real_run(tmp_path):
     """Every value of the smoke config passes the run command's own checks (policies, budgets, lists)."""
-    from pkvbench.cli import parse_numbers, parse_policies
-    from pkvbench.budgets import parse_budgets
-
     loaded = invoke(["--config", str(CONFIGS / "smoke.yaml")])
     assert loaded["model"] == "smollm2-135m"
-    assert loaded["task"] == "needle,niah_single_1,niah_single_2,trec-fewshot"
+    assert loaded["tasks"] == "needle,niah_single_1,niah_single_2,trec-fewshot"
     assert loaded["data_dir"] == "../shared/data/trec"
-    parse_policies(loaded["policy"], loaded["policy_args"])
-    assert [str(b) for b in parse_budgets(loaded["budget"])] == ["0.007", "0.12", "64"]
-    assert len(parse_numbers(loaded["lengths"], "--lengths", int)) * len(parse_numbers(loaded["depths"], "d", float)) <= 6
+    run = resolve(RunConfig(**loaded))
+    assert [str(b) for b in run.budgets] == ["0.007", "0.12", "64"]
+    assert len(run.options.lengths) * len(run.options.depths) <= 6

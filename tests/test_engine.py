@@ -8,7 +8,7 @@ import torch
 from pkvbench.budgets import Budget
 from pkvbench.engine.attention import StatsRecorder, recording
 from pkvbench.engine.generation import CompressedCache
-from pkvbench.policies import parse_policy
+from pkvbench.policies import Needs, parse_policy
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 
@@ -41,7 +41,7 @@ def prefill(engine, needle_ids):
 def test_full_cache_equals_model_generate(engine, loaded, needle_ids, prefill):
     ours = engine.decode(prefill, engine.compress(prefill, parse_policy("full"), Budget(128)), 32)
     with attention_kernel(loaded.model, "sdpa"), torch.inference_mode():
-        reference = loaded.model.generate(needle_ids, max_new_tokens=32, do_sample=False)[0, needle_ids.shape[1]:]
+        reference = loaded.model.generate(needle_ids, max_new_tokens=32, do_sample=False)[0, needle_ids.shape[1] :]
     assert ours.tokens == reference.tolist()
 
 
@@ -54,7 +54,7 @@ def test_every_policy_with_budget_at_least_T_equals_full(engine, prefill):
             assert cache.kept_per_layer == [prefill.context_len] * 30
             assert engine.decode(prefill, cache, 32).tokens == full, spec
         # The gather path itself, keeping every entry, is exact too.
-        kept = [policy.keep(stats, prefill.context_len) for stats in prefill.stats]
+        kept = [policy.select(stats, prefill.context_len) for stats in prefill.stats]
         index = [k[None, :, :, None].expand(1, -1, -1, prefill.keys[0].shape[-1]) for k in kept]
         gathered = CompressedCache(
             keys=[t.gather(2, i) for t, i in zip(prefill.keys, index)],
@@ -84,8 +84,11 @@ def test_compressed_decoding_keeps_original_positions(engine, loaded, needle_ids
         while len(reference) < 24 and reference[-1] not in engine.stop_ids:
             mask = torch.cat([mask, torch.ones(1, dtype=torch.long)])
             step = loaded.model(
-                input_ids=torch.tensor([[reference[-1]]]), attention_mask=mask[None], cache=full_cache,
-                position_ids=torch.tensor([[length + len(reference) - 1]]), use_cache=True,
+                input_ids=torch.tensor([[reference[-1]]]),
+                attention_mask=mask[None],
+                cache=full_cache,
+                position_ids=torch.tensor([[length + len(reference) - 1]]),
+                use_cache=True,
             )
             reference.append(int(step.logits[0, -1].argmax()))
     assert ours == reference
@@ -95,11 +98,13 @@ def test_recorded_statistics_match_eager_attention(engine, loaded):
     ids = torch.tensor([loaded.tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]])
     with attention_kernel(loaded.model, "eager"), torch.inference_mode():
         attentions = loaded.model(ids, output_attentions=True).attentions
-    recorder = StatsRecorder(windows={8}, accumulated=True)
+    recorder = StatsRecorder(Needs(windows=frozenset({8}), accumulated=True))
     with recording(recorder), torch.inference_mode():
         loaded.model(ids)
     for layer, probs in enumerate(attentions):
-        torch.testing.assert_close(recorder.layers[layer].window_scores[8], probs[0, :, -8:].sum(1), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            recorder.layers[layer].window_scores[8], probs[0, :, -8:].sum(1), atol=1e-4, rtol=1e-4
+        )
         torch.testing.assert_close(recorder.layers[layer].accumulated, probs[0].sum(1), atol=1e-4, rtol=1e-4)
 
 

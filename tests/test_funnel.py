@@ -108,7 +108,9 @@ def test_tables_average_heads_then_samples_with_spread():
     assert entropy["std"].tolist() == pytest.approx([math.sqrt(0.02)] * 2)  # over the two samples
     assert entropy["min"].tolist() == pytest.approx([0.6, 0.2]) and entropy["max"].tolist() == pytest.approx([0.8, 0.4])
     assert entropy["head_std"].tolist() == pytest.approx([math.sqrt(0.02)] * 2)  # heads differ by 0.2
-    assert entropy["head_min"].tolist() == pytest.approx([0.6, 0.2]) and entropy["head_max"].tolist() == pytest.approx([0.8, 0.4])
+    assert entropy["head_min"].tolist() == pytest.approx([0.6, 0.2]) and entropy["head_max"].tolist() == pytest.approx(
+        [0.8, 0.4]
+    )
     assert entropy["samples"].tolist() == [2, 2]
     assert list(dict.fromkeys(per_layer["statistic"])) == list(STATISTICS)
     heads = per_head[(per_head["statistic"] == "entropy") & (per_head["layer"] == 0)]

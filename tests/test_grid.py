@@ -18,8 +18,21 @@ from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 
 pytestmark = pytest.mark.model
-GRID = ["--task", "needle", "--policy", "streamingllm,snapkv", "--budget", "32", "--lengths", "500",
-        "--depths", "0,50,100", "--max-new-tokens", "8", "--quiet"]
+GRID = [
+    "--task",
+    "needle",
+    "--policy",
+    "streamingllm,snapkv",
+    "--budget",
+    "32",
+    "--lengths",
+    "500",
+    "--depths",
+    "0,50,100",
+    "--max-new-tokens",
+    "8",
+    "--quiet",
+]
 OUTCOME = ("pred", "score", "kv_kept", "kv_bytes", "budget_tokens", "context_tokens")
 
 
@@ -30,7 +43,10 @@ def cli(*args):
 
 
 def outcomes(folder):
-    return {(r["sample_id"], r["policy"], str(r["budget"])): tuple(json.dumps(r[c]) for c in OUTCOME) for r in read_rows(folder)}
+    return {
+        (r["sample_id"], r["policy"], str(r["budget"])): tuple(json.dumps(r[c]) for c in OUTCOME)
+        for r in read_rows(folder)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +59,11 @@ def reference_run(tmp_path_factory, loaded):
 def test_shared_prefill_equals_each_configuration_alone(engine, loaded):
     task = get_task("needle")
     sample = build_samples(task, loaded.tokenizer, TaskOptions(lengths=(800,), depths=(50,)))[0]
-    configs = [(parse_policy(p), Budget.parse(b)) for p in ("full", "streamingllm", "h2o", "snapkv", "pyramidkv") for b in ("64", "0.1")]
+    configs = [
+        (parse_policy(p), Budget.parse(b))
+        for p in ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")
+        for b in ("64", "0.1")
+    ]
     shared = list(run_sample(engine, task, sample, configs, max_new_tokens=12))
     alone = [row for config in configs for row in run_sample(engine, task, sample, [config], max_new_tokens=12)]
     assert len(shared) == len(alone) == 10
@@ -74,8 +94,12 @@ def test_merge_refuses_runs_with_other_options(tmp_path, reference_run, capsys):
 def test_a_killed_run_resumes_without_loss_or_duplicates(tmp_path, reference_run):
     out = tmp_path / "killed"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "pkvbench", "run", *GRID, "--out", str(out)], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pkvbench", "run", *GRID, "--out", str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None and len(read_rows(out)) < 1:
         time.sleep(0.05)

@@ -26,21 +26,67 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "longbench"
 needs_data = pytest.mark.skipif(not (DATA / "config").is_dir(), reason="../shared/data/longbench is not here")
 
-PAPER = ["narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
-         "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p"]
+PAPER = [
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+]
 ZH = ["multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh"]
-E = ["qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa", "samsum",
-     "passage_count", "passage_retrieval_en", "lcc", "repobench-p"]
+E = [
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "gov_report",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+]
 OFFICIAL_METRIC = {
-    "narrativeqa": "qa_f1", "qasper": "qa_f1", "multifieldqa_en": "qa_f1", "multifieldqa_zh": "qa_f1_zh",
-    "hotpotqa": "qa_f1", "2wikimqa": "qa_f1", "musique": "qa_f1", "dureader": "rouge_zh", "gov_report": "rouge",
-    "qmsum": "rouge", "multi_news": "rouge", "vcsum": "rouge_zh", "trec": "classification", "triviaqa": "qa_f1",
-    "samsum": "rouge", "lsht": "classification", "passage_retrieval_en": "retrieval", "passage_count": "count",
-    "passage_retrieval_zh": "retrieval_zh", "lcc": "code_sim", "repobench-p": "code_sim",
+    "narrativeqa": "qa_f1",
+    "qasper": "qa_f1",
+    "multifieldqa_en": "qa_f1",
+    "multifieldqa_zh": "qa_f1_zh",
+    "hotpotqa": "qa_f1",
+    "2wikimqa": "qa_f1",
+    "musique": "qa_f1",
+    "dureader": "rouge_zh",
+    "gov_report": "rouge",
+    "qmsum": "rouge",
+    "multi_news": "rouge",
+    "vcsum": "rouge_zh",
+    "trec": "classification",
+    "triviaqa": "qa_f1",
+    "samsum": "rouge",
+    "lsht": "classification",
+    "passage_retrieval_en": "retrieval",
+    "passage_count": "count",
+    "passage_retrieval_zh": "retrieval_zh",
+    "lcc": "code_sim",
+    "repobench-p": "code_sim",
 }
 
 
 # --- definitions -----------------------------------------------------------------------------------------------
+
 
 @needs_data
 def test_task_files_hold_the_official_strings_verbatim():
@@ -55,14 +101,21 @@ def test_task_files_hold_the_official_strings_verbatim():
             assert spec.max_new_tokens == maxlen[base]
             assert spec.metric == OFFICIAL_METRIC[base]
             assert spec.config["sha256"] == sums.get(f"{name}.jsonl")
-    assert get_task("multi_news").config["prompt"].startswith("You are given several news passages. Write a one-page summary of all news. \n")
+    assert (
+        get_task("multi_news")
+        .config["prompt"]
+        .startswith("You are given several news passages. Write a one-page summary of all news. \n")
+    )
     assert get_task("passage_count").config["prompt"].endswith("The final answer is: ")
 
 
 @needs_data
 def test_generator_script_is_up_to_date():
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_longbench_tasks.py"), "--check", "--source", str(DATA)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_longbench_tasks.py"), "--check", "--source", str(DATA)],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -90,6 +143,7 @@ def test_groups():
 
 # --- data ------------------------------------------------------------------------------------------------------
 
+
 @needs_data
 def test_checksums_good_and_tampered(tmp_path, capsys):
     spec = get_task("passage_retrieval_zh")
@@ -103,14 +157,25 @@ def test_checksums_good_and_tampered(tmp_path, capsys):
         load_rows(spec, TaskOptions(data_dir=str(tmp_path)))
     assert len(load_rows(spec, TaskOptions(data_dir=str(tmp_path), verify=False))) == 200
     # A LongBench-E file has no official checksum: loaded, with a note.
-    (tmp_path / "trec_e.jsonl").write_text(json.dumps({"input": "q", "context": "c", "answers": ["Human"], "_id": "x", "length": 5}) + "\n")
+    (tmp_path / "trec_e.jsonl").write_text(
+        json.dumps({"input": "q", "context": "c", "answers": ["Human"], "_id": "x", "length": 5}) + "\n"
+    )
     assert len(load_rows(get_task("trec_e"), TaskOptions(data_dir=str(tmp_path)))) == 1
     assert "trec_e.jsonl has no official checksum" in capsys.readouterr().err
 
 
 def row(i, **fields):
-    return {"input": f"question {i}", "context": f"context {i}", "answers": [f"answer {i}"], "length": 100 * i,
-            "dataset": "trec", "language": "en", "all_classes": ["Human", "Location"], "_id": f"id{i}", **fields}
+    return {
+        "input": f"question {i}",
+        "context": f"context {i}",
+        "answers": [f"answer {i}"],
+        "length": 100 * i,
+        "dataset": "trec",
+        "language": "en",
+        "all_classes": ["Human", "Location"],
+        "_id": f"id{i}",
+        **fields,
+    }
 
 
 def write_rows(path, rows):
@@ -139,7 +204,10 @@ def test_bad_data_files(tmp_path, capsys):
 def test_selection_limit_and_rows_without_answers(tmp_path, capsys):
     spec = get_task("trec")
     write_rows(tmp_path / "trec.jsonl", [row(1), row(2, answers=[]), row(3), row(4, answers=[""]), row(5)])
-    select = lambda **kw: [r["_id"] for r in load_rows(spec, TaskOptions(data_dir=str(tmp_path), verify=False, **kw))]
+
+    def select(**kw):
+        return [r["_id"] for r in load_rows(spec, TaskOptions(data_dir=str(tmp_path), verify=False, **kw))]
+
     assert select() == ["id1", "id3", "id5"]
     assert "trec: skipped 2 sample(s) with no answer: id2, id4" in capsys.readouterr().err
     assert select(limit=2) == ["id1", "id3"]
@@ -153,11 +221,14 @@ def test_hub_offline_says_how_to_get_the_data(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     pytest.importorskip("datasets")
-    with pytest.raises(PkvError, match=r"could not load LongBench trec from the Hugging Face hub .*data.zip.*--data-dir"):
+    with pytest.raises(
+        PkvError, match=r"could not load LongBench trec from the Hugging Face hub .*data.zip.*--data-dir"
+    ):
         hub_rows(get_task("trec"))
 
 
 # --- prompts on real rows (the embedded model's tokenizer) ------------------------------------------------------
+
 
 @needs_data
 @pytest.mark.model
@@ -172,7 +243,9 @@ def test_prompts_and_middle_truncation_on_real_rows(loaded):
     cut, untruncated = truncate_middle(tokenizer, prompt, 1000)
     assert untruncated == len(ids)
     # The first and last 500 tokens, each decoded on its own without special tokens.
-    assert cut == tokenizer.decode(ids[:500], skip_special_tokens=True) + tokenizer.decode(ids[-500:], skip_special_tokens=True)
+    assert cut == tokenizer.decode(ids[:500], skip_special_tokens=True) + tokenizer.decode(
+        ids[-500:], skip_special_tokens=True
+    )
     assert cut.startswith("阅读以下文字并用中文简短回答：\n\n")
     assert cut.endswith(f"问题：{rows[0]['input']}\n回答：")
     assert abs(len(tokenizer(cut)["input_ids"]) - 1000) <= 4  # re-tokenizing at the seams may merge a few tokens
@@ -189,22 +262,39 @@ def test_prompts_and_middle_truncation_on_real_rows(loaded):
         if sample.extras["truncated"]:
             assert len(sample.input_ids) >= window - spec.max_new_tokens - 8
         else:
-            assert sample.input_ids == tokenizer.apply_chat_template(
-                [{"role": "user", "content": format_prompt(spec, source)}], add_generation_prompt=True, tokenize=True,
-                return_dict=True)["input_ids"]
+            assert (
+                sample.input_ids
+                == tokenizer.apply_chat_template(
+                    [{"role": "user", "content": format_prompt(spec, source)}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=True,
+                )["input_ids"]
+            )
     assert [s.extras["truncated"] for s in samples] == [True, True, False]
-    assert longbench_samples(tokenizer, spec, TaskOptions(data_dir=str(DATA), limit=1, max_length=600))[0].input_ids == \
-        tokenizer.apply_chat_template([{"role": "user", "content": truncate_middle(tokenizer, prompt, 600)[0]}],
-                                      add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert (
+        longbench_samples(tokenizer, spec, TaskOptions(data_dir=str(DATA), limit=1, max_length=600))[0].input_ids
+        == tokenizer.apply_chat_template(
+            [{"role": "user", "content": truncate_middle(tokenizer, prompt, 600)[0]}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+    )
 
 
 @pytest.mark.model
 def test_raw_tasks_skip_the_chat_template(loaded, tmp_path):
     tokenizer = loaded.tokenizer
-    write_rows(tmp_path / "trec.jsonl", [row(1, context="Question: What city? Type: Location", input="Question: Who is he? Type:")])
+    write_rows(
+        tmp_path / "trec.jsonl",
+        [row(1, context="Question: What city? Type: Location", input="Question: Who is he? Type:")],
+    )
     sample = longbench_samples(tokenizer, get_task("trec"), TaskOptions(data_dir=str(tmp_path), verify=False))[0]
-    prompt = ("Please determine the type of the question below. Here are some examples of questions.\n\n"
-              "Question: What city? Type: Location\nQuestion: Who is he? Type:")
+    prompt = (
+        "Please determine the type of the question below. Here are some examples of questions.\n\n"
+        "Question: What city? Type: Location\nQuestion: Who is he? Type:"
+    )
     assert sample.input_ids == tokenizer(prompt)["input_ids"]
     assert sample.meta == {"all_classes": ["Human", "Location"]}
     assert sample.extras["all_classes"] == ["Human", "Location"]  # in the result rows, so they can be rescored
@@ -212,17 +302,37 @@ def test_raw_tasks_skip_the_chat_template(loaded, tmp_path):
 
 # --- end to end ------------------------------------------------------------------------------------------------
 
+
 @needs_data
 @pytest.mark.model
 def test_run_real_samples_and_rescore(tmp_path, capsys, loaded):
     from pkvbench.cli import main
-    from pkvbench.tasks.longbench import score_rows
+    from pkvbench.tasks.scoring import score_rows
 
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        main(["run", "--quiet", "--task", "passage_retrieval_zh,multi_news", "--data-dir", str(DATA), "--limit", "2",
-              "--max-length", "400", "--max-new-tokens", "12", "--policy", "full,pyramidkv", "--budget", "0.12",
-              "--out", str(out)])
+        main(
+            [
+                "run",
+                "--quiet",
+                "--task",
+                "passage_retrieval_zh,multi_news",
+                "--data-dir",
+                str(DATA),
+                "--limit",
+                "2",
+                "--max-length",
+                "400",
+                "--max-new-tokens",
+                "12",
+                "--policy",
+                "full,pyramidkv",
+                "--budget",
+                "0.12",
+                "--out",
+                str(out),
+            ]
+        )
     printed = capsys.readouterr()
     assert exit_info.value.code == 0, printed.err
     assert "8 rows written" in printed.out
@@ -233,10 +343,13 @@ def test_run_real_samples_and_rescore(tmp_path, capsys, loaded):
     # `pkvbench score` on the run's own rows gives the scores the run recorded.
     rescored, summary = score_rows([{k: v for k, v in r.items() if k != "score"} for r in rows])
     assert [r["score"] for r in rescored] == [r["score"] for r in rows]
-    assert {(e["dataset"], e["policy"]) for e in summary} == {(t, p) for t in ("passage_retrieval_zh", "multi_news") for p in ("full", "pyramidkv")}
+    assert {(e["dataset"], e["policy"]) for e in summary} == {
+        (t, p) for t in ("passage_retrieval_zh", "multi_news") for p in ("full", "pyramidkv")
+    }
 
 
 # --- pkvbench score --------------------------------------------------------------------------------------------
+
 
 def score_cli(capsys, *args):
     from pkvbench.cli import main
@@ -249,11 +362,19 @@ def score_cli(capsys, *args):
 
 def test_score_command(tmp_path, capsys):
     preds = tmp_path / "preds.jsonl"
-    write_rows(preds, [
-        {"dataset": "trec", "pred": "\nLocation\nHuman", "answers": ["Location"], "all_classes": ["Human", "Location"]},
-        {"dataset": "trec", "pred": "Human", "answers": ["Location"], "all_classes": ["Human", "Location"]},
-        {"dataset": "passage_count_e", "pred": "3", "answers": ["3"], "all_classes": None, "length": 5000},
-    ])
+    write_rows(
+        preds,
+        [
+            {
+                "dataset": "trec",
+                "pred": "\nLocation\nHuman",
+                "answers": ["Location"],
+                "all_classes": ["Human", "Location"],
+            },
+            {"dataset": "trec", "pred": "Human", "answers": ["Location"], "all_classes": ["Human", "Location"]},
+            {"dataset": "passage_count_e", "pred": "3", "answers": ["3"], "all_classes": None, "length": 5000},
+        ],
+    )
     code, out, err = score_cli(capsys, str(preds))
     assert code == 0, err
     assert [json.loads(line)["score"] for line in out.splitlines()] == [1.0, 0.0, 1.0]
@@ -278,6 +399,6 @@ def test_score_command_bad_input(tmp_path, capsys):
     ]
     for lines, message in cases:
         write_rows(preds, lines)
-        code, out, err = score_cli(capsys, str(preds))
+        code, _out, err = score_cli(capsys, str(preds))
         assert code == 2 and message in err and err.count("\n") == 1, err
     assert "cannot read" in score_cli(capsys, str(tmp_path / "missing.jsonl"))[2]

@@ -34,6 +34,7 @@ def f_lcs(p: float, r: float) -> float:
 
 # --- qa_f1 -----------------------------------------------------------------------------------------------------
 
+
 def test_english_normalisation():
     assert normalize_en("The  Eiffel Tower!") == "eiffel tower"
     assert normalize_en("the-end") == "theend"  # punctuation goes first, so "the" is no longer a word
@@ -63,6 +64,7 @@ def test_qa_f1_zh():
 
 # --- rouge (the rouge 1.0.1 package) ---------------------------------------------------------------------------
 
+
 def test_rouge_l_unique_words_and_sentences():
     # LCS of "the cat sat" in the prediction: 3 of the reference's 3 unique words, the prediction has 5 unique words.
     assert rouge_l_one("the cat sat on the mat", "the cat sat") == pytest.approx(f_lcs(3 / 5, 1.0), abs=1e-15)
@@ -80,7 +82,7 @@ def test_rouge_l_failures_score_zero():
     # Long text without "." exhausts the package's recursive LCS walk; the official scorer then gives 0.
     words = [f"w{i}" for i in range(2000)]
     assert rouge_l_one(" ".join(words), "w0") == 0.0
-    dotted = ". ".join(" ".join(words[i:i + 100]) for i in range(0, 2000, 100))
+    dotted = ". ".join(" ".join(words[i : i + 100]) for i in range(0, 2000, 100))
     assert rouge_l_one(dotted, "w0") == pytest.approx(f_lcs(1 / 2000, 1.0), abs=1e-15)
     assert METRICS["rouge"]("the cat", ["dog", "the cat"], {}) == pytest.approx(f_lcs(1.0, 1.0))
 
@@ -117,7 +119,9 @@ def test_rouge_recursion_limit_matches_the_official_call_depth(tmp_path):
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if ours(mid) else (lo, mid - 1)
     lengths = [lo - 1, lo, lo + 1, lo + 2]
-    official = subprocess.run([sys.executable, str(script), *map(str, lengths)], capture_output=True, text=True, check=True)
+    official = subprocess.run(
+        [sys.executable, str(script), *map(str, lengths)], capture_output=True, text=True, check=True
+    )
     assert official.stdout.split() == [str(ours(n)) for n in lengths] == ["1", "1", "0", "0"]
 
 
@@ -139,6 +143,7 @@ def test_rouge1_keeps_its_behaviour():
 
 # --- classification --------------------------------------------------------------------------------------------
 
+
 def test_classification():
     classes = ["Human", "Location", "Number"]
     assert classification_one("Location", "Location", classes) == 1.0
@@ -159,6 +164,7 @@ def test_classification_skips_the_item_after_a_removal():
 
 
 # --- retrieval, count, code ------------------------------------------------------------------------------------
+
 
 def test_retrieval_and_count():
     assert retrieval_one("Paragraph 3", "Paragraph 3") == 1.0
@@ -209,6 +215,7 @@ def test_code_sim():
 
 # --- prediction rules and aggregation ---------------------------------------------------------------------------
 
+
 def test_first_line_rule():
     assert first_line("\n\nLocation\nHuman") == "Location"
     assert first_line("Location") == "Location"
@@ -222,14 +229,26 @@ def test_dataset_score_and_buckets():
     assert dataset_score([1.0, 0.0, 0.5]) == 50.0
     assert dataset_score([1 / 3]) == 33.33
     assert dataset_score([0.123456, 0.0]) == 6.17
-    assert [length_bucket(n) for n in (0, 3999, 4000, 7999, 8000, 20000)] == ["0-4k", "0-4k", "4-8k", "4-8k", "8k+", "8k+"]
+    assert [length_bucket(n) for n in (0, 3999, 4000, 7999, 8000, 20000)] == [
+        "0-4k",
+        "0-4k",
+        "4-8k",
+        "4-8k",
+        "8k+",
+        "8k+",
+    ]
 
 
 def test_score_rows_applies_rules_and_buckets():
-    from pkvbench.tasks.longbench import score_rows
+    from pkvbench.tasks.scoring import score_rows
 
     rows = [
-        {"dataset": "trec", "pred": "\n\nLocation\nHuman", "answers": ["Location"], "all_classes": ["Human", "Location"]},
+        {
+            "dataset": "trec",
+            "pred": "\n\nLocation\nHuman",
+            "answers": ["Location"],
+            "all_classes": ["Human", "Location"],
+        },
         {"dataset": "trec", "pred": "Location Human", "answers": ["Location"], "all_classes": ["Human", "Location"]},
         {"dataset": "passage_count_e", "pred": "3", "answers": ["3"], "length": 3000},
         {"dataset": "passage_count_e", "pred": "4", "answers": ["3"], "length": 9000},

@@ -29,13 +29,20 @@ def rendered(tmp_path_factory):
 
 
 def test_needle_heatmaps_one_per_model_policy_budget_plus_the_combined_figure(rendered):
-    out, paths = rendered
+    out, _paths = rendered
     heatmaps = [n for n in pngs(out) if n.startswith("needle_heatmap_")]
     # full, snapkv, pyramidkv at 64 and 0.05 (needle_a) + streamingllm at 64 (needle_more)
     assert heatmaps == sorted(
         f"needle_heatmap_SmolLM2-135M-Instruct_{p}_{b}.png"
-        for p, b in [("full", "64"), ("full", "0.05"), ("snapkv", "64"), ("snapkv", "0.05"),
-                     ("pyramidkv", "64"), ("pyramidkv", "0.05"), ("streamingllm", "64")]
+        for p, b in [
+            ("full", "64"),
+            ("full", "0.05"),
+            ("snapkv", "64"),
+            ("snapkv", "0.05"),
+            ("pyramidkv", "64"),
+            ("pyramidkv", "0.05"),
+            ("streamingllm", "64"),
+        ]
     )
     assert "needle_heatmaps_SmolLM2-135M-Instruct_all.png" in pngs(out)
 
@@ -43,7 +50,9 @@ def test_needle_heatmaps_one_per_model_policy_budget_plus_the_combined_figure(re
 def test_curves_one_figure_per_model(rendered):
     out, paths = rendered
     assert [n for n in pngs(out) if n.startswith("curves_")] == [
-        "curves_Meta-Llama-3-8B-Instruct.png", "curves_SmolLM2-135M-Instruct.png"]
+        "curves_Meta-Llama-3-8B-Instruct.png",
+        "curves_SmolLM2-135M-Instruct.png",
+    ]
     # 7 heatmaps + 1 combined + 2 curve figures, nothing else, and the paths returned are those files
     assert len(paths) == 10 and sorted(p.name for p in paths) == pngs(out)
 
@@ -64,8 +73,21 @@ def test_layer_budget_chart(tmp_path):
 
     target = tmp_path / "budgets.png"
     with pytest.raises(SystemExit) as exit_info:
-        main(["budgets", "--policy", "pyramidkv,snapkv", "--budget", "128,0.05", "--layers", "32", "--context", "8192",
-              "--plot", str(target)])
+        main(
+            [
+                "budgets",
+                "--policy",
+                "pyramidkv,snapkv",
+                "--budget",
+                "128,0.05",
+                "--layers",
+                "32",
+                "--context",
+                "8192",
+                "--plot",
+                str(target),
+            ]
+        )
     assert exit_info.value.code == 0
     assert pngs(tmp_path) == ["budgets.png"]
 

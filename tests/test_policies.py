@@ -8,7 +8,9 @@ from pkvbench.policies import LayerStats, parse_policy
 
 
 def stats_with(window_scores=None, accumulated=None, heads=4, kv_heads=2, length=20):
-    return LayerStats(context_len=length, num_kv_heads=kv_heads, window_scores=window_scores or {}, accumulated=accumulated)
+    return LayerStats(
+        context_len=length, num_kv_heads=kv_heads, window_scores=window_scores or {}, accumulated=accumulated
+    )
 
 
 def rows(t):
@@ -16,14 +18,14 @@ def rows(t):
 
 
 def test_full_keeps_everything():
-    kept = parse_policy("full").keep(stats_with(), 5)
+    kept = parse_policy("full").select(stats_with(), 5)
     assert rows(kept) == [list(range(20))] * 2
 
 
 def test_streamingllm_keeps_sink_and_recent():
-    kept = parse_policy("streamingllm").keep(stats_with(), 8)
+    kept = parse_policy("streamingllm").select(stats_with(), 8)
     assert rows(kept) == [[0, 1, 2, 3, 16, 17, 18, 19]] * 2
-    kept = parse_policy("streamingllm:sink=2").keep(stats_with(), 5)
+    kept = parse_policy("streamingllm:sink=2").select(stats_with(), 5)
     assert rows(kept) == [[0, 1, 17, 18, 19]] * 2
 
 
@@ -36,7 +38,7 @@ def test_snapkv_without_pool_is_top_plus_window():
     scores[3, 1] = 1.5
     scores[:, 15] = 9.0  # the last position before the window (16..19)
     policy = parse_policy("snapkv:window=4:pooling=none")
-    kept = policy.keep(stats_with({4: scores}), 7)
+    kept = policy.select(stats_with({4: scores}), 7)
     # head 0 mean: 15 (9), 3 (1), 7 (0.25); head 1: 15 (9), 10 (2), 1 (0.75)
     assert rows(kept) == [[3, 7, 15, 16, 17, 18, 19], [1, 10, 15, 16, 17, 18, 19]]
 
@@ -46,14 +48,14 @@ def test_snapkv_max_pool_spreads_peaks_and_ignores_the_window():
     scores[:, 5] = 1.0
     scores[:, 17] = 100.0  # in the window: must not leak into the pooled prefix scores
     policy = parse_policy("snapkv:window=4:kernel=3")
-    kept = policy.keep(stats_with({4: scores}, kv_heads=1), 7)
+    kept = policy.select(stats_with({4: scores}, kv_heads=1), 7)
     # Pooled prefix (0..15): positions 4,5,6 all score 1; position 15 would score 100 if the window leaked.
     assert rows(kept) == [[4, 5, 6, 16, 17, 18, 19]]
 
 
 def test_snapkv_ties_go_to_earlier_positions():
     scores = torch.ones(2, 20)
-    kept = parse_policy("snapkv:window=4").keep(stats_with({4: scores}, kv_heads=1), 6)
+    kept = parse_policy("snapkv:window=4").select(stats_with({4: scores}, kv_heads=1), 6)
     assert rows(kept) == [[0, 1, 16, 17, 18, 19]]
 
 
@@ -62,8 +64,8 @@ def test_gqa_mean_and_max_differ():
     scores[0, 2] = 1.0  # one query head strongly
     scores[0, 9] = scores[1, 9] = 0.6  # both query heads moderately
     common = "snapkv:window=4:pooling=none"
-    mean = parse_policy(common).keep(stats_with({4: scores}, kv_heads=1), 5)
-    most = parse_policy(common + ":gqa=max").keep(stats_with({4: scores}, kv_heads=1), 5)
+    mean = parse_policy(common).select(stats_with({4: scores}, kv_heads=1), 5)
+    most = parse_policy(common + ":gqa=max").select(stats_with({4: scores}, kv_heads=1), 5)
     assert rows(mean) == [[9, 16, 17, 18, 19]]
     assert rows(most) == [[2, 16, 17, 18, 19]]
 
@@ -75,34 +77,41 @@ def test_h2o_accumulated_and_normalized():
     acc[:, 8] = 2.4  # seen by 4 queries → 0.6 once normalised
     acc[:, 9] = 10.0  # inside the window
     st = stats_with(accumulated=acc, kv_heads=1, length=length)
-    assert rows(parse_policy("h2o:window=3").keep(st, 4)) == [[0, 9, 10, 11]]
-    assert rows(parse_policy("h2o:window=3:normalize=true").keep(st, 4)) == [[8, 9, 10, 11]]
+    assert rows(parse_policy("h2o:window=3").select(st, 4)) == [[0, 9, 10, 11]]
+    assert rows(parse_policy("h2o:window=3:normalize=true").select(st, 4)) == [[8, 9, 10, 11]]
 
 
 def test_h2o_window_scores_are_snapkv_without_pool():
     scores = torch.rand(4, 20, generator=torch.Generator().manual_seed(0))
     st = stats_with({8: scores})
-    h2o = parse_policy("h2o:scores=window").keep(st, 12)
-    snap = parse_policy("snapkv:pooling=none").keep(st, 12)
+    h2o = parse_policy("h2o:scores=window").select(st, 12)
+    snap = parse_policy("snapkv:pooling=none").select(st, 12)
     assert torch.equal(h2o, snap)
 
 
 def test_pyramidkv_selects_like_snapkv():
     scores = torch.rand(4, 20, generator=torch.Generator().manual_seed(1))
     st = stats_with({8: scores})
-    assert torch.equal(parse_policy("pyramidkv").keep(st, 13), parse_policy("snapkv").keep(st, 13))
+    assert torch.equal(parse_policy("pyramidkv").select(st, 13), parse_policy("snapkv").select(st, 13))
 
 
 def test_longhand_snapkv_rule_on_random_scores():
     gen = torch.Generator().manual_seed(2)
     length, window, kernel, k = 40, 5, 7, 15
     scores = torch.rand(6, length, generator=gen)
-    kept = parse_policy(f"snapkv:window={window}:kernel={kernel}").keep(stats_with({window: scores}, kv_heads=2, length=length), k)
+    kept = parse_policy(f"snapkv:window={window}:kernel={kernel}").select(
+        stats_with({window: scores}, kv_heads=2, length=length), k
+    )
     prefix = length - window
     for kv in range(2):
         pooled = []
         for q in (3 * kv, 3 * kv + 1, 3 * kv + 2):
-            pooled.append([max(scores[q, j].item() for j in range(max(0, i - kernel // 2), min(prefix, i + kernel // 2 + 1))) for i in range(prefix)])
+            pooled.append(
+                [
+                    max(scores[q, j].item() for j in range(max(0, i - kernel // 2), min(prefix, i + kernel // 2 + 1)))
+                    for i in range(prefix)
+                ]
+            )
         mean = [sum(col) / 3 for col in zip(*pooled)]
         top = sorted(range(prefix), key=lambda i: (-mean[i], i))[: k - window]
         assert kept[kv].tolist() == sorted(top) + list(range(prefix, length))
@@ -111,7 +120,7 @@ def test_longhand_snapkv_rule_on_random_scores():
 def test_budget_at_or_above_context_keeps_all():
     st = stats_with({8: torch.rand(4, 20)}, accumulated=torch.rand(4, 20))
     for spec in ("streamingllm", "h2o", "snapkv", "pyramidkv"):
-        assert rows(parse_policy(spec).keep(st, 20)) == [list(range(20))] * 2
+        assert rows(parse_policy(spec).select(st, 20)) == [list(range(20))] * 2
 
 
 def test_labels_and_options():
@@ -123,7 +132,15 @@ def test_labels_and_options():
 
 @pytest.mark.parametrize(
     "spec",
-    ["nope", "snapkv:windw=3", "snapkv:window=x", "snapkv:pooling=median", "snapkv:kernel=4", "h2o:normalize=maybe", "snapkv:window"],
+    [
+        "nope",
+        "snapkv:windw=3",
+        "snapkv:window=x",
+        "snapkv:pooling=median",
+        "snapkv:kernel=4",
+        "h2o:normalize=maybe",
+        "snapkv:window",
+    ],
 )
 def test_bad_policy_specs(spec):
     with pytest.raises(PkvError):

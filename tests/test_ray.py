@@ -14,10 +14,34 @@ import pytest
 from pkvbench.cli import main
 from pkvbench.results import read_rows, row_key
 
-GRID = ["--task", "needle", "--policy", "full,snapkv,pyramidkv", "--budget", "64", "--lengths", "1000",
-        "--depths", "0,50,100", "--quiet"]
-OUTCOME = ("pred", "score", "kv_kept", "kv_bytes", "budget_tokens", "requested_tokens", "context_tokens", "answers",
-           "new_tokens", "policy_options", "model", "length", "depth")
+GRID = [
+    "--task",
+    "needle",
+    "--policy",
+    "full,snapkv,pyramidkv",
+    "--budget",
+    "64",
+    "--lengths",
+    "1000",
+    "--depths",
+    "0,50,100",
+    "--quiet",
+]
+OUTCOME = (
+    "pred",
+    "score",
+    "kv_kept",
+    "kv_bytes",
+    "budget_tokens",
+    "requested_tokens",
+    "context_tokens",
+    "answers",
+    "new_tokens",
+    "policy_options",
+    "model",
+    "length",
+    "depth",
+)
 # Runs `pkvbench run` and says afterwards whether anything imported Ray.
 RUN_AND_REPORT_RAY = (
     "import sys\nfrom pkvbench.cli import main\ntry:\n    main(sys.argv[1:])\n"

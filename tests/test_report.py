@@ -40,7 +40,13 @@ def test_needle_cells_are_mean_scores_times_100():
     assert cell(table, "smollm2-135m", "snapkv", "64", "n") == 6
     # rows: policies in the canonical order, token budgets before fractions
     assert list(zip(table["policy"], table["budget"])) == [
-        ("full", "64"), ("full", "0.05"), ("snapkv", "64"), ("snapkv", "0.05"), ("pyramidkv", "64"), ("pyramidkv", "0.05")]
+        ("full", "64"),
+        ("full", "0.05"),
+        ("snapkv", "64"),
+        ("snapkv", "0.05"),
+        ("pyramidkv", "64"),
+        ("pyramidkv", "0.05"),
+    ]
 
 
 def test_average_is_plain_mean_over_tasks_and_missing_cells_stay_missing():
@@ -64,7 +70,14 @@ def test_longbench_e_buckets():
     # only *_e tasks get buckets, even though narrativeqa and trec rows carry a length
     assert not any(c.startswith(("narrativeqa ", "trec ")) for c in table.columns)
     assert [length_bucket(x) for x in (0, 3999, 4000, 7999, 8000, 30000, None)] == [
-        "0-4k", "0-4k", "4-8k", "4-8k", "8k+", "8k+", None]
+        "0-4k",
+        "0-4k",
+        "4-8k",
+        "4-8k",
+        "8k+",
+        "8k+",
+        None,
+    ]
 
 
 def test_merge_counts_overlap_once_and_keeps_each_models_average():
@@ -113,14 +126,17 @@ def test_report_cli_writes_the_file(tmp_path, capsys):
     assert out.read_text().startswith("model,policy,budget,narrativeqa,")
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["report", "/nonexistent/x"], "/nonexistent/x: no such folder"),
-    (["report", str(Path(__file__).parents[1] / "pkvbench")], "not a run folder"),
-    (["report", str(NEEDLE), "--format", "html"], "html"),
-    (["compare", str(NEEDLE)], "nothing to compare: the run's tasks (needle)"),
-    (["compare", str(LONG), "--reference", "table9"], "unknown reference 'table9'"),
-    (["compare", str(LONG), "--paper-model", "GPT-5"], "unknown paper model 'GPT-5'"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["report", "/nonexistent/x"], "/nonexistent/x: no such folder"),
+        (["report", str(Path(__file__).parents[1] / "pkvbench")], "not a run folder"),
+        (["report", str(NEEDLE), "--format", "html"], "html"),
+        (["compare", str(NEEDLE)], "nothing to compare: the run's tasks (needle)"),
+        (["compare", str(LONG), "--reference", "table9"], "unknown reference 'table9'"),
+        (["compare", str(LONG), "--paper-model", "GPT-5"], "unknown paper model 'GPT-5'"),
+    ],
+)
 def test_bad_input_is_one_line(args, expected, capsys):
     from pkvbench.cli import main
 
@@ -133,13 +149,18 @@ def test_bad_input_is_one_line(args, expected, capsys):
 
 # --- the reference table and compare ---------------------------------------------------------------------------------
 
+
 def test_reference_is_the_papers_table_with_the_mistral_caveat():
     ref = load_reference("pyramidkv-table1")
     assert ref.models == ["Llama-3-8B-Instruct", "Mistral-7B-Instruct"]
     assert len(ref.scores) == 18 * 16 and ref.scores["task"].nunique() == 16
     flagged = {(r.model, r.policy, r.budget) for r in ref.average_mismatches().itertuples()}
-    assert flagged == {("Mistral-7B-Instruct", "full", "full"), ("Mistral-7B-Instruct", "streamingllm", "128"),
-                       ("Mistral-7B-Instruct", "h2o", "128"), ("Mistral-7B-Instruct", "snapkv", "2048")}
+    assert flagged == {
+        ("Mistral-7B-Instruct", "full", "full"),
+        ("Mistral-7B-Instruct", "streamingllm", "128"),
+        ("Mistral-7B-Instruct", "h2o", "128"),
+        ("Mistral-7B-Instruct", "snapkv", "2048"),
+    }
     means = ref.row_means().set_index(["model", "policy", "budget"])
     assert means.loc[("Mistral-7B-Instruct", "full", "full"), "row_mean"] == pytest.approx(41.13, abs=0.005)
     assert means.loc[("Llama-3-8B-Instruct", "pyramidkv", "128"), "average"] == 37.25
@@ -175,13 +196,17 @@ def test_compare_states_plainly_that_the_model_differs(tmp_path):
         r["model"] = "smollm2-135m"
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = compare(load_runs([tmp_path]), load_reference("pyramidkv-table1"))
-    assert any("The run's model (SmolLM2-135M-Instruct) is not the paper's" in s and "Llama-3-8B-Instruct" in s
-               for s in result.statements)
+    assert any(
+        "The run's model (SmolLM2-135M-Instruct) is not the paper's" in s and "Llama-3-8B-Instruct" in s
+        for s in result.statements
+    )
     mistral = compare(load_runs([tmp_path]), load_reference("pyramidkv-table1"), paper_model="Mistral-7B-Instruct")
     assert set(mistral.table["paper_model"]) == {"Mistral-7B-Instruct"}
     # comparing with Mistral brings its printed-average caveat along
-    assert any("Mistral-7B-Instruct full @ full prints average 39.75 but its 16 task scores average 41.13" in s
-               for s in mistral.statements)
+    assert any(
+        "Mistral-7B-Instruct full @ full prints average 39.75 but its 16 task scores average 41.13" in s
+        for s in mistral.statements
+    )
 
 
 def test_compare_cli_prints_the_statement_first(tmp_path, capsys):
@@ -196,8 +221,12 @@ def test_compare_cli_prints_the_statement_first(tmp_path, capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("note: The run's model (SmolLM2-135M-Instruct) is not the paper's")
-    assert any(line.startswith("| SmolLM2-135M-Instruct | Llama-3-8B-Instruct | full | full | narrativeqa | 30.00 | 25.70 | 4.30 |")
-               for line in out)
+    assert any(
+        line.startswith(
+            "| SmolLM2-135M-Instruct | Llama-3-8B-Instruct | full | full | narrativeqa | 30.00 | 25.70 | 4.30 |"
+        )
+        for line in out
+    )
 
 
 def test_budget_not_in_the_paper_is_nothing_to_compare(tmp_path):

@@ -18,7 +18,11 @@ def test_append_resume_and_summary(tmp_path):
     store.append(row("s1", policy="full", budget=0.12, score=0.25))
     again = ResultStore(tmp_path / "run")
     again.open({"options": {"a": 1}})
-    assert again.done_keys() == {("needle", "s1", "snapkv", "128"), ("needle", "s2", "snapkv", "128"), ("needle", "s1", "full", "0.12")}
+    assert again.done_keys() == {
+        ("needle", "s1", "snapkv", "128"),
+        ("needle", "s2", "snapkv", "128"),
+        ("needle", "s1", "full", "0.12"),
+    }
     table = again.write_summary()
     assert table.to_dict("records") == [
         {"task": "needle", "policy": "snapkv", "budget": "128", "n": 2, "score": 75.0},

@@ -14,8 +14,17 @@ from pkvbench.tasks.registry import all_tasks, build_samples, expand_tasks, get_
 from pkvbench.tasks.ruler import DEPTHS, _singular, fit_length, split_sentences, zeta
 
 RULER_TASKS = [
-    "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
-    "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
 ]
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
 
@@ -109,7 +118,9 @@ def test_needles_hold_the_answers(samples, tokenizer):
         for sample in samples[name]:
             text = user_turn(tokenizer, sample)
             question = text.rsplit("\n", 1)[1]
-            keys = re.split(r", and |, ", re.fullmatch(r"What .* for (.*) mentioned in the provided text\?", question).group(1))
+            keys = re.split(
+                r", and |, ", re.fullmatch(r"What .* for (.*) mentioned in the provided text\?", question).group(1)
+            )
             assert len(keys) == config["num_queries"], (name, question)
             expected = config["num_values"] * config["num_queries"]
             assert len(sample.answers) == len(set(sample.answers)) == expected
@@ -177,8 +188,26 @@ def test_ruler_runs_on_the_model(tmp_path, capsys, loaded):
 
     out = tmp_path / "ruler"
     with pytest.raises(SystemExit) as exit_info:
-        main(["run", "--quiet", "--task", "niah_single_1,fwe", "--lengths", "500", "--limit", "1", "--policy",
-              "full,pyramidkv", "--budget", "64", "--max-new-tokens", "12", "--out", str(out)])
+        main(
+            [
+                "run",
+                "--quiet",
+                "--task",
+                "niah_single_1,fwe",
+                "--lengths",
+                "500",
+                "--limit",
+                "1",
+                "--policy",
+                "full,pyramidkv",
+                "--budget",
+                "64",
+                "--max-new-tokens",
+                "12",
+                "--out",
+                str(out),
+            ]
+        )
     assert exit_info.value.code == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and {r["task"] for r in rows} == {"niah_single_1", "fwe"}

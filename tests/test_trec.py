@@ -18,7 +18,9 @@ needs_trec = pytest.mark.skipif(not (TREC / "train_5500.label").is_file(), reaso
 
 def score(prediction: str, answer: str, all_classes: list[str]) -> float:
     spec = get_task("trec-fewshot")
-    return METRICS[spec.metric](prepare_prediction(prediction, spec.postprocess), [answer], {"all_classes": all_classes})
+    return METRICS[spec.metric](
+        prepare_prediction(prediction, spec.postprocess), [answer], {"all_classes": all_classes}
+    )
 
 
 def test_metric_is_longbench_classification_on_the_first_line():
@@ -41,7 +43,9 @@ def test_yaml_keeps_longbench_prompt_length_and_classes():
     if not (longbench / "dataset2prompt.json").is_file():
         pytest.skip("no LongBench config in ../shared/data")
     assert config["prompt"] == json.loads((longbench / "dataset2prompt.json").read_text())["trec"]
-    assert get_task("trec-fewshot").max_new_tokens == json.loads((longbench / "dataset2maxlen.json").read_text())["trec"]
+    assert (
+        get_task("trec-fewshot").max_new_tokens == json.loads((longbench / "dataset2maxlen.json").read_text())["trec"]
+    )
     rows = [line.split("\t") for line in (TREC / "longbench_classes.tsv").read_text().splitlines()[1:]]
     assert config["classes"] == dict(rows)
 
@@ -62,7 +66,9 @@ def test_data_errors_are_one_clear_line(tmp_path, tokenizer):
     with pytest.raises(PkvError, match="sha256 differs"):
         build_samples(spec, tokenizer, TaskOptions(lengths=(500,), limit=1, data_dir=str(tmp_path)))
     # With --no-verify a small copy works: the context is made of its examples.
-    sample = build_samples(spec, tokenizer, TaskOptions(lengths=(300,), limit=1, data_dir=str(tmp_path), verify=False))[0]
+    sample = build_samples(spec, tokenizer, TaskOptions(lengths=(300,), limit=1, data_dir=str(tmp_path), verify=False))[
+        0
+    ]
     text = tokenizer.decode(sample.input_ids)
     assert sample.answers == ["City"] and text.endswith("\n\nQuestion: What city is the Louvre in ?\nType:")
     assert text.count("Question: Who wrote Hamlet ?\nType: Individual\n") > 5
@@ -78,7 +84,7 @@ def test_samples_from_the_trec_files(tokenizer):
     spec = get_task("trec-fewshot")
     classes = spec.config["classes"]
     train = set(read_trec(str(TREC / "train_5500.label")))
-    test = dict((q, lab) for lab, q in read_trec(str(TREC / "TREC_10.label")))
+    test = {q: lab for lab, q in read_trec(str(TREC / "TREC_10.label"))}
     options = TaskOptions(lengths=(1000, 2000), limit=3, seed=0, data_dir=str(TREC))
     samples = build_samples(spec, tokenizer, options)
     assert [s.sample_id for s in samples] == [f"len{n}_{i}" for n in (1000, 2000) for i in range(3)]
@@ -89,7 +95,7 @@ def test_samples_from_the_trec_files(tokenizer):
         text = tokenizer.decode(sample.input_ids)
         head = "Please determine the type of the question below. Here are some examples of questions.\n\n"
         assert text.startswith(head)
-        context, question = text[len(head):].rsplit("\n\nQuestion: ", 1)
+        context, question = text[len(head) :].rsplit("\n\nQuestion: ", 1)
         question = question.removesuffix("\nType:")
         assert sample.answers == [classes[test[question]]]  # the answer is the test question's class name
         shots = context.split("\n")
@@ -102,5 +108,7 @@ def test_samples_from_the_trec_files(tokenizer):
     assert again == samples[3:]
     other = build_samples(spec, tokenizer, TaskOptions(lengths=(2000,), limit=3, seed=1, data_dir=str(TREC)))
     assert [s.input_ids for s in other] != [s.input_ids for s in again]
-    picked = build_samples(spec, tokenizer, TaskOptions(lengths=(1000, 2000), sample_ids=("len2000_1",), data_dir=str(TREC)))
+    picked = build_samples(
+        spec, tokenizer, TaskOptions(lengths=(1000, 2000), sample_ids=("len2000_1",), data_dir=str(TREC))
+    )
     assert picked == [samples[4]]

@@ -17,8 +17,7 @@ from typing import Protocol
 
 import torch
 
-from pkvbench.policies import LayerStats
-
+from pkvbench.policies.base import LayerStats, Needs
 
 
 class Recorder(Protocol):
@@ -51,7 +50,9 @@ def window_attention_probs(query: torch.Tensor, key: torch.Tensor, scaling: floa
     return logits.softmax(dim=-1)
 
 
-def window_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int]) -> dict[int, torch.Tensor]:
+def window_attention_sums(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int]
+) -> dict[int, torch.Tensor]:
     """For each w in ``windows``: ``[Hq, T]`` sums over the last w queries of their causal softmax attention.
 
     One softmax over the largest window's queries serves every smaller window.
@@ -63,7 +64,9 @@ def window_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
     return {w: from_end[:, min(w, rows) - 1] for w in windows}
 
 
-def accumulated_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, chunk_bytes: int = ACCUMULATE_CHUNK_BYTES) -> torch.Tensor:
+def accumulated_attention(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, chunk_bytes: int = ACCUMULATE_CHUNK_BYTES
+) -> torch.Tensor:
     """``[Hq, T]``: for each key position, the sum over all T queries of their causal softmax attention to it.
 
     Queries are processed in chunks so that at most ``chunk_bytes`` of probabilities exist at once (never a full
@@ -89,9 +92,9 @@ def accumulated_attention(query: torch.Tensor, key: torch.Tensor, scaling: float
 class StatsRecorder:
     """Collects ``LayerStats`` for every layer during one prefill."""
 
-    def __init__(self, windows: set[int], accumulated: bool):
-        self.windows = set(windows)
-        self.accumulated = accumulated
+    def __init__(self, needs: Needs):
+        self.windows = set(needs.windows)
+        self.accumulated = needs.accumulated
         self.layers: dict[int, LayerStats] = {}
 
     @property

@@ -7,6 +7,7 @@ original positions T, T+1, ... whatever the compressed cache's length.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.cache import decoding_cache
 from pkvbench.engine.models import LoadedModel
 from pkvbench.errors import PkvError
-from pkvbench.policies import LayerStats, Policy
+from pkvbench.policies.base import LayerStats, Needs, Policy
 
 
 @dataclass
@@ -87,7 +88,10 @@ class Engine:
 
     def _forward(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor) -> torch.Tensor:
         out = self.model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=cache is not None, logits_to_keep=1,
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=cache is not None,
+            logits_to_keep=1,
             **{self._cache_arg: cache},
         )
         return out.logits[0, -1]
@@ -99,16 +103,17 @@ class Engine:
 
         input_ids = input_ids.to(self.device)
         length = input_ids.shape[1]
-        recorder = StatsRecorder(
-            windows=set().union(*(p.windows_needed for p in policies)),
-            accumulated=any(p.needs_accumulated for p in policies),
-        )
+        recorder = StatsRecorder(Needs.union(p.needs for p in policies))
         cache = DynamicCache()
         logits, seconds = self.recorded_forward(input_ids, recorder, cache)
         layers = [cache.layers[i] for i in range(self.loaded.num_layers)]
         stats = [
-            recorder.layers.get(i, LayerStats(context_len=length, num_kv_heads=self.loaded.num_kv_heads))
-            for i in range(self.loaded.num_layers)
+            dataclasses.replace(
+                recorder.layers.get(i, LayerStats(context_len=length, num_kv_heads=self.loaded.num_kv_heads)),
+                keys=layer.keys[0],
+                values=layer.values[0],
+            )
+            for i, layer in enumerate(layers)
         ]
         return Prefill(
             input_ids=input_ids,
@@ -146,7 +151,7 @@ class Engine:
                 keys.append(full_k)
                 values.append(full_v)
                 continue
-            kept = policy.keep(prefill.stats[layer], k).to(self.device)
+            kept = policy.select(prefill.stats[layer], k).to(self.device)
             index = kept[None, :, :, None].expand(1, -1, -1, full_k.shape[-1])
             keys.append(full_k.gather(2, index))
             values.append(full_v.gather(2, index))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import logging
 import os
@@ -78,8 +79,15 @@ class LoadedModel:
 
     def describe(self) -> dict:
         """What a run records about its model (run.json's ``model``)."""
-        return {"name": self.name, "source": self.source, "device": self.device, "dtype": self.dtype,
-                "layers": self.num_layers, "kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+        return {
+            "name": self.name,
+            "source": self.source,
+            "device": self.device,
+            "dtype": self.dtype,
+            "layers": self.num_layers,
+            "kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+        }
 
 
 def cache_root() -> Path:
@@ -102,31 +110,75 @@ def locate_gguf(alias: GGUFAlias) -> Path:
     return path
 
 
-def float_copy_of_gguf(name: str, alias: GGUFAlias) -> Path:
-    """A float32 safetensors copy of the GGUF model, made once.
+# GGUF's ``general.architecture`` names of the architectures above (Mistral models are written as "llama").
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+UNQUANTIZED_GGUF_TYPES = ("F32", "F16")
+
+
+def check_gguf_file(path: Path) -> None:
+    """Refuse, in one line and before any slow work, a GGUF file of an architecture or quantization we cannot load."""
+    import gguf
+    from gguf.quants import _type_traits as dequantizable  # gguf-py's table of quantizations it can de-quantize
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError, KeyError) as exc:
+        raise PkvError(f"{path} is not a readable GGUF file: {first_line(exc)}") from None
+    field = reader.fields.get("general.architecture")
+    architecture = bytes(field.parts[field.data[0]]).decode("utf-8", "replace") if field else None
+    if architecture not in GGUF_ARCHITECTURES:
+        raise PkvError(
+            f"{path} holds a {architecture!r} model; supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    known = set(UNQUANTIZED_GGUF_TYPES) | {kind.name for kind in dequantizable}
+    unknown = sorted({t.tensor_type.name for t in reader.tensors} - known)
+    if unknown:
+        raise PkvError(
+            f"{path} uses the quantization {', '.join(unknown)}, which cannot be de-quantized; supported: "
+            f"{', '.join(sorted(known))}"
+        )
+
+
+def local_gguf_cache_name(path: Path) -> str:
+    """The float copy of a local GGUF file is keyed by its path, size and modification time: a changed file is
+    de-quantized again."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return f"gguf-{path.stem}-{key}-float32"
+
+
+def float_copy_of_gguf(gguf: Path, cache_name: str) -> Path:
+    """A float32 safetensors copy of a GGUF model, made once under the pkvbench cache.
 
     transformers de-quantizes GGUF tensors on every load (about 24 s for SmolLM2-135M on 2 CPU cores, against 0.5 s
     for the saved copy), so the first load writes the result under the pkvbench cache and later loads read that.
     """
-    gguf = locate_gguf(alias)
-    target = cache_root() / "models" / f"{name}-{alias.distribution}-{alias.version}-float32"
+    target = cache_root() / "models" / cache_name
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("de-quantizing %s once into %s", gguf.name, target)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except (OSError, ValueError, NotImplementedError, KeyError) as exc:
+        raise PkvError(f"could not de-quantize {gguf}: {first_line(exc)}") from None
     # The weights are now plain floats; drop the GGUF quantization record so transformers will save them.
-    del model.config.quantization_config
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.hf_quantizer = None
     staging = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)  # atomic: an interrupted conversion never leaves a half-written model behind
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)  # atomic: an interrupted conversion never leaves a half-written model behind
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise PkvError(f"cannot write the de-quantized model to {target}: {exc.strerror or exc}") from None
     return target
 
 
@@ -158,11 +210,21 @@ def check_architecture(config, name: str) -> None:
         )
 
 
+def is_gguf_file(name: str) -> bool:
+    return name.lower().endswith(".gguf")
+
+
 def check_model_name(name: str) -> None:
-    """Cheap check before anything slow: an alias, a local folder, or something shaped like a hub id."""
+    """Cheap check before anything slow: an alias, a local folder or GGUF file, or something shaped like a hub id."""
+    if is_gguf_file(name):
+        if not os.path.isfile(name):
+            raise PkvError(f"--model {name}: no such GGUF file")
+        check_gguf_file(Path(name))
+        return
     if name not in ALIASES and not os.path.isdir(name) and "/" not in name:
         raise PkvError(
-            f"unknown model {name!r}; use an alias ({', '.join(ALIASES)}), a Hugging Face model id (org/name) or a local folder"
+            f"unknown model {name!r}; use an alias ({', '.join(ALIASES)}), a Hugging Face model id (org/name), a "
+            "local folder or a .gguf file"
         )
 
 
@@ -170,7 +232,11 @@ def model_path(name: str) -> tuple[str, str]:
     """Where ``name`` loads from (a folder or a hub id) and what run.json calls its source."""
     if name in ALIASES:
         alias = ALIASES[name]
-        return str(float_copy_of_gguf(name, alias)), f"{alias.distribution}=={alias.version}"
+        cache_name = f"{name}-{alias.distribution}-{alias.version}-float32"
+        return str(float_copy_of_gguf(locate_gguf(alias), cache_name)), f"{alias.distribution}=={alias.version}"
+    if is_gguf_file(name):
+        path = Path(name)
+        return str(float_copy_of_gguf(path, local_gguf_cache_name(path))), str(path.resolve())
     return name, name
 
 

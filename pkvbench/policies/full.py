@@ -11,9 +11,10 @@ from pkvbench.policies.base import LayerStats, Policy, keep_all
 class FullCache(Policy):
     name = "full"
     summary = "keep all T prompt entries (no compression)"
+    in_default_grid = True
 
     def layer_budgets(self, k: int, context_len: int, num_layers: int) -> list[int]:
         return [context_len] * num_layers
 
-    def keep(self, stats: LayerStats, k: int) -> torch.Tensor:
-        return keep_all(stats)
+    def select(self, stats: LayerStats, k: int) -> torch.Tensor:
+        return keep_all(stats.context_len, stats.num_kv_heads)

@@ -10,51 +10,48 @@ queries only, with no pooling. It is SnapKV without the pool.
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from pkvbench.policies.base import LayerStats, Policy, group_by_kv_head, keep_all, keep_window_plus_top
+from pkvbench.policies.base import LayerStats, Needs, ScoringPolicy, group_by_kv_head
 
 
 @dataclass(frozen=True)
-class H2O(Policy):
+class H2O(ScoringPolicy):
     name = "h2o"
     summary = "accumulated attention of all prompt queries; top k-window + window"
-    choices = {"scores": ("all", "window"), "gqa": ("mean", "max")}
+    in_default_grid = True
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {"scores": ("all", "window"), "gqa": ("mean", "max")}
+    positive = ("window",)
     window: int = 8
     scores: str = "all"
     normalize: bool = False
     gqa: str = "mean"
 
     @property
-    def windows_needed(self) -> set[int]:
-        return {self.window} if self.scores == "window" else set()
+    def needs(self) -> Needs:
+        if self.scores == "window":
+            return Needs(windows=frozenset({self.window}))
+        return Needs(accumulated=True)
 
     @property
-    def needs_accumulated(self) -> bool:
-        return self.scores == "all"
-
-    @property
-    def min_budget(self) -> int:
-        return max(self.window, 1)
+    def keeps_recent(self) -> int:
+        return self.window
 
     def position_scores(self, stats: LayerStats) -> torch.Tensor:
         """``[num_query_heads, T]`` scores before grouping."""
         length = stats.context_len
         if self.scores == "window":
-            totals = stats.window_scores[self.window]
+            totals = stats.window(self.window)
             # Position p is seen by the window queries at positions >= p.
             seen_by = (length - torch.arange(length)).clamp(max=self.window)
         else:
-            totals = stats.accumulated
+            totals = stats.accumulated_attention()
             seen_by = length - torch.arange(length)
         if self.normalize:
             totals = totals / seen_by.to(totals)
         return totals
 
-    def keep(self, stats: LayerStats, k: int) -> torch.Tensor:
-        length = stats.context_len
-        if k >= length:
-            return keep_all(stats)
-        grouped = group_by_kv_head(self.position_scores(stats), stats.num_kv_heads, self.gqa)
-        return keep_window_plus_top(grouped[:, : length - self.window], k, self.window, length)
+    def score(self, stats: LayerStats) -> torch.Tensor:
+        return group_by_kv_head(self.position_scores(stats), stats.num_kv_heads, self.gqa)

@@ -7,11 +7,12 @@ fold query heads onto their KV head (mean, or max); keep the top ``k - window`` 
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from pkvbench.policies.base import LayerStats, Policy, group_by_kv_head, keep_all, keep_window_plus_top
+from pkvbench.policies.base import LayerStats, Needs, ScoringPolicy, group_by_kv_head
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
@@ -23,10 +24,12 @@ def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor
 
 
 @dataclass(frozen=True)
-class SnapKV(Policy):
+class SnapKV(ScoringPolicy):
     name = "snapkv"
     summary = "last `window` queries' attention, max-pooled (kernel 7); top k-window + window"
-    choices = {"pooling": ("max", "avg", "none"), "gqa": ("mean", "max")}
+    in_default_grid = True
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {"pooling": ("max", "avg", "none"), "gqa": ("mean", "max")}
+    positive = ("window", "kernel")
     window: int = 8
     kernel: int = 7
     pooling: str = "max"
@@ -38,18 +41,17 @@ class SnapKV(Policy):
             raise ValueError(f"{self.name}: kernel must be odd so that pooling keeps every position")
 
     @property
-    def windows_needed(self) -> set[int]:
-        return {self.window}
+    def needs(self) -> Needs:
+        return Needs(windows=frozenset({self.window}))
 
     @property
-    def min_budget(self) -> int:
-        return max(self.window, 1)
+    def keeps_recent(self) -> int:
+        return self.window
 
-    def keep(self, stats: LayerStats, k: int) -> torch.Tensor:
-        length = stats.context_len
-        if k >= length:
-            return keep_all(stats)
-        prefix = stats.window_scores[self.window][:, : length - self.window]
-        pooled = pool_scores(prefix, self.kernel, self.pooling)
-        grouped = group_by_kv_head(pooled, stats.num_kv_heads, self.gqa)
-        return keep_window_plus_top(grouped, k, self.window, length)
+    def score(self, stats: LayerStats) -> torch.Tensor:
+        window = stats.window(self.window)
+        prefix_len = max(stats.context_len - self.window, 0)
+        pooled = pool_scores(window[:, :prefix_len], self.kernel, self.pooling)
+        # The window's own positions are kept whatever they score; zeros stand in for them.
+        scores = torch.cat([pooled, torch.zeros_like(window[:, prefix_len:])], dim=1)
+        return group_by_kv_head(scores, stats.num_kv_heads, self.gqa)

@@ -16,7 +16,9 @@ class Sample:
     input_ids: list[int]
     answers: list[str]
     extras: dict[str, Any] = field(default_factory=dict)  # task-specific result columns (length, depth)
-    meta: dict[str, Any] = field(default_factory=dict)  # what scoring needs besides the answers (all_classes); not written
+    meta: dict[str, Any] = field(
+        default_factory=dict
+    )  # what scoring needs besides the answers (all_classes); not written
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,14 @@ class TaskSpec:
     stop_strings: tuple[str, ...] = ()
     min_new_tokens: int = 0  # tokens generated before an end or stop token may be chosen
     postprocess: tuple[str, ...] = ()  # rules applied to a prediction before scoring (metrics.PREDICTION_RULES)
+    version: str = "1"  # the YAML's ``version``: bump it when the task's samples change
+    prompt_hash: str = ""  # hash of the definition's prompt-shaping keys (``registry.prompt_hash``)
+    source: str = ""  # the file it was read from
+
+    @property
+    def identity(self) -> dict[str, str]:
+        """What a result row records of its task's definition; resuming under another one is refused."""
+        return {"task_version": self.version, "task_hash": self.prompt_hash}
 
 
 def chat_prompt_ids(tokenizer, system: str | None, user: str) -> list[int]:

@@ -12,12 +12,12 @@ concatenated; then the chat template is applied (one user turn), except for the 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from pkvbench.errors import PkvError, first_line
+from pkvbench.io import read_json_lines
 from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec, chat_prompt_ids
 from pkvbench.tasks.files import file_sha256
 
@@ -35,10 +35,13 @@ def _note(message: str) -> None:
 
 # --- data -----------------------------------------------------------------------------------------------------
 
+
 def verify_file(path: Path, expected: str | None) -> None:
     """Raise if ``path``'s sha256 is not the official one; note it when no official value is known."""
     if not expected:
-        _note(f"{path.name} has no official checksum (the official list covers the 21 LongBench v1 files); not verified")
+        _note(
+            f"{path.name} has no official checksum (the official list covers the 21 LongBench v1 files); not verified"
+        )
         return
     actual = file_sha256(path)
     if actual != expected:
@@ -50,23 +53,7 @@ def verify_file(path: Path, expected: str | None) -> None:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Rows of a LongBench jsonl file; a malformed line is an error naming the file and line."""
-    rows = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise PkvError(f"{path}, line {number}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-                check_row(row, f"{path}, line {number}")
-                rows.append(row)
-    except UnicodeDecodeError as exc:
-        raise PkvError(f"{path}: not UTF-8 text ({exc.reason})") from None
-    except OSError as exc:
-        raise PkvError(f"cannot read {path}: {exc.strerror or exc}") from None
-    return rows
+    return read_json_lines(path, "LongBench file", check=check_row)
 
 
 def check_row(row: Any, where: str) -> None:
@@ -74,7 +61,9 @@ def check_row(row: Any, where: str) -> None:
         raise PkvError(f"{where}: expected a JSON object, got {type(row).__name__}")
     missing = [name for name in REQUIRED_FIELDS if name not in row]
     if missing:
-        raise PkvError(f"{where}: missing field(s) {', '.join(missing)} (LongBench rows have {', '.join(REQUIRED_FIELDS)}, length, all_classes)")
+        raise PkvError(
+            f"{where}: missing field(s) {', '.join(missing)} (LongBench rows have {', '.join(REQUIRED_FIELDS)}, length, all_classes)"
+        )
     if not isinstance(row["answers"], list):
         raise PkvError(f"{where}: 'answers' must be a list of strings")
 
@@ -96,7 +85,9 @@ def hub_rows(spec: TaskSpec) -> list[dict[str, Any]]:
     try:
         import datasets
     except ImportError:
-        raise PkvError(f"loading {name} from the Hugging Face hub needs the package datasets (pip install datasets); or {DATA_HINT}") from None
+        raise PkvError(
+            f"loading {name} from the Hugging Face hub needs the package datasets (pip install datasets); or {DATA_HINT}"
+        ) from None
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     reasons = []
@@ -104,7 +95,11 @@ def hub_rows(spec: TaskSpec) -> list[dict[str, Any]]:
         # The per-dataset parquet configs first; then the hub's own parquet conversion of the old script dataset.
         attempts = (
             lambda: datasets.load_dataset(repo, name, split="test"),
-            lambda: datasets.load_dataset("parquet", data_files=f"hf://datasets/{repo}@refs%2Fconvert%2Fparquet/{name}/test/*.parquet", split="train"),
+            lambda: datasets.load_dataset(
+                "parquet",
+                data_files=f"hf://datasets/{repo}@refs%2Fconvert%2Fparquet/{name}/test/*.parquet",
+                split="train",
+            ),
         )
         for attempt in attempts:
             try:
@@ -130,11 +125,14 @@ def load_rows(spec: TaskSpec, options: TaskOptions) -> list[dict[str, Any]]:
     answered = [row for row in rows if any(isinstance(a, str) and a for a in row["answers"])]
     if len(answered) < len(rows):
         skipped = [str(row["_id"]) for row in rows if row not in answered]
-        _note(f"{spec.name}: skipped {len(skipped)} sample(s) with no answer: {', '.join(skipped[:5])}{' …' if len(skipped) > 5 else ''}")
+        _note(
+            f"{spec.name}: skipped {len(skipped)} sample(s) with no answer: {', '.join(skipped[:5])}{' …' if len(skipped) > 5 else ''}"
+        )
     return answered[: options.limit] if options.limit else answered
 
 
 # --- prompts --------------------------------------------------------------------------------------------------
+
 
 def format_prompt(spec: TaskSpec, row: dict[str, Any]) -> str:
     """The official template filled with the row's fields (``template.format(**row)``)."""
@@ -182,7 +180,9 @@ def default_max_length(tokenizer, spec: TaskSpec, options: TaskOptions) -> int:
     overhead = len(prompt_ids(tokenizer, spec, ""))
     max_length = window - spec.max_new_tokens - overhead
     if max_length < 2:
-        raise PkvError(f"{spec.name}: the model's context window ({window}) leaves no room for a prompt; pass --max-length")
+        raise PkvError(
+            f"{spec.name}: the model's context window ({window}) leaves no room for a prompt; pass --max-length"
+        )
     return max_length
 
 
@@ -201,57 +201,14 @@ def longbench_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[S
                 sample_id=str(row["_id"]),
                 input_ids=prompt_ids(tokenizer, spec, prompt),
                 answers=[a for a in row["answers"] if isinstance(a, str)],
-                extras={"length": row.get("length"), "untruncated_tokens": untruncated,
-                        "truncated": untruncated > max_length,
-                        # written for the classification tasks too, so `pkvbench score` can rescore the rows
-                        **({"all_classes": list(row.get("all_classes") or [])} if spec.metric == "classification" else {})},
+                extras={
+                    "length": row.get("length"),
+                    "untruncated_tokens": untruncated,
+                    "truncated": untruncated > max_length,
+                    # written for the classification tasks too, so `pkvbench score` can rescore the rows
+                    **({"all_classes": list(row.get("all_classes") or [])} if spec.metric == "classification" else {}),
+                },
                 meta={"all_classes": list(row.get("all_classes") or [])},
             )
         )
     return samples
-
-
-# --- scoring prediction files (``pkvbench score``) -------------------------------------------------------------
-
-def score_rows(rows: list[dict[str, Any]], default_dataset: str | None = None, where: str = "input") -> tuple[list[dict], list[dict]]:
-    """Score prediction rows as the official ``eval.py`` does.
-
-    Each row needs ``pred`` and ``answers``, ``all_classes`` for trec/lsht, ``length`` for LongBench-E, and its
-    dataset as ``dataset`` (or ``task``, as in pkvbench's samples.jsonl, or ``default_dataset``). Returns the rows
-    with ``score`` (0–1) and a summary: one entry per dataset (and policy × budget where the rows have them) with
-    n, score (round(100·mean, 2)) and, for LongBench-E datasets, the 0-4k / 4-8k / 8k+ buckets by ``length``.
-    """
-    from pkvbench.metrics import LENGTH_BUCKETS, METRICS, dataset_score, length_bucket, prepare_prediction
-    from pkvbench.tasks.registry import all_tasks
-
-    tasks = {name: spec for name, spec in all_tasks().items() if spec.generator == "longbench"}
-    scored, groups = [], {}
-    for number, row in enumerate(rows, start=1):
-        name = row.get("dataset") or row.get("task") or default_dataset
-        if not name:
-            raise PkvError(f"{where}, line {number}: no dataset (give each line a 'dataset' field, or pass --dataset)")
-        spec = tasks.get(name)
-        if spec is None:
-            raise PkvError(f"{where}, line {number}: unknown dataset {name!r}; valid: {', '.join(tasks)}")
-        if not isinstance(row.get("pred"), str) or not isinstance(row.get("answers"), list):
-            raise PkvError(f"{where}, line {number}: needs 'pred' (a string) and 'answers' (a list of strings)")
-        meta = {"all_classes": list(row.get("all_classes") or [])}
-        score = METRICS[spec.metric](prepare_prediction(row["pred"], spec.postprocess), row["answers"], meta)
-        scored.append({**row, "score": score})
-        key = (name, row.get("policy"), json.dumps(row.get("budget")))
-        group = groups.setdefault(key, {"dataset": name, **({"policy": row["policy"]} if "policy" in row else {}),
-                                        **({"budget": row["budget"]} if "budget" in row else {}), "scores": [],
-                                        "buckets": {b: [] for b in LENGTH_BUCKETS} if name.endswith("_e") else None})
-        group["scores"].append(score)
-        if group["buckets"] is not None:
-            if not isinstance(row.get("length"), (int, float)):
-                raise PkvError(f"{where}, line {number}: LongBench-E dataset {name} needs a numeric 'length'")
-            group["buckets"][length_bucket(row["length"])].append(score)
-    summary = []
-    for group in groups.values():
-        entry = {k: v for k, v in group.items() if k not in ("scores", "buckets")}
-        entry.update(n=len(group["scores"]), score=dataset_score(group["scores"]))
-        if group["buckets"] is not None:
-            entry.update({b: dataset_score(s) if s else float("nan") for b, s in group["buckets"].items()})
-        summary.append(entry)
-    return scored, summary

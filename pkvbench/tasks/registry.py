@@ -1,10 +1,22 @@
-"""Find task definitions (``tasks/**/*.yaml``) and build their samples."""
+"""Task definitions: found as package data (and in the user's folders), validated, and turned into samples.
+
+The built-in definitions are the YAML files of the project's ``tasks/`` folder, installed with the package as
+``pkvbench.task_definitions`` (so a wheel has them). ``$PKVBENCH_TASKS`` (folders separated by ``os.pathsep``) and
+``--include-path`` add a user's own folders. Every file is checked when loaded: required keys and their types, a
+known generator and metric, the generator's own keys, no name defined twice. An error names the file.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.resources
+import json
 import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -16,79 +28,200 @@ from pkvbench.tasks.needle import needle_samples
 from pkvbench.tasks.ruler import cwe_samples, fwe_samples, niah_samples, vt_samples
 from pkvbench.tasks.trec import trec_samples
 
-GENERATORS = {
-    "needle": needle_samples,
-    "longbench": longbench_samples,
-    "ruler_niah": niah_samples,
-    "ruler_vt": vt_samples,
-    "ruler_cwe": cwe_samples,
-    "ruler_fwe": fwe_samples,
-    "trec_fewshot": trec_samples,
+BUILTIN_PACKAGE = "pkvbench.task_definitions"
+ENV_VAR = "PKVBENCH_TASKS"
+
+
+@dataclass(frozen=True)
+class Generator:
+    """How a task's samples are made, and the keys its YAML must have for that."""
+
+    build: Callable[[Any, TaskSpec, TaskOptions], list[Sample]]
+    keys: tuple[str, ...]
+
+
+_RULER = ("template", "answer_prefix", "defaults")
+GENERATORS: dict[str, Generator] = {
+    "needle": Generator(needle_samples, ("haystack", "needle", "question", "prompt", "defaults")),
+    "longbench": Generator(longbench_samples, ("dataset", "prompt")),
+    "ruler_niah": Generator(
+        niah_samples, (*_RULER, "haystack", "key_type", "value_type", "num_keys", "num_values", "num_queries", "needle")
+    ),
+    "ruler_vt": Generator(vt_samples, (*_RULER, "noise", "num_chains", "num_hops")),
+    "ruler_cwe": Generator(cwe_samples, (*_RULER, "num_cw", "short", "long")),
+    "ruler_fwe": Generator(fwe_samples, (*_RULER, "alpha", "coded_wordlen")),
+    "trec_fewshot": Generator(
+        trec_samples, ("train_file", "test_file", "prompt", "example", "input", "classes", "defaults")
+    ),
 }
 
+# key: (accepted types, required)
+_COMMON_KEYS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "name": ((str,), True),
+    "version": ((int, str), True),
+    "description": ((str,), True),
+    "generator": ((str,), True),
+    "metric": ((str,), True),
+    "max_new_tokens": ((int,), True),
+    "chat_template": ((bool,), False),
+    "stop_strings": ((list,), False),
+    "min_new_tokens": ((int,), False),
+    "postprocess": ((list,), False),
+    "groups": ((list,), False),
+}
+# Keys that say what a task is called or how it is listed, not how its prompts are built: outside the hash.
+_NOT_HASHED = ("description", "groups")
 
-def tasks_dir() -> Path:
-    """The project's ``tasks/`` folder (next to the package in a source checkout), or ``$PKVBENCH_TASKS``."""
-    return Path(os.environ.get("PKVBENCH_TASKS") or Path(__file__).resolve().parents[2] / "tasks")
+
+def prompt_hash(raw: dict[str, Any]) -> str:
+    """A short hash of everything in a task definition that shapes its prompts, answers and scores."""
+    shaping = {k: v for k, v in raw.items() if k not in _NOT_HASHED}
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:12]
+
+
+def validate(raw: Any, where: str) -> TaskSpec:
+    """A task definition as read from YAML, checked; every problem is an error that names the file."""
+    if not isinstance(raw, dict):
+        raise PkvError(f"task file {where}: expected a mapping of keys at the top level")
+    for key, (kinds, required) in _COMMON_KEYS.items():
+        if key not in raw or raw[key] is None:
+            if required:
+                raise PkvError(f"task file {where}: missing required key {key!r}")
+            continue
+        value = raw[key]
+        if not isinstance(value, kinds) or (type(value) is bool and bool not in kinds):
+            names = " or ".join(k.__name__ for k in kinds)
+            raise PkvError(f"task file {where}: {key!r} must be {names}, got {value!r}")
+    generator = GENERATORS.get(raw["generator"])
+    if generator is None:
+        raise PkvError(f"task file {where}: unknown generator {raw['generator']!r}; valid: {', '.join(GENERATORS)}")
+    if raw["metric"] not in METRICS:
+        raise PkvError(f"task file {where}: unknown metric {raw['metric']!r}; valid: {', '.join(METRICS)}")
+    unknown_rules = [r for r in raw.get("postprocess") or () if r not in PREDICTION_RULES]
+    if unknown_rules:
+        raise PkvError(
+            f"task file {where}: unknown postprocess rule {unknown_rules[0]!r}; valid: {', '.join(PREDICTION_RULES)}"
+        )
+    missing = [key for key in generator.keys if key not in raw]
+    if missing:
+        raise PkvError(f"task file {where}: generator {raw['generator']} needs the key(s) {', '.join(missing)}")
+    if raw["max_new_tokens"] < 1 or raw.get("min_new_tokens", 0) < 0:
+        raise PkvError(f"task file {where}: max_new_tokens must be at least 1 and min_new_tokens not negative")
+    if not all(isinstance(s, str) for s in raw.get("stop_strings") or ()):
+        raise PkvError(f"task file {where}: stop_strings must be a list of strings")
+    return TaskSpec(
+        name=raw["name"],
+        description=raw["description"],
+        generator=raw["generator"],
+        metric=raw["metric"],
+        max_new_tokens=raw["max_new_tokens"],
+        chat_template=bool(raw.get("chat_template", True)),
+        stop_strings=tuple(raw.get("stop_strings") or ()),
+        min_new_tokens=int(raw.get("min_new_tokens", 0)),
+        postprocess=tuple(raw.get("postprocess") or ()),
+        config=raw,
+        version=str(raw["version"]),
+        prompt_hash=prompt_hash(raw),
+        source=where,
+    )
+
+
+def _yaml_files(root) -> Iterator:
+    """Every ``*.yaml`` below ``root`` (a folder or an importlib.resources Traversable), in name order."""
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        if entry.is_dir():
+            yield from _yaml_files(entry)
+        elif entry.name.endswith(".yaml"):
+            yield entry
+
+
+def _read(entry) -> Any:
+    try:
+        return yaml.safe_load(entry.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise PkvError(f"task file {entry}: not valid YAML{f' at line {mark.line + 1}' if mark else ''}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PkvError(f"task file {entry}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+
+
+def env_include_paths() -> tuple[str, ...]:
+    return tuple(p for p in os.environ.get(ENV_VAR, "").split(os.pathsep) if p.strip())
+
+
+@dataclass(frozen=True)
+class TaskCatalog:
+    """Every known task (built-in first, then each included folder's) and the groups they name."""
+
+    tasks: dict[str, TaskSpec]
+
+    def get(self, name: str) -> TaskSpec:
+        if name not in self.tasks:
+            raise PkvError(f"unknown task {name!r}; valid tasks: {', '.join(self.tasks)}")
+        return self.tasks[name]
+
+    @property
+    def groups(self) -> dict[str, list[str]]:
+        """Groups named by the tasks' ``groups`` lists (``longbench``, ``ruler``, …), tasks in definition order."""
+        groups: dict[str, list[str]] = {}
+        for spec in self.tasks.values():
+            for group in spec.config.get("groups") or ():
+                groups.setdefault(group, []).append(spec.name)
+        return groups
+
+    def expand(self, names: list[str]) -> list[TaskSpec]:
+        """Task and group names (a group stands for its tasks) → task definitions, each once, in the order given."""
+        groups = self.groups
+        selected: dict[str, TaskSpec] = {}
+        for name in names:
+            if name in self.tasks:
+                selected.setdefault(name, self.tasks[name])
+            elif name in groups:
+                for member in groups[name]:
+                    selected.setdefault(member, self.tasks[member])
+            else:
+                raise PkvError(
+                    f"unknown task {name!r}; valid groups: {', '.join(groups)}; valid tasks: {', '.join(self.tasks)}"
+                )
+        return list(selected.values())
 
 
 @cache
-def all_tasks() -> dict[str, TaskSpec]:
-    specs = {}
-    for path in sorted(tasks_dir().glob("**/*.yaml")):
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        if raw["generator"] not in GENERATORS or raw["metric"] not in METRICS:
-            raise PkvError(f"{path}: unknown generator or metric ({raw['generator']}, {raw['metric']})")
-        if not set(raw.get("postprocess") or ()) <= set(PREDICTION_RULES):
-            raise PkvError(f"{path}: unknown postprocess rule in {raw['postprocess']}; valid: {', '.join(PREDICTION_RULES)}")
-        specs[raw["name"]] = TaskSpec(
-            name=raw["name"],
-            description=raw.get("description", ""),
-            generator=raw["generator"],
-            metric=raw["metric"],
-            max_new_tokens=int(raw["max_new_tokens"]),
-            chat_template=bool(raw.get("chat_template", True)),
-            stop_strings=tuple(raw.get("stop_strings", ())),
-            min_new_tokens=int(raw.get("min_new_tokens", 0)),
-            postprocess=tuple(raw.get("postprocess") or ()),
-            config=raw,
-        )
+def catalog(include_paths: tuple[str, ...] = ()) -> TaskCatalog:
+    """The built-in tasks plus those of ``$PKVBENCH_TASKS`` and ``include_paths`` (folders of YAML files)."""
+    roots = [importlib.resources.files(BUILTIN_PACKAGE)]
+    for folder in (*env_include_paths(), *include_paths):
+        path = Path(folder)
+        if not path.is_dir():
+            raise PkvError(f"task folder {folder} does not exist (from {ENV_VAR} or --include-path)")
+        roots.append(path)
+    specs: dict[str, TaskSpec] = {}
+    for root in roots:
+        for entry in _yaml_files(root):
+            spec = validate(_read(entry), str(entry))
+            if spec.name in specs:
+                raise PkvError(f"task {spec.name!r} is defined twice: in {specs[spec.name].source} and in {entry}")
+            specs[spec.name] = spec
     if not specs:
-        raise PkvError(f"no task definitions found under {tasks_dir()} (set PKVBENCH_TASKS to the project's tasks/ folder)")
-    return specs
+        raise PkvError(f"no task definitions found in the package data {BUILTIN_PACKAGE}; reinstall pkvbench")
+    return TaskCatalog(specs)
+
+
+def all_tasks() -> dict[str, TaskSpec]:
+    return catalog().tasks
 
 
 def get_task(name: str) -> TaskSpec:
-    tasks = all_tasks()
-    if name not in tasks:
-        raise PkvError(f"unknown task {name!r}; valid tasks: {', '.join(tasks)}")
-    return tasks[name]
+    return catalog().get(name)
 
 
 def task_groups() -> dict[str, list[str]]:
-    """Groups named by the tasks' ``groups`` lists (``longbench``, ``longbench-zh``, ``longbench-e``), tasks in
-    definition order."""
-    groups: dict[str, list[str]] = {}
-    for spec in all_tasks().values():
-        for group in spec.config.get("groups") or ():
-            groups.setdefault(group, []).append(spec.name)
-    return groups
+    return catalog().groups
 
 
-def expand_tasks(names: list[str]) -> list[TaskSpec]:
-    """Task and group names (a group stands for its tasks) → task definitions, each once, in the order given."""
-    tasks, groups = all_tasks(), task_groups()
-    selected: dict[str, TaskSpec] = {}
-    for name in names:
-        if name in tasks:
-            selected.setdefault(name, tasks[name])
-        elif name in groups:
-            for member in groups[name]:
-                selected.setdefault(member, tasks[member])
-        else:
-            raise PkvError(f"unknown task {name!r}; valid groups: {', '.join(groups)}; valid tasks: {', '.join(tasks)}")
-    return list(selected.values())
+def expand_tasks(names: list[str], include_paths: tuple[str, ...] = ()) -> list[TaskSpec]:
+    return catalog(tuple(include_paths)).expand(names)
 
 
 def build_samples(spec: TaskSpec, tokenizer, options: TaskOptions) -> list[Sample]:
-    return GENERATORS[spec.generator](tokenizer, spec, options)
+    return GENERATORS[spec.generator].build(tokenizer, spec, options)

@@ -130,8 +130,13 @@ def within_tolerance(n_tokens: int, length: int) -> bool:
     return abs(n_tokens - length) <= TOLERANCE * length
 
 
-def fit_drawn(build: Callable[[int, int], tuple[list[int], T]], length: int, low: int = 0, high: int = 1 << 22,
-              what: str = "prompt") -> tuple[list[int], T]:
+def fit_drawn(
+    build: Callable[[int, int], tuple[list[int], T]],
+    length: int,
+    low: int = 0,
+    high: int = 1 << 22,
+    what: str = "prompt",
+) -> tuple[list[int], T]:
     """Token ids (and whatever ``build`` returns with them) of the draw closest to ``length``, within ±2%.
 
     ``build(attempt, n)`` draws a sample with haystack size n from the attempt's own random stream. Attempt 0
@@ -151,7 +156,9 @@ def fit_drawn(build: Callable[[int, int], tuple[list[int], T]], length: int, low
         if attempt == 0:
             center, _ = fit_length(at, length, low, high)
             if len(at(center)) > (1 + TOLERANCE) * length and center == low:
-                raise PkvError(f"{what}: --lengths {length} is too short; the prompt needs at least {len(at(low))} tokens")
+                raise PkvError(
+                    f"{what}: --lengths {length} is too short; the prompt needs at least {len(at(low))} tokens"
+                )
         for n in (center, center - 1, center + 1):
             if low <= n <= high:
                 ids = at(n)
@@ -193,7 +200,12 @@ def generate(
 
             ids, built = fit_drawn(build, length, low, high, spec.name)
             samples.append(
-                Sample(sample_id=f"len{length}_{index}", input_ids=ids, answers=list(built.answers), extras={"length": length})
+                Sample(
+                    sample_id=f"len{length}_{index}",
+                    input_ids=ids,
+                    answers=list(built.answers),
+                    extras={"length": length},
+                )
             )
     return samples
 
@@ -236,7 +248,9 @@ def niah_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample
             if candidate not in keys:
                 keys.append(candidate)
         values = [[random_value(rng, config["value_type"]) for _ in range(config["num_values"])] for _ in keys]
-        needles = [needle.format(type_needle_v=config["value_type"], key=k, value=v) for k, vs in zip(keys, values) for v in vs]
+        needles = [
+            needle.format(type_needle_v=config["value_type"], key=k, value=v) for k, vs in zip(keys, values) for v in vs
+        ]
         rng.shuffle(needles)
         asked = rng.sample(range(num_keys), config["num_queries"])
         if haystack == "essay":
@@ -257,14 +271,23 @@ def niah_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample
                 while len(lines) < n:
                     other = key(rng)
                     if other not in keys:
-                        lines.append(needle.format(type_needle_v=config["value_type"], key=other,
-                                                   value=random_value(rng, config["value_type"])))
-            for index, item in zip(sorted(rng.sample(range(max(n, len(needles))), len(needles)), reverse=True), needles):
+                        lines.append(
+                            needle.format(
+                                type_needle_v=config["value_type"],
+                                key=other,
+                                value=random_value(rng, config["value_type"]),
+                            )
+                        )
+            for index, item in zip(
+                sorted(rng.sample(range(max(n, len(needles))), len(needles)), reverse=True), needles
+            ):
                 lines.insert(index, item)
             context = "\n".join(lines)
         query = _join_keys([keys[i] for i in asked])
         user = template.format(type_needle_v=kind, context=context, query=query)
-        return Built((user,), prefix.format(type_needle_v=kind, query=query), tuple(v for i in asked for v in values[i]))
+        return Built(
+            (user,), prefix.format(type_needle_v=kind, query=query), tuple(v for i in asked for v in values[i])
+        )
 
     return generate(tokenizer, spec, options, draw)
 
@@ -272,7 +295,9 @@ def niah_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample
 # ------------------------------------------------------------------------------------------------------------ vt
 
 
-def _chains(rng: random.Random, num_chains: int, num_hops: int, name_length: int) -> tuple[list[list[str]], list[list[str]]]:
+def _chains(
+    rng: random.Random, num_chains: int, num_hops: int, name_length: int
+) -> tuple[list[list[str]], list[list[str]]]:
     """Variable names (distinct, uppercase) and assignment statements of each chain: VAR A = 12345, VAR B = VAR A, …"""
     names: list[str] = []
     while len(names) < num_chains * (num_hops + 1):
@@ -315,6 +340,7 @@ def vt_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]:
     # counting the generated answer's budget, its noise grown in steps of 5 lines.
     icl_block = ""
     if config.get("icl_max_tokens"):
+
         def icl_text(n: int) -> str:
             text, _, answer = draw_one(random.Random(f"{options.seed}/{spec.name}/icl"), n, icl=True)
             return text + " " + " ".join(answer)
@@ -354,8 +380,9 @@ def cwe_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]
     def draw(rng: random.Random, length: int, n: int) -> Built:
         size = config["short"] if length < config["short"]["below"] else config["long"]
         example_words, example_common, example_uncommon = size["example"]
-        example_context, example_answer = word_list(rng, rng.sample(vocabulary, example_words), example_words,
-                                                    example_common, example_uncommon)
+        example_context, example_answer = word_list(
+            rng, rng.sample(vocabulary, example_words), example_words, example_common, example_uncommon
+        )
         pool = rng.sample(vocabulary, len(vocabulary))
         context, answer = word_list(rng, pool, num_common + n, size["freq_cw"], size["freq_ucw"])
         # RULER shows one solved example first (a whole earlier prompt with its answer), then asks.

@@ -37,16 +37,22 @@ def read_trec(path: str) -> tuple[tuple[str, str], ...]:
 def load_trec(spec: TaskSpec, options: TaskOptions) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
     config = spec.config
     if not options.data_dir:
-        raise PkvError(f"{spec.name} needs --data-dir: a folder with the TREC files {config['train_file']} and {config['test_file']}")
+        raise PkvError(
+            f"{spec.name} needs --data-dir: a folder with the TREC files {config['train_file']} and {config['test_file']}"
+        )
     folder = Path(options.data_dir)
     files = []
     for name in (config["train_file"], config["test_file"]):
         path = folder / name
         if not path.is_file():
-            raise PkvError(f"{spec.name}: {path} not found (--data-dir must hold {config['train_file']} and {config['test_file']})")
+            raise PkvError(
+                f"{spec.name}: {path} not found (--data-dir must hold {config['train_file']} and {config['test_file']})"
+            )
         expected = (config.get("sha256") or {}).get(name)
         if options.verify and expected and file_sha256(path) != expected:
-            raise PkvError(f"{spec.name}: {path} is not the known TREC file (sha256 differs); --no-verify to use it anyway")
+            raise PkvError(
+                f"{spec.name}: {path} is not the known TREC file (sha256 differs); --no-verify to use it anyway"
+            )
         files.append(read_trec(str(path)))
     classes = config["classes"]
     for label, question in files[0] + files[1]:
@@ -80,7 +86,9 @@ def trec_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample
             label, question = test[order[index]]
 
             def build(attempt: int, n: int) -> tuple[list[int], None]:
-                shots = random.Random(f"{options.seed}/{spec.name}/{length}/{index}/{attempt}").sample(train, len(train))
+                shots = random.Random(f"{options.seed}/{spec.name}/{length}/{index}/{attempt}").sample(
+                    train, len(train)
+                )
                 context = "".join(example.format(question=q, type=classes[lab]) for lab, q in shots[:n])
                 return ids_of(template.format(context=context, input=query.format(question=question))), None
 

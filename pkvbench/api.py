@@ -1,0 +1,445 @@
+"""The Python API: one typed run configuration and one function that runs it.
+
+``evaluate(RunConfig(...))`` is what ``pkvbench run`` does, and ``measure_funnel(FunnelConfig(...))`` what
+``pkvbench funnel`` does; the command line only parses its options into these configurations and prints. Run
+configs in YAML (``configs/``) build the same ``RunConfig`` (``RunConfig.from_file``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pkvbench.budgets import Budget, parse_budgets
+from pkvbench.engine.models import DEFAULT_MODEL, check_model_name, is_gguf_file
+from pkvbench.errors import PkvError
+from pkvbench.policies.base import Policy
+from pkvbench.policies.registry import default_grid
+from pkvbench.policies.spec import check_shared_options, parse_option_pairs, parse_policy
+from pkvbench.provenance import make_deterministic, provenance
+from pkvbench.results import ResultStore
+from pkvbench.runner import RunStats, Shard
+from pkvbench.tasks.base import TaskOptions, TaskSpec
+from pkvbench.tasks.registry import expand_tasks
+
+EXECUTORS = ("local", "ray")
+
+
+# --- parsing the loose values a user writes ------------------------------------------------------------------------
+
+
+def as_list(value: Any, what: str) -> list[str]:
+    """A comma string or a sequence → a list of non-empty strings; empty is an error."""
+    items = str(value).split(",") if isinstance(value, (str, int, float)) else [str(v) for v in value]
+    items = [item.strip() for item in items if item.strip()]
+    if not items:
+        raise PkvError(f"{what} is empty; give a comma-separated list")
+    return items
+
+
+def parse_numbers(value: Any, what: str, kind: type) -> tuple | None:
+    """``--lengths`` / ``--depths``: positive integers or non-negative numbers, each once, in the order given."""
+    if value is None:
+        return None
+    values = []
+    for item in as_list(value, what):
+        try:
+            number = kind(item)
+        except ValueError:
+            raise PkvError(f"{what}: {item!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if number != number or number in (float("inf"), float("-inf")):
+            raise PkvError(f"{what}: {item!r} is not a finite number")
+        if number < 0 or (kind is int and number == 0):
+            raise PkvError(f"{what}: {item!r} must be positive")
+        values.append(number)
+    return tuple(dict.fromkeys(values))
+
+
+def parse_policies(specs: Any, policy_args: Mapping[str, Any] | Sequence[str] = ()) -> list[Policy]:
+    """Policy specs (``snapkv:window=32``) plus options shared by every policy that has them; each label once."""
+    if isinstance(policy_args, Mapping):
+        shared = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in policy_args.items()}
+    else:
+        shared = parse_option_pairs(list(policy_args))
+    names = default_grid() if specs is None else as_list(specs, "--policy")
+    policies = [parse_policy(spec, shared) for spec in names]
+    check_shared_options(shared, policies)
+    return list({p.label: p for p in policies}.values())
+
+
+def model_slug(model: str) -> str:
+    """A model as one folder name: an alias as it is, a hub id ``org/name`` as ``org--name``, a local folder or
+    GGUF file by its name."""
+    if is_gguf_file(model) or Path(model).is_dir():
+        return Path(model).name.removesuffix(".gguf") or "model"
+    return model.replace("/", "--")
+
+
+def default_out(kind: str, model: str, tasks: list[TaskSpec]) -> Path:
+    """``results/<kind>/<model>/<task+task…>``: where a run goes when no folder is given."""
+    return Path("results") / kind / model_slug(model) / "+".join(t.name for t in tasks)
+
+
+# --- the run configuration -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run is: model, tasks, policies × budgets, which samples, where results go, where it runs.
+
+    List-valued fields take a list or a comma string (``tasks="needle,trec"``); ``policies=None`` is the default grid
+    (the full cache and the paper's four policies). Values are checked by ``evaluate`` (``PkvError`` says what is
+    wrong), exactly as the command line checks them.
+    """
+
+    # what runs
+    model: str = DEFAULT_MODEL
+    tasks: Sequence[str] | str = ("needle",)
+    policies: Sequence[str] | str | None = None
+    budgets: Sequence[str | int | float] | str = (128,)
+    policy_args: Mapping[str, Any] | Sequence[str] = ()
+    max_new_tokens: int | None = None
+    # which samples
+    lengths: Sequence[int] | str | None = None
+    depths: Sequence[float] | str | None = None
+    limit: int | None = None
+    seed: int = 0
+    data_dir: str | None = None
+    verify: bool = True
+    max_length: int | None = None
+    sample_ids: Sequence[str] | str | None = None
+    include_paths: Sequence[str] = ()
+    # how the model runs
+    device: str = "auto"
+    dtype: str = "auto"
+    attn_implementation: str = "sdpa"
+    # where results go
+    out: str | Path | None = None
+    overwrite: bool = False
+    shard: str | None = None
+    quiet: bool = False
+    # where the samples run
+    executor: str = "local"
+    ray_address: str | None = None
+    workers: int | None = None
+    gpus_per_worker: float | None = None
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> RunConfig:
+        """A YAML run config (keys as ``pkvbench run``'s long options); ``overrides`` win over the file."""
+        from pkvbench.config import read_run_config
+
+        names = [f.name for f in fields(cls)]
+        return cls(**{**read_run_config(path, names), **overrides})
+
+    def with_(self, **changes: Any) -> RunConfig:
+        return replace(self, **changes)
+
+
+@dataclass
+class ResolvedRun:
+    """A ``RunConfig`` checked and parsed: what the executors run."""
+
+    config: RunConfig
+    tasks: list[TaskSpec]
+    policies: list[Policy]
+    budgets: list[Budget]
+    options: TaskOptions
+    shard: Shard | None
+    out: Path
+
+    @property
+    def recorded_options(self) -> dict[str, Any]:
+        """``run.json``'s ``options``: what makes two runs the same run (resuming under others is refused). The
+        executor and its settings are not among them: another executor may resume a run."""
+        c, o = self.config, self.options
+        recorded = {
+            "model": c.model,
+            "device": c.device,
+            "dtype": c.dtype,
+            "attn_implementation": c.attn_implementation,
+            "tasks": [t.name for t in self.tasks],
+            "policies": [p.label for p in self.policies],
+            "budgets": [b.value for b in self.budgets],
+            "lengths": o.lengths,
+            "depths": o.depths,
+            "limit": o.limit,
+            "seed": o.seed,
+            "max_new_tokens": c.max_new_tokens,
+            "data_dir": o.data_dir,
+            "max_length": o.max_length,
+            "sample_ids": o.sample_ids,
+            "shard": str(self.shard) if self.shard else None,
+            "task_versions": {t.name: t.identity for t in self.tasks},
+        }
+        return json.loads(json.dumps(recorded))  # tuples → lists, as they read back from run.json
+
+
+def task_options(config: RunConfig | FunnelConfig) -> TaskOptions:
+    return TaskOptions(
+        lengths=parse_numbers(config.lengths, "--lengths", int),
+        depths=parse_numbers(config.depths, "--depths", float),
+        limit=config.limit,
+        seed=config.seed,
+        data_dir=str(config.data_dir) if config.data_dir is not None else None,
+        verify=config.verify,
+        max_length=config.max_length,
+        sample_ids=tuple(as_list(config.sample_ids, "--sample-id")) if config.sample_ids is not None else None,
+    )
+
+
+def resolve(config: RunConfig) -> ResolvedRun:
+    """Check every option and parse it; nothing slow happens here."""
+    tasks = expand_tasks(list(dict.fromkeys(as_list(config.tasks, "--task"))), tuple(config.include_paths))
+    policies = parse_policies(config.policies, config.policy_args)
+    budgets = parse_budgets(config.budgets if isinstance(config.budgets, str) else [str(b) for b in config.budgets])
+    shard = Shard.parse(config.shard) if config.shard is not None else None
+    options = task_options(config)
+    if config.max_new_tokens is not None and config.max_new_tokens < 1:
+        raise PkvError("--max-new-tokens must be at least 1")
+    if config.executor not in EXECUTORS:
+        raise PkvError(f"unknown executor {config.executor!r}; valid: {', '.join(EXECUTORS)}")
+    if config.executor != "ray" and (config.ray_address, config.workers, config.gpus_per_worker) != (None, None, None):
+        raise PkvError("--ray-address, --workers and --gpus-per-worker go with --executor ray")
+    check_model_name(config.model)
+    out = Path(config.out) if config.out is not None else default_out("runs", config.model, tasks)
+    return ResolvedRun(config, tasks, policies, budgets, options, shard, out)
+
+
+@dataclass
+class EvalResult:
+    """What a run left in its folder: every row (resumed ones too) and the summary table."""
+
+    out: Path
+    rows: pd.DataFrame
+    summary: pd.DataFrame
+    stats: RunStats
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def evaluate(config: RunConfig, *, on_row: Callable[[dict], None] | None = None) -> EvalResult:
+    """Run ``config``: each sample is prefilled once, every policy × budget decoded from that prefill; rows are
+    appended to ``<out>/samples.jsonl`` as they finish, then ``summary.csv`` is written. Rerunning the same config into
+    the same folder does only what is missing.
+
+    Returns the folder's rows and summary as pandas tables. Raises ``PkvError`` (one line: what is wrong) for bad
+    options, data or models; ``on_row`` (if given) sees each row as it is written.
+    """
+    run = resolve(config)
+    if config.executor == "ray":
+        from pkvbench.ray_executor import check_ray
+
+        check_ray()
+    store = ResultStore(run.out)
+    # Check the folder before the (slow) model load, and record the run once the model is known.
+    store.open({"options": run.recorded_options}, overwrite=config.overwrite)
+    make_deterministic(config.seed)
+    info: dict[str, Any] = {}
+
+    def record(model_info: dict) -> None:
+        info.update(
+            {
+                "options": run.recorded_options,
+                "model": model_info,
+                "policies": {p.label: p.options for p in run.policies},
+                "executor": config.executor,
+                **provenance(config.seed),
+            }
+        )
+        store.open(info)
+
+    try:
+        stats = _execute(run, store, record, on_row)
+    finally:
+        summary = store.write_summary()
+    return EvalResult(run.out, pd.DataFrame(store.rows()), summary, stats, info)
+
+
+def _execute(
+    run: ResolvedRun, store: ResultStore, record: Callable[[dict], None], on_row: Callable[[dict], None] | None
+) -> RunStats:
+    config = run.config
+    if config.executor == "ray":
+        from pkvbench.ray_executor import ModelSpec, RaySettings, run_grid_on_ray
+
+        return run_grid_on_ray(
+            RaySettings(config.ray_address, config.workers, config.gpus_per_worker),
+            ModelSpec(config.model, config.device, config.dtype, config.attn_implementation, config.seed),
+            run.tasks,
+            run.policies,
+            run.budgets,
+            run.options,
+            store,
+            shard=run.shard,
+            max_new_tokens=config.max_new_tokens,
+            quiet=config.quiet,
+            on_model=record,
+            on_row=on_row,
+        )
+    from pkvbench.engine.generation import Engine
+    from pkvbench.engine.models import load_model
+    from pkvbench.runner import run_grid
+
+    loaded = load_model(
+        config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation
+    )
+    record(loaded.describe())
+    return run_grid(
+        Engine(loaded),
+        run.tasks,
+        run.policies,
+        run.budgets,
+        run.options,
+        store,
+        shard=run.shard,
+        max_new_tokens=config.max_new_tokens,
+        quiet=config.quiet,
+        on_row=on_row,
+    )
+
+
+# --- the funnel ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FunnelConfig:
+    """``pkvbench funnel``: how concentrated each layer's and head's attention is (PyramidKV's premise)."""
+
+    model: str = DEFAULT_MODEL
+    tasks: Sequence[str] | str = ("needle",)
+    lengths: Sequence[int] | str | None = None
+    depths: Sequence[float] | str | None = None
+    limit: int | None = None
+    seed: int = 0
+    data_dir: str | None = None
+    verify: bool = True
+    max_length: int | None = None
+    sample_ids: Sequence[str] | str | None = None
+    include_paths: Sequence[str] = ()
+    device: str = "auto"
+    dtype: str = "auto"
+    attn_implementation: str = "sdpa"
+    window: int = 8  # the last queries whose attention is measured (SnapKV/PyramidKV's window)
+    sink: int = 4  # first tokens counted as the attention sink
+    top_k: int = 128  # k of the top-k mass statistic
+    budget: str | int | float = 128  # the budget whose PyramidKV per-layer allocation is drawn over the curves
+    out: str | Path | None = None
+    overwrite: bool = False
+    quiet: bool = False
+
+
+@dataclass
+class FunnelResult:
+    out: Path
+    per_layer: pd.DataFrame
+    per_head: pd.DataFrame
+    verdicts: list[str]
+    written: int
+    skipped: int
+    seconds: float
+
+
+def measure_funnel(config: FunnelConfig) -> FunnelResult:
+    """Prefill each sample once and measure attention concentration per layer and head; write the tables, the
+    figure and the verdict into ``config.out`` (rerunning resumes)."""
+    from pkvbench import funnel
+    from pkvbench.engine.generation import Engine
+    from pkvbench.engine.models import load_model
+    from pkvbench.plots import plot_funnel
+    from pkvbench.runner import work_items
+
+    tasks = expand_tasks(list(dict.fromkeys(as_list(config.tasks, "--task"))), tuple(config.include_paths))
+    options = task_options(config)
+    overlay = parse_budgets([str(config.budget)] if not isinstance(config.budget, str) else config.budget)
+    if len(overlay) != 1:
+        raise PkvError("--budget takes one budget here (the one drawn over the curves)")
+    for name in ("window", "top_k"):
+        if getattr(config, name) < 1:
+            raise PkvError(f"--{name.replace('_', '-')} must be at least 1")
+    if config.sink < 0:
+        raise PkvError("--sink must not be negative")
+    check_model_name(config.model)
+    out = Path(config.out) if config.out is not None else default_out("funnel", config.model, tasks)
+    recorded = json.loads(
+        json.dumps(
+            {
+                "model": config.model,
+                "device": config.device,
+                "dtype": config.dtype,
+                "attn_implementation": config.attn_implementation,
+                "tasks": [t.name for t in tasks],
+                "lengths": options.lengths,
+                "depths": options.depths,
+                "limit": options.limit,
+                "seed": options.seed,
+                "data_dir": options.data_dir,
+                "max_length": options.max_length,
+                "sample_ids": options.sample_ids,
+                "window": config.window,
+                "sink": config.sink,
+                "top_k": config.top_k,
+                "task_versions": {t.name: t.identity for t in tasks},
+            }
+        )
+    )
+    store = ResultStore(out, rows_name=funnel.SAMPLES, info_name=funnel.INFO)
+    store.open({"options": recorded}, overwrite=config.overwrite)
+    make_deterministic(config.seed)
+    loaded = load_model(
+        config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation
+    )
+    store.open({"options": recorded, "model": loaded.describe(), **provenance(config.seed)})
+    engine = Engine(loaded)
+    items = work_items(tasks, engine.tokenizer, options)
+    if not items:
+        raise PkvError("no samples to measure (check --task, --limit, --sample-id)")
+    stats = funnel.run_funnel(engine, items, store, config.window, config.sink, config.top_k, quiet=config.quiet)
+    report = funnel.write_reports(out, store.rows(), loaded.name, loaded.num_layers, overlay[0], config.sink)
+    plot_funnel(report.per_layer, report.overlays, loaded.name, out / funnel.FIGURE)
+    return FunnelResult(
+        out, report.per_layer, report.per_head, report.verdicts, stats.written, stats.skipped, stats.seconds
+    )
+
+
+def layer_budget_table(
+    policies: Any, budgets: Any, policy_args: Mapping[str, Any] | Sequence[str], context: int, layers: int
+) -> list[dict[str, Any]]:
+    """``pkvbench budgets``: per policy × budget, the per-layer entries the engine would keep on a T-token prompt."""
+    from pkvbench.budgets import plan
+
+    entries = []
+    for policy in parse_policies(policies, policy_args):
+        for budget in parse_budgets(budgets):
+            layer_plan = plan(policy, budget, context, layers)
+            entries.append(
+                {
+                    "policy": policy.label,
+                    "budget": budget.value,
+                    "context": context,
+                    "layers": layers,
+                    "requested": layer_plan.requested,
+                    "effective": layer_plan.effective,
+                    "compressed": layer_plan.compressed,
+                    "total": sum(layer_plan.per_layer),
+                    "mean": layer_plan.mean,
+                    "per_layer": layer_plan.per_layer,
+                }
+            )
+    return entries
+
+
+__all__ = [
+    "EvalResult",
+    "FunnelConfig",
+    "FunnelResult",
+    "RunConfig",
+    "evaluate",
+    "layer_budget_table",
+    "measure_funnel",
+    "resolve",
+]

@@ -1,0 +1,97 @@
+"""Files: JSON-lines reading, atomic rewrites, and turning the operating system's errors into one line.
+
+Every file pkvbench rewrites (``run.json``, ``summary.csv``, reports) goes through ``atomic_write``: the new content is
+written beside the target, synced, and renamed over it, so a kill or a full disk at any moment leaves either the old
+version or the new one, never a truncated file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pkvbench.errors import PkvError
+
+
+def os_error(path: str | os.PathLike, exc: OSError, doing: str = "write") -> PkvError:
+    """One line naming the path and the reason (disk full, permission denied, not a folder, ...)."""
+    reason = exc.strerror or type(exc).__name__
+    return PkvError(f"cannot {doing} {path}: {reason}")
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
+    """Replace ``path`` with ``data`` all at once (text is written as UTF-8)."""
+    path = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, staging = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise os_error(path, exc) from None
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(staging)
+        raise os_error(path, exc) from None
+
+
+def read_text(path: str | os.PathLike, what: str = "file") -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise PkvError(f"{what} {path} is not UTF-8 text ({exc.reason})") from None
+    except OSError as exc:
+        raise os_error(path, exc, "read") from None
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    text = read_text(path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PkvError(f"{what} {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def parse_json_lines(
+    text: str, where: str, *, partial_tail: bool = False, check: Callable[[dict[str, Any], str], None] | None = None
+) -> list[dict[str, Any]]:
+    """One JSON object per non-empty line. With ``partial_tail``, a last line without its newline (a run killed
+    mid-write) is not a result and is left out; any other bad line is an error naming ``where`` and the line.
+    ``check(row, "where, line N")`` may refuse a row by raising."""
+    lines = text.split("\n")
+    if partial_tail and lines and lines[-1] != "":
+        lines = lines[:-1]
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PkvError(f"{where}, line {number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise PkvError(f"{where}, line {number}: expected a JSON object, got {type(row).__name__}")
+        if check is not None:
+            check(row, f"{where}, line {number}")
+        rows.append(row)
+    return rows
+
+
+def read_json_lines(
+    path: str | os.PathLike,
+    what: str = "file",
+    *,
+    partial_tail: bool = False,
+    check: Callable[[dict[str, Any], str], None] | None = None,
+) -> list[dict[str, Any]]:
+    return parse_json_lines(read_text(path, what), str(path), partial_tail=partial_tail, check=check)

@@ -1,0 +1,65 @@
+"""Policy specs: ``snapkv`` or ``snapkv:window=32:kernel=5`` → a policy object; ``--policy-arg`` options."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pkvbench.errors import PkvError
+from pkvbench.policies.base import Policy
+from pkvbench.policies.registry import registry
+
+
+def parse_option_pairs(pairs: list[str]) -> dict[str, str]:
+    """``["window=32", "beta=10"]`` → ``{"window": "32", "beta": "10"}``."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise PkvError(f"policy option {pair!r} is not of the form name=value (e.g. window=32)")
+        options[key.strip()] = value.strip()
+    return options
+
+
+def _coerce(policy: str, option: str, kind: type, text: str) -> object:
+    try:
+        if kind is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return text.lower() in ("true", "1", "yes")
+        return kind(text)
+    except ValueError:
+        raise PkvError(f"{policy}: option {option}={text!r} is not a valid {kind.__name__}") from None
+
+
+def parse_policy(spec: str, shared_options: dict[str, str] | None = None) -> Policy:
+    """Build a policy from ``name[:opt=value...]``.
+
+    ``shared_options`` (from ``--policy-arg``) apply to every policy that has such an option; options in the spec
+    itself win over them.
+    """
+    policies = registry()
+    name, *own = [part.strip() for part in spec.strip().split(":")]
+    if name not in policies:
+        raise PkvError(f"unknown policy {name!r}; valid policies: {', '.join(policies)}")
+    cls = policies[name]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    own_options = parse_option_pairs(own)
+    for option in own_options:
+        if option not in fields:
+            valid = ", ".join(fields) or "none"
+            raise PkvError(f"policy {name} has no option {option!r}; its options: {valid}")
+    merged = {k: v for k, v in (shared_options or {}).items() if k in fields} | own_options
+    kwargs = {k: _coerce(name, k, type(fields[k].default), v) for k, v in merged.items()}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise PkvError(str(exc)) from None
+
+
+def check_shared_options(shared_options: dict[str, str], policies: list[Policy]) -> None:
+    """A ``--policy-arg`` that no requested policy takes is almost surely a typo: say so."""
+    known = {f.name for p in policies for f in dataclasses.fields(p)}
+    for option in shared_options:
+        if option not in known:
+            names = ", ".join(sorted({p.name for p in policies}))
+            raise PkvError(f"--policy-arg {option}: none of the requested policies ({names}) has that option")

@@ -1,0 +1,152 @@
+"""Every registered policy honours the same contract (this list is the registry's, not a copy of it), and a policy
+from another package joins through the ``pkvbench.policies`` entry point."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from pkvbench.policies import LayerStats, ScoringPolicy, parse_policy, policy_order, registry
+
+LENGTH, QUERY_HEADS, KV_HEADS, HEAD_DIM, LAYERS = 50, 6, 2, 8, 4
+
+
+def stats_for(policy, seed: int = 0) -> LayerStats:
+    """Random statistics holding exactly what the policy declares it needs (and the layer's entries)."""
+    gen = torch.Generator().manual_seed(seed)
+    needs = policy.needs
+    return LayerStats(
+        context_len=LENGTH,
+        num_kv_heads=KV_HEADS,
+        window_scores={w: torch.rand(QUERY_HEADS, LENGTH, generator=gen) for w in needs.windows},
+        accumulated=torch.rand(QUERY_HEADS, LENGTH, generator=gen) if needs.accumulated else None,
+        keys=torch.randn(KV_HEADS, LENGTH, HEAD_DIM, generator=gen),
+        values=torch.randn(KV_HEADS, LENGTH, HEAD_DIM, generator=gen),
+    )
+
+
+@pytest.mark.parametrize("name", policy_order())
+def test_every_registered_policy_keeps_what_its_budgets_say(name):
+    policy = registry()[name]()
+    assert policy.summary and parse_policy(policy.label) == policy
+    stats = stats_for(policy)
+    for k in sorted({policy.min_budget, 10, 25, LENGTH - 1, LENGTH, LENGTH + 7}):
+        for layer_k in policy.layer_budgets(k, LENGTH, LAYERS):
+            kept = policy.select(stats, layer_k)
+            assert kept.shape == (KV_HEADS, min(layer_k, LENGTH)), (name, k, layer_k)
+            assert kept.dtype == torch.long
+            assert bool((kept[:, 1:] > kept[:, :-1]).all()), "sorted, each position once"
+            assert int(kept.min()) >= 0 and int(kept.max()) < LENGTH
+            if layer_k >= LENGTH:
+                assert kept.tolist() == [list(range(LENGTH))] * KV_HEADS
+            if isinstance(policy, ScoringPolicy) and layer_k < LENGTH:
+                recent = range(LENGTH - min(policy.keeps_recent, layer_k), LENGTH)
+                assert all(set(recent) <= set(row) for row in kept.tolist()), "the recent window is kept"
+            assert torch.equal(kept, policy.select(stats, layer_k)), "deterministic"
+
+
+@pytest.mark.parametrize("name", policy_order())
+def test_budgets_never_fall_below_the_policys_floor(name):
+    policy = registry()[name]()
+    for k in (policy.min_budget, 64):
+        per_layer = policy.layer_budgets(k, 1000, LAYERS)
+        assert len(per_layer) == LAYERS and min(per_layer) >= min(policy.min_budget, 1000)
+
+
+PLUGIN = '''
+"""A policy from outside pkvbench: keep the keys with the largest norm (a ten-line example)."""
+from dataclasses import dataclass
+
+from pkvbench.policies import ScoringPolicy
+
+
+@dataclass(frozen=True)
+class LargestKeys(ScoringPolicy):
+    name = "largestkeys"
+    summary = "keys with the largest L2 norm (a plugin)"
+    sink: int = 0
+
+    def score(self, stats):
+        scores = stats.keys.norm(dim=-1)
+        scores[:, : self.sink] = float("inf")  # the first `sink` positions are always kept
+        return scores
+'''
+
+PYPROJECT = """
+[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "pkvbench-largestkeys"
+version = "0.1.0"
+
+[project.entry-points."pkvbench.policies"]
+largestkeys = "pkvbench_largestkeys:LargestKeys"
+"""
+
+
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory):
+    """A tiny package built into a wheel and installed into a folder of its own (put on PYTHONPATH)."""
+    root = tmp_path_factory.mktemp("plugin")
+    source = root / "src"
+    (source / "pkvbench_largestkeys").mkdir(parents=True)
+    (source / "pkvbench_largestkeys" / "__init__.py").write_text(textwrap.dedent(PLUGIN))
+    (source / "pyproject.toml").write_text(textwrap.dedent(PYPROJECT))
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(root / "dist"), str(source)], check=True, capture_output=True)
+    wheels = list((root / "dist").glob("*.whl"))
+    assert len(wheels) == 1
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(root / "site"), str(wheels[0])], check=True, capture_output=True
+    )
+    return root / "site"
+
+
+def pkvbench_with(site, *args):
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run([sys.executable, "-m", "pkvbench", *args], capture_output=True, text=True, env=env)
+
+
+def test_a_plugin_policy_is_listed(plugin_site):
+    out = pkvbench_with(plugin_site, "list")
+    assert out.returncode == 0, out.stderr
+    assert "largestkeys" in out.stdout and "keys with the largest L2 norm (a plugin)" in out.stdout
+    assert (
+        "largestkeys"
+        not in subprocess.run([sys.executable, "-m", "pkvbench", "list"], capture_output=True, text=True).stdout
+    )
+
+
+@pytest.mark.model
+def test_a_plugin_policy_runs(plugin_site, tmp_path):
+    out = pkvbench_with(
+        plugin_site,
+        "run",
+        "--task",
+        "needle",
+        "--lengths",
+        "500",
+        "--depths",
+        "50",
+        "--policy",
+        "full,largestkeys,largestkeys:sink=4",
+        "--budget",
+        "64",
+        "--out",
+        str(tmp_path),
+        "--quiet",
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["policy"] for r in rows] == ["full", "largestkeys", "largestkeys:sink=4"]
+    assert rows[1]["kv_kept"] == [64] * 30 and rows[1]["pred"]
