@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import yaml
 
 from pkvbench.budgets import Budget, parse_budgets
 from pkvbench.engine.models import DEFAULT_MODEL, check_model_name, is_gguf_file
@@ -23,9 +24,9 @@ from pkvbench.policies.registry import default_grid
 from pkvbench.policies.spec import check_shared_options, parse_option_pairs, parse_policy
 from pkvbench.provenance import make_deterministic, provenance
 from pkvbench.results import ResultStore
-from pkvbench.runner import RunStats, Shard
+from pkvbench.runner import RunSettings, RunStats, Shard
 from pkvbench.tasks.base import TaskOptions, TaskSpec
-from pkvbench.tasks.registry import expand_tasks
+from pkvbench.tasks.registry import expand_tasks, validate
 
 EXECUTORS = ("local", "ray")
 
@@ -60,14 +61,16 @@ def parse_numbers(value: Any, what: str, kind: type) -> tuple | None:
     return tuple(dict.fromkeys(values))
 
 
-def parse_policies(specs: Any, policy_args: Mapping[str, Any] | Sequence[str] = ()) -> list[Policy]:
+def parse_policies(
+    specs: Any, policy_args: Mapping[str, Any] | Sequence[str] = (), protocol: str = "exact"
+) -> list[Policy]:
     """Policy specs (``snapkv:window=32``) plus options shared by every policy that has them; each label once."""
     if isinstance(policy_args, Mapping):
         shared = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in policy_args.items()}
     else:
         shared = parse_option_pairs(list(policy_args))
     names = default_grid() if specs is None else as_list(specs, "--policy")
-    policies = [parse_policy(spec, shared) for spec in names]
+    policies = [parse_policy(spec, shared, protocol) for spec in names]
     check_shared_options(shared, policies)
     return list({p.label: p for p in policies}.values())
 
@@ -78,6 +81,45 @@ def model_slug(model: str) -> str:
     if is_gguf_file(model) or Path(model).is_dir():
         return Path(model).name.removesuffix(".gguf") or "model"
     return model.replace("/", "--")
+
+
+# The task settings ``task_args`` may change, and the kind of value each takes.
+TASK_ARGS = {"chat_template": bool, "min_new_tokens": int, "stop_strings": list}
+
+
+def parse_task_args(task_args: Mapping[str, Any] | Sequence[str]) -> dict[str, Any]:
+    """``--task-arg chat_template=false`` (values read as YAML: ``stop_strings=[]``, ``stop_strings=["\\n"]``) or a
+    mapping → checked ``{setting: value}``."""
+    if isinstance(task_args, Mapping):
+        raw = dict(task_args)
+    else:
+        raw = {}
+        for pair in task_args:
+            key, sep, text = str(pair).partition("=")
+            if not sep or not key.strip():
+                raise PkvError(f"--task-arg {pair!r} is not of the form name=value (e.g. chat_template=false)")
+            try:
+                raw[key.strip()] = yaml.safe_load(text) if text.strip() else []
+            except yaml.YAMLError:
+                raise PkvError(f"--task-arg {pair!r}: the value is not valid YAML") from None
+    for key, value in raw.items():
+        kind = TASK_ARGS.get(key)
+        if kind is None:
+            raise PkvError(f"--task-arg {key}: not a task setting; valid: {', '.join(TASK_ARGS)}")
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)) or (kind is int and value < 0):
+            raise PkvError(
+                f"--task-arg {key}={value!r}: expected {'a non-negative integer' if kind is int else kind.__name__}"
+            )
+        if kind is list and not all(isinstance(s, str) and s for s in value):
+            raise PkvError(f"--task-arg {key}: expected a list of non-empty strings")
+    return raw
+
+
+def with_task_args(task: TaskSpec, task_args: dict[str, Any]) -> TaskSpec:
+    """The task with these settings in its definition (its prompt hash changes with them)."""
+    if not task_args:
+        return task
+    return validate({**task.config, **task_args}, f"{task.source} with --task-arg")
 
 
 def default_out(kind: str, model: str, tasks: list[TaskSpec]) -> Path:
@@ -103,7 +145,13 @@ class RunConfig:
     policies: Sequence[str] | str | None = None
     budgets: Sequence[str | int | float] | str = (128,)
     policy_args: Mapping[str, Any] | Sequence[str] = ()
+    # "exact": pkvbench's protocol; "reference": every policy selects as the PyramidKV paper's code (docs/protocol.md)
+    protocol: str = "exact"
+    # Task settings for every task that has them: chat_template, min_new_tokens, stop_strings (e.g. the paper's
+    # LongBench script: no chat template, at least one new token, no stop but the end token)
+    task_args: Mapping[str, Any] | Sequence[str] = ()
     max_new_tokens: int | None = None
+    decode_batch: int | None = None  # at most this many configurations of a sample decode together; 1: one at a time
     # which samples
     lengths: Sequence[int] | str | None = None
     depths: Sequence[float] | str | None = None
@@ -154,6 +202,11 @@ class ResolvedRun:
     out: Path
 
     @property
+    def settings(self) -> RunSettings:
+        c = self.config
+        return RunSettings(max_new_tokens=c.max_new_tokens, decode_batch=c.decode_batch, protocol=c.protocol)
+
+    @property
     def recorded_options(self) -> dict[str, Any]:
         """``run.json``'s ``options``: what makes two runs the same run (resuming under others is refused). The
         executor and its settings are not among them: another executor may resume a run."""
@@ -196,12 +249,17 @@ def task_options(config: RunConfig | FunnelConfig) -> TaskOptions:
 def resolve(config: RunConfig) -> ResolvedRun:
     """Check every option and parse it; nothing slow happens here."""
     tasks = expand_tasks(list(dict.fromkeys(as_list(config.tasks, "--task"))), tuple(config.include_paths))
-    policies = parse_policies(config.policies, config.policy_args)
-    budgets = parse_budgets(config.budgets if isinstance(config.budgets, str) else [str(b) for b in config.budgets])
+    tasks = [with_task_args(task, parse_task_args(config.task_args)) for task in tasks]
+    policies = parse_policies(config.policies, config.policy_args, config.protocol)
+    rounding = "half-even" if config.protocol == "reference" else "half-up"
+    budget_texts = config.budgets if isinstance(config.budgets, str) else [str(b) for b in config.budgets]
+    budgets = parse_budgets(budget_texts, rounding)
     shard = Shard.parse(config.shard) if config.shard is not None else None
     options = task_options(config)
     if config.max_new_tokens is not None and config.max_new_tokens < 1:
         raise PkvError("--max-new-tokens must be at least 1")
+    if config.decode_batch is not None and config.decode_batch < 1:
+        raise PkvError("--decode-batch must be at least 1")
     if config.executor not in EXECUTORS:
         raise PkvError(f"unknown executor {config.executor!r}; valid: {', '.join(EXECUTORS)}")
     if config.executor != "ray" and (config.ray_address, config.workers, config.gpus_per_worker) != (None, None, None):
@@ -276,7 +334,7 @@ def _execute(
             run.options,
             store,
             shard=run.shard,
-            max_new_tokens=config.max_new_tokens,
+            settings=run.settings,
             quiet=config.quiet,
             on_model=record,
             on_row=on_row,
@@ -297,7 +355,7 @@ def _execute(
         run.options,
         store,
         shard=run.shard,
-        max_new_tokens=config.max_new_tokens,
+        settings=run.settings,
         quiet=config.quiet,
         on_row=on_row,
     )
@@ -407,14 +465,20 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
 
 
 def layer_budget_table(
-    policies: Any, budgets: Any, policy_args: Mapping[str, Any] | Sequence[str], context: int, layers: int
+    policies: Any,
+    budgets: Any,
+    policy_args: Mapping[str, Any] | Sequence[str],
+    context: int,
+    layers: int,
+    protocol: str = "exact",
 ) -> list[dict[str, Any]]:
     """``pkvbench budgets``: per policy × budget, the per-layer entries the engine would keep on a T-token prompt."""
     from pkvbench.budgets import plan
 
     entries = []
-    for policy in parse_policies(policies, policy_args):
-        for budget in parse_budgets(budgets):
+    rounding = "half-even" if protocol == "reference" else "half-up"
+    for policy in parse_policies(policies, policy_args, protocol):
+        for budget in parse_budgets(budgets, rounding):
             layer_plan = plan(policy, budget, context, layers)
             entries.append(
                 {

@@ -7,9 +7,13 @@ or more is an integer count of entries. The same functions back ``pkvbench budge
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from pkvbench.errors import PkvError
+
+# How a fraction of the prompt becomes whole entries: half-up (pkvbench), or Python's round (half to even), as the
+# reference code's --max_capacity_prompts_ratio does.
+ROUNDINGS = ("half-up", "half-even")
 
 
 @dataclass(frozen=True)
@@ -17,6 +21,7 @@ class Budget:
     """A requested budget, as the user gave it."""
 
     value: float | int
+    rounding: str = field(default="half-up", compare=False)
 
     @classmethod
     def parse(cls, text: str) -> Budget:
@@ -44,7 +49,8 @@ class Budget:
     def entries(self, context_len: int) -> int:
         """Mean entries per KV head per layer for a prompt of ``context_len`` tokens (before any policy floor)."""
         if self.is_fraction:
-            return max(1, math.floor(self.value * context_len + 0.5))
+            exact = self.value * context_len
+            return max(1, round(exact) if self.rounding == "half-even" else math.floor(exact + 0.5))
         return int(self.value)
 
     def __str__(self) -> str:
@@ -56,10 +62,10 @@ def budget_label(value: float | int) -> str:
     return str(Budget(value))
 
 
-def parse_budgets(values: list[str] | str) -> list[Budget]:
+def parse_budgets(values: list[str] | str, rounding: str = "half-up") -> list[Budget]:
     if isinstance(values, str):
         values = values.split(",")
-    parsed = [Budget.parse(v) for v in values if str(v).strip()]
+    parsed = [replace(Budget.parse(v), rounding=rounding) for v in values if str(v).strip()]
     if not parsed:
         raise PkvError("--budget is empty; give one or more budgets, e.g. 128,0.12")
     return list(dict.fromkeys(parsed))
@@ -102,6 +108,30 @@ def pyramid(k: int, context_len: int, num_layers: int, *, window: int, beta: flo
     step = (bottom - top) / (num_layers - 1)
     shares = [bottom - layer * step for layer in range(num_layers)]
     return [window + n for n in apportion(shares, extra * num_layers)]
+
+
+def pyramid_reference(k: int, context_len: int, num_layers: int, *, window: int, beta: float) -> list[int]:
+    """PyramidKV's per-layer budgets as the paper's code computes them (Zefan-Cai/KVCache-Factory,
+    ``pyramidkv/pyramidkv_utils.py``, ``PyramidKVCluster.update_kv``; the same since ``5a1f543``, 2024-09-30, and for
+    32-layer models the same as the first release, whose divisor 31 is L - 1).
+
+    With k the budget (window included) and T the prompt: nothing is dropped if T < k; every layer keeps k if
+    T < 2(k - w); otherwise min = floor((k - w) / beta), max = 2(k - w) - min, clamped to T - w (then min = 2(k - w)
+    - max), step = floor((max - min) / (L - 1)), and layer l keeps w + max - l·step. The floored step makes the total
+    at least L·k (mean 133.5 for k = 128 over 32 layers at T = 8000).
+    """
+    if context_len < k:
+        return [context_len] * num_layers
+    extra = k - window
+    if context_len < 2 * extra or num_layers == 1:
+        return [k] * num_layers
+    least = math.floor(extra / beta)
+    most = 2 * extra - least
+    if most >= context_len - window:
+        most = context_len - window
+        least = 2 * extra - most
+    step = (most - least) // (num_layers - 1)
+    return [window + most - layer * step for layer in range(num_layers)]
 
 
 @dataclass(frozen=True)

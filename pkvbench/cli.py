@@ -97,9 +97,12 @@ def cli() -> None:
     """
 
 
-def _click_default(value):
-    """A config value as Click expects a default: lists of a comma option as one comma string."""
+def _click_default(option: str, value):
+    """A config value as Click expects a default: lists of a comma option as one comma string, mappings as
+    ``name=value`` pairs (task settings' values written as JSON, which their parser reads back as YAML)."""
     if isinstance(value, dict):
+        if option == "task_args":
+            return tuple(f"{k}={json.dumps(v)}" for k, v in value.items())
         return tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in value.items())
     if isinstance(value, list):
         return ",".join(str(v).lower() if isinstance(v, bool) else str(v) for v in value)
@@ -117,7 +120,7 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
         values = read_run_config(value, [f.name for f in fields(RunConfig)])
         multiple = {p.name for p in ctx.command.params if getattr(p, "multiple", False)}
         defaults = {
-            k: (tuple(v) if k in multiple and isinstance(v, list) else _click_default(v)) for k, v in values.items()
+            k: (tuple(v) if k in multiple and isinstance(v, list) else _click_default(k, v)) for k, v in values.items()
         }
         ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
@@ -166,6 +169,12 @@ def _default_policies() -> str:
 @sample_options
 @model_options
 @click.option("--max-new-tokens", type=int, help="Override the task's answer length.")
+@click.option(
+    "--decode-batch",
+    type=click.IntRange(min=1),
+    help="At most this many configurations of a sample decode together (default: as many as fit in "
+    "1.5x the memory their caches need alone); 1 decodes one configuration at a time.",
+)
 @click.option("--out", type=click.Path(file_okay=False), help="Result folder (default: results/runs/<model>/<tasks>).")
 @click.option(
     "--overwrite", is_flag=True, help="Replace what --out holds (only a pkvbench run folder) and start afresh."
@@ -255,6 +264,13 @@ def merge(folders, out) -> None:
 @click.option(
     "--context", type=click.IntRange(min=1), default=8192, show_default=True, help="Prompt length T in tokens."
 )
+@click.option(
+    "--protocol",
+    type=click.Choice(["exact", "reference"]),
+    default="exact",
+    show_default=True,
+    help="reference: the budgets the PyramidKV paper's code computes (docs/protocol.md).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option(
     "--plot",
@@ -262,12 +278,12 @@ def merge(folders, out) -> None:
     type=click.Path(dir_okay=False),
     help="Also draw entries kept per layer (one panel per budget, uniform as a reference) to this PNG.",
 )
-def budgets(policy, budget, policy_args, layers, context, as_json, plot_file) -> None:
+def budgets(policy, budget, policy_args, layers, context, protocol, as_json, plot_file) -> None:
     """Per-layer budgets (entries per KV head) a policy would keep: the function the engine uses."""
     from pkvbench.api import layer_budget_table
     from pkvbench.budgets import budget_label
 
-    entries = layer_budget_table(policy, budget, policy_args, context, layers)
+    entries = layer_budget_table(policy, budget, policy_args, context, layers, protocol)
     if plot_file:
         from pkvbench.plots import plot_layer_budgets
 

@@ -22,13 +22,14 @@ from pkvbench.io import read_text
 
 FLAGS = {"overwrite", "quiet", "verify"}
 LISTS = {"tasks", "policies", "budgets", "lengths", "depths", "sample_ids", "include_paths"}
-PAIRS = {"policy_args"}
+PAIRS = {"policy_args", "task_args"}
 # Spellings other than the field's own name (and its dashed form).
 ALIASES = {
     "task": "tasks",
     "policy": "policies",
     "budget": "budgets",
     "policy-arg": "policy_args",
+    "task-arg": "task_args",
     "sample-id": "sample_ids",
     "include-path": "include_paths",
 }

@@ -32,7 +32,20 @@ def rouge1(prediction: str, answers: list[str], meta: Mapping[str, Any] | None =
 
 
 Metric = Callable[[str, list[str], Mapping[str, Any]], float]
-METRICS: dict[str, Metric] = {"rouge1": rouge1}
+
+
+def word_set_recall(prediction: str, answers: list[str], meta: Mapping[str, Any] | None = None) -> float:
+    """Share of the answer's distinct words found among the prediction's, both lower-cased and split on whitespace
+    (punctuation stays attached: "day." is not "day") — how the PyramidKV paper's needle figures score a response
+    (KVCache-Factory ``scripts/scripts_needle/visualize.py``)."""
+
+    def words(text: str) -> set[str]:
+        return set(text.lower().split())
+
+    return max([0.0] + [len(words(prediction) & words(a)) / len(words(a)) for a in answers if words(a)])
+
+
+METRICS: dict[str, Metric] = {"rouge1": rouge1, "word_set_recall": word_set_recall}
 
 
 # --- RULER: string matching, as RULER's evaluation (scripts/eval/synthetic/constants.py) -------------------------

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pkvbench.errors import PkvError, first_line
-from pkvbench.runner import RowWriter, RunStats, pending_configs, plan_grid, run_sample
+from pkvbench.runner import RunSettings, RowWriter, RunStats, pending_configs, plan_grid, run_sample
 
 RAY_HINT = "--executor ray needs Ray: pip install 'pkvbench[ray]'"
 CPUS_PER_WORKER = 1  # also the worker's torch threads
@@ -75,12 +75,12 @@ class SampleWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, task, sample, configs, max_new_tokens):
-        yield from run_sample(self.engine, task, sample, configs, max_new_tokens)
+    def run(self, task, sample, configs, settings):
+        yield from run_sample(self.engine, task, sample, configs, settings)
 
 
 def run_grid_on_ray(
-    settings: RaySettings,
+    cluster: RaySettings,
     model: ModelSpec,
     tasks,
     policies,
@@ -89,7 +89,7 @@ def run_grid_on_ray(
     store,
     *,
     shard=None,
-    max_new_tokens: int | None = None,
+    settings: RunSettings | None = None,
     quiet: bool = False,
     on_model: Callable[[dict], None] | None = None,
     on_row: Callable[[dict], None] | None = None,
@@ -100,17 +100,17 @@ def run_grid_on_ray(
 
     started = time.perf_counter()
     check_ray()
-    if model.device == "cuda" and settings.gpus_per_worker == 0:
+    if model.device == "cuda" and cluster.gpus_per_worker == 0:
         raise PkvError("--device cuda with --gpus-per-worker 0: a worker has a GPU only when it reserves one")
     plan = plan_grid(tasks, load_tokenizer(model.name), policies, budgets, options, store, shard)
-    ray = _connect(settings)
+    ray = _connect(cluster)
     try:
-        pool = _Pool(ray, *_placement(ray, settings, model, len(plan.pending)))
+        pool = _Pool(ray, *_placement(ray, cluster, model, len(plan.pending)))
         if on_model:
             on_model(pool.describe())
         writer = RowWriter(store, plan, started=started, quiet=quiet, on_row=on_row)
         try:
-            _drive(ray, pool, plan.pending, writer, max_new_tokens)
+            _drive(ray, pool, plan.pending, writer, settings or RunSettings())
         finally:
             writer.close()
     finally:
@@ -200,7 +200,7 @@ def _worker_failed(exc) -> PkvError:
     return PkvError(f"a Ray worker could not load the model: {last}")
 
 
-def _drive(ray, pool: _Pool, pending: list, writer: RowWriter, max_new_tokens: int | None) -> None:
+def _drive(ray, pool: _Pool, pending: list, writer: RowWriter, settings: RunSettings) -> None:
     """Hand samples to idle workers, write rows as they arrive, give a dead worker's sample to a fresh worker."""
     from ray.exceptions import RayActorError, RayTaskError
 
@@ -214,7 +214,7 @@ def _drive(ray, pool: _Pool, pending: list, writer: RowWriter, max_new_tokens: i
             if not todo:
                 continue
             actor = idle.popleft()
-            stream = actor.run.options(num_returns="streaming").remote(task, sample, todo, max_new_tokens)
+            stream = actor.run.options(num_returns="streaming").remote(task, sample, todo, settings)
             running[stream] = (actor, (task, sample, todo, deaths))
             writer.stats.prefills += 1
         ready, _ = ray.wait(list(running), num_returns=1)

@@ -71,42 +71,60 @@ def row_identity(task: TaskSpec, sample_id: str, policy: Policy, budget: Budget)
     return {"task": task.name, "sample_id": sample_id, "policy": policy.label, "budget": budget.value}
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """How every sample of a run is run, whichever executor runs it."""
+
+    max_new_tokens: int | None = None  # instead of the task's answer length
+    decode_batch: int | None = None  # at most this many configurations decode together (None: as memory allows)
+    protocol: str = "exact"  # recorded in every row: the policies were parsed under it
+
+
 def run_sample(
-    engine: Engine, task: TaskSpec, sample: Sample, configs: list[Config], max_new_tokens: int | None = None
+    engine: Engine, task: TaskSpec, sample: Sample, configs: list[Config], settings: RunSettings | None = None
 ) -> Iterator[dict]:
-    """Prefill ``sample`` once, then yield one result row per configuration as soon as it is decoded."""
+    """Prefill ``sample`` once, compress it for every configuration, decode them all together (in batches of at most
+    ``settings.decode_batch`` rows; 1 decodes one configuration at a time), and yield one row per configuration."""
+    settings = settings or RunSettings()
     metric = METRICS[task.metric]
-    new_tokens = max_new_tokens or task.max_new_tokens
+    new_tokens = settings.max_new_tokens or task.max_new_tokens
     prefill = engine.prefill(_as_tensor(sample.input_ids), [policy for policy, _ in configs])
-    full_cache_decode = None  # every config that keeps the whole prompt decodes to the same tokens
+    caches, selection_seconds, requests, request_of = [], [], [], []
+    full_cache_request = None  # every configuration that keeps the whole prompt decodes to the same tokens: once
     for policy, budget in configs:
         selection_started = time.perf_counter()
         cache = engine.compress(prefill, policy, budget)
-        selection_s = time.perf_counter() - selection_started
-        if cache.plan.compressed:
-            decoded = engine.decode(prefill, cache, new_tokens, task.stop_strings, task.min_new_tokens)
-        else:
-            full_cache_decode = full_cache_decode or engine.decode(
-                prefill, cache, new_tokens, task.stop_strings, task.min_new_tokens
-            )
-            decoded = full_cache_decode
+        selection_seconds.append(time.perf_counter() - selection_started)
+        caches.append(cache)
+        if not cache.plan.compressed and full_cache_request is not None:
+            request_of.append(full_cache_request)
+            continue
+        requests.append(engine.request(prefill, cache, new_tokens, task.stop_strings, task.min_new_tokens))
+        request_of.append(len(requests) - 1)
+        if not cache.plan.compressed:
+            full_cache_request = request_of[-1]
+    decoded = engine.decode_many(requests, settings.decode_batch)
+    for (policy, budget), cache, selection_s, which in zip(configs, caches, selection_seconds, request_of):
+        answer = decoded[which]
         yield {
             **row_identity(task, sample.sample_id, policy, budget),
             "model": engine.loaded.name,
             **task.identity,
+            "protocol": settings.protocol,
             "policy_options": policy.options,
             "budget_tokens": round(sum(cache.kept_per_layer) / len(cache.kept_per_layer), 3),
             "requested_tokens": cache.plan.requested,
             "context_tokens": prefill.context_len,
             "kv_kept": cache.kept_per_layer,
             "kv_bytes": cache.nbytes,
-            "pred": decoded.text,
+            "pred": answer.text,
             "answers": sample.answers,
-            "score": metric(prepare_prediction(decoded.text, task.postprocess), sample.answers, sample.meta),
-            "new_tokens": len(decoded.tokens),
+            "score": metric(prepare_prediction(answer.text, task.postprocess), sample.answers, sample.meta),
+            "new_tokens": len(answer.tokens),
             "prefill_s": round(prefill.seconds, 4),
             "selection_s": round(selection_s, 4),
-            "decode_s": round(decoded.seconds, 4),
+            "decode_s": round(answer.seconds, 4),
+            "decode_batch": answer.batch,
             **sample.extras,
         }
 
@@ -193,7 +211,7 @@ def run_grid(
     store: ResultStore,
     *,
     shard: Shard | None = None,
-    max_new_tokens: int | None = None,
+    settings: RunSettings | None = None,
     quiet: bool = False,
     on_row: Callable[[dict], None] | None = None,
 ) -> RunStats:
@@ -204,7 +222,7 @@ def run_grid(
     try:
         for task, sample, pending in plan.pending:
             writer.stats.prefills += 1
-            for row in run_sample(engine, task, sample, pending, max_new_tokens):
+            for row in run_sample(engine, task, sample, pending, settings):
                 writer.write(row)
     finally:
         writer.close()

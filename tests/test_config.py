@@ -144,6 +144,21 @@ def test_paper_table1_is_the_papers_setting():
     assert loaded["max_length"] == 7950
     assert [p.split(":")[0] for p in loaded["policies"]] == ["full", "streamingllm", "h2o", "snapkv", "pyramidkv"]
     assert loaded["policy_args"] == {"window": 8}
+    assert loaded["protocol"] == "reference" and loaded["dtype"] == "float16"
+    assert loaded["task_args"] == {"chat_template": False, "min_new_tokens": 1, "stop_strings": []}
+    run = resolve(RunConfig.from_file(CONFIGS / "paper-table1.yaml"))
+    samsum = next(t for t in run.tasks if t.name == "samsum")
+    assert not samsum.chat_template and samsum.min_new_tokens == 1 and samsum.stop_strings == ()
+    labels = [p.label for p in run.policies]
+    assert labels[-1] == "pyramidkv:ties=topk:gqa=query:budgets=reference" and "h2o" in labels[2]
+
+
+def test_paper_needle_is_the_needle_scripts_setting():
+    run = resolve(RunConfig.from_file(CONFIGS / "paper-needle.yaml"))
+    assert [t.name for t in run.tasks] == ["needle-reference"] and len(run.options.lengths) == 71
+    windows = {p.name: getattr(p, "window", None) or getattr(p, "recent", None) for p in run.policies}
+    assert windows == {"full": None, "streamingllm": 32, "h2o": 32, "snapkv": 32, "pyramidkv": 8}
+    assert all(getattr(p, "gqa", "query") == "query" for p in run.policies if p.name != "full")
 
 
 def test_smoke_config_parses_as_a_real_run(tmp_path):

@@ -7,6 +7,7 @@ import torch
 
 from pkvbench.budgets import Budget
 from pkvbench.engine.attention import StatsRecorder, recording
+from pkvbench.engine.decoding import KeptEntries
 from pkvbench.engine.generation import CompressedCache
 from pkvbench.policies import Needs, parse_policy
 from pkvbench.tasks.base import TaskOptions
@@ -35,7 +36,7 @@ def needle_ids(loaded):
 
 @pytest.fixture(scope="module")
 def prefill(engine, needle_ids):
-    return engine.prefill(needle_ids, [parse_policy(p) for p in POLICIES])
+    return engine.prefill(needle_ids, [parse_policy(p) for p in POLICIES] + [parse_policy("h2o", protocol="reference")])
 
 
 def test_full_cache_equals_model_generate(engine, loaded, needle_ids, prefill):
@@ -55,10 +56,12 @@ def test_every_policy_with_budget_at_least_T_equals_full(engine, prefill):
             assert engine.decode(prefill, cache, 32).tokens == full, spec
         # The gather path itself, keeping every entry, is exact too.
         kept = [policy.select(stats, prefill.context_len) for stats in prefill.stats]
-        index = [k[None, :, :, None].expand(1, -1, -1, prefill.keys[0].shape[-1]) for k in kept]
+        index = [k[:, :, None].expand(-1, -1, prefill.keys[0].shape[-1]) for k in kept]
         gathered = CompressedCache(
-            keys=[t.gather(2, i) for t, i in zip(prefill.keys, index)],
-            values=[t.gather(2, i) for t, i in zip(prefill.values, index)],
+            KeptEntries(
+                keys=[t[0].gather(1, i) for t, i in zip(prefill.keys, index)],
+                values=[t[0].gather(1, i) for t, i in zip(prefill.values, index)],
+            ),
             plan=cache.plan,
         )
         assert engine.decode(prefill, gathered, 32).tokens == full, spec
@@ -114,7 +117,22 @@ def test_cache_really_shrinks_to_the_nominal_budget(engine, loaded, prefill):
         cache = engine.compress(prefill, parse_policy(spec), Budget(64))
         assert sum(cache.kept_per_layer) == 30 * 64, spec
         assert cache.nbytes == 30 * 64 * per_entry, spec
-        for keys, n in zip(cache.keys, cache.plan.per_layer):
-            assert keys.shape == (1, loaded.num_kv_heads, n, loaded.head_dim)
+        for keys, n in zip(cache.kept.keys, cache.plan.per_layer):
+            assert keys.shape == (loaded.num_kv_heads, n, loaded.head_dim)
     pyramid = engine.compress(prefill, parse_policy("pyramidkv"), Budget(64)).kept_per_layer
     assert pyramid[0] > 64 > pyramid[-1]
+
+
+def test_a_cache_of_query_heads_decodes_exactly(engine, loaded, prefill):
+    """gqa=query (the reference protocol) stores one set per query head: 3x the bytes on this model. Where every
+    head of a group keeps the same positions (StreamingLLM) it must give the KV-head cache's tokens, and with the
+    whole prompt kept the full cache's."""
+    per_entry = loaded.num_query_heads * loaded.head_dim * 2 * 4
+    kv_heads = engine.compress(prefill, parse_policy("streamingllm"), Budget(64))
+    query_heads = engine.compress(prefill, parse_policy("streamingllm:gqa=query"), Budget(64))
+    assert query_heads.kept.heads == (loaded.num_query_heads,) * 30 and query_heads.nbytes == 30 * 64 * per_entry
+    assert engine.decode(prefill, query_heads, 24).tokens == engine.decode(prefill, kv_heads, 24).tokens
+    full = engine.decode(prefill, engine.compress(prefill, parse_policy("full"), Budget(1)), 24).tokens
+    for spec in ("snapkv", "pyramidkv", "h2o"):
+        whole = engine.compress(prefill, parse_policy(spec, protocol="reference"), Budget(5000))
+        assert engine.decode(prefill, whole, 24).tokens == full, spec

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs
 
 
@@ -29,6 +30,10 @@ class Recorder(Protocol):
 
 
 _ACTIVE_RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("pkvbench_recorder", default=None)
+# The batch of compressed caches new tokens are decoded from (a ``cache.RaggedCache``), while the engine decodes.
+_ACTIVE_DECODE: contextvars.ContextVar = contextvars.ContextVar("pkvbench_decode", default=None)
+# Kernels that take the 4-D masks a ragged batch needs (bool for sdpa, additive for eager).
+MASKED_KERNELS = ("sdpa", "eager")
 PREFIX = "pkvbench+"
 # Bytes of float32 attention probabilities materialised at once while accumulating attention over all queries
 # (small chunks stay in cache: 4 MiB ran 1.5x faster than 64 MiB at T=2000 on our CPUs).
@@ -89,17 +94,44 @@ def accumulated_attention(
     return totals
 
 
+def bidirectional_attention_sums(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, window: int, chunk_bytes: int = ACCUMULATE_CHUNK_BYTES
+) -> torch.Tensor:
+    """``[Hq, T]``: for each key position, the sum over all T queries of their softmax attention to it, where only
+    the last ``window`` queries are causally masked (over the last ``window`` keys) and every earlier query sees all
+    T keys, the future included — what the PyramidKV paper's code computed for H2O from 2024-10-13 (KVCache-Factory
+    ``98e8228``) to 2026-06-22. Chunked over queries as ``accumulated_attention``."""
+    num_query_heads, length, dim = query.shape
+    num_kv_heads = key.shape[0]
+    group = num_query_heads // num_kv_heads
+    rows_per_chunk = max(1, chunk_bytes // (4 * num_query_heads * length))
+    grouped_query = query.float().view(num_kv_heads, group, length, dim)
+    keys = key.float().transpose(1, 2)
+    totals = torch.zeros(num_query_heads, length, device=query.device)
+    masked_from = length - min(window, length)
+    for start in range(0, length, rows_per_chunk):
+        end = min(length, start + rows_per_chunk)
+        chunk = grouped_query[:, :, start:end].reshape(num_kv_heads, group * (end - start), dim)
+        logits = torch.bmm(chunk, keys).mul_(scaling).view(num_query_heads, end - start, length)
+        query_pos = torch.arange(start, end, device=query.device)[:, None]
+        key_pos = torch.arange(length, device=query.device)[None, :]
+        logits.masked_fill_((query_pos >= masked_from) & (key_pos > query_pos), float("-inf"))
+        totals += logits.softmax(dim=-1).sum(dim=1)
+    return totals
+
+
 class StatsRecorder:
     """Collects ``LayerStats`` for every layer during one prefill."""
 
     def __init__(self, needs: Needs):
         self.windows = set(needs.windows)
         self.accumulated = needs.accumulated
+        self.bidirectional = set(needs.bidirectional)
         self.layers: dict[int, LayerStats] = {}
 
     @property
     def needed(self) -> bool:
-        return bool(self.windows) or self.accumulated
+        return bool(self.windows) or self.accumulated or bool(self.bidirectional)
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         # Batch size is 1 in the engine; statistics drop that axis.
@@ -109,6 +141,7 @@ class StatsRecorder:
             num_kv_heads=k.shape[0],
             window_scores=window_attention_sums(q, k, scaling, self.windows) if self.windows else {},
             accumulated=accumulated_attention(q, k, scaling) if self.accumulated else None,
+            bidirectional={w: bidirectional_attention_sums(q, k, scaling, w) for w in self.bidirectional},
         )
 
 
@@ -121,6 +154,16 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
         _ACTIVE_RECORDER.reset(token)
 
 
+@contextlib.contextmanager
+def decoding(cache) -> Iterator:
+    """While active, attention reads each layer's mask from ``cache`` (a ``RaggedCache``) instead of the model's."""
+    token = _ACTIVE_DECODE.set(cache)
+    try:
+        yield cache
+    finally:
+        _ACTIVE_DECODE.reset(token)
+
+
 def _kernel_for(base: str, module: torch.nn.Module):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -130,16 +173,51 @@ def _kernel_for(base: str, module: torch.nn.Module):
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
+class _OneSetPerQueryHead:
+    """The attention module, seen by a kernel as having no key/value groups: for a cache that keeps one set of
+    entries per query head, the kernel must not repeat keys and values to the query heads again."""
+
+    num_key_value_groups = 1
+
+    def __init__(self, module: torch.nn.Module):
+        self._module = module
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def _decoding_attention(kernel, base: str, layer, module, query, key, value, **kwargs):
+    """Attention of new tokens over a ``RaggedLayer``: each row and head sees its own entries and nothing else."""
+    mask = layer.attention_mask()
+    groups = getattr(module, "num_key_value_groups", 1)
+    if key.shape[1] == query.shape[1] and groups > 1:
+        module = _OneSetPerQueryHead(module)
+    elif mask is not None and mask.shape[1] > 1 and groups > 1:
+        mask = mask.repeat_interleave(groups, dim=1)  # per KV head → per query head, in repeat_kv's order
+    if mask is not None and base not in MASKED_KERNELS:
+        raise PkvError(
+            f"attention kernel {base!r} cannot mask a batch of compressed caches; use sdpa or eager "
+            "(or --decode-batch 1 with a policy that keeps the same number of entries in every head)"
+        )
+    if mask is not None and base == "eager":  # eager adds its mask to the logits
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~mask, torch.finfo(query.dtype).min
+        )
+    return kernel(module, query, key, value, mask, **kwargs)
+
+
 def _recording_attention(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
+        kernel = _kernel_for(base, module)
+        decoding = _ACTIVE_DECODE.get()
+        if decoding is not None:
+            return _decoding_attention(
+                kernel, base, decoding.layers[module.layer_idx], module, query, key, value, **kwargs
+            )
         recorder = _ACTIVE_RECORDER.get()
         if recorder is not None and recorder.needed and query.shape[2] == key.shape[2]:
             recorder.observe(module.layer_idx, query, key, kwargs.get("scaling", module.scaling))
-        if query.shape[2] == 1:
-            # One decoding step: the newest position sees every cached entry, so no mask is needed. After
-            # compression the layers hold different numbers of entries, and a mask sized for layer 0 would not fit.
-            attention_mask = None
-        return _kernel_for(base, module)(module, query, key, value, attention_mask, **kwargs)
+        return kernel(module, query, key, value, attention_mask, **kwargs)
 
     return attention
 

@@ -16,7 +16,7 @@ import torch
 
 from pkvbench import budgets
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
-from pkvbench.engine.cache import decoding_cache
+from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries
 from pkvbench.engine.models import LoadedModel
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs, Policy
@@ -44,25 +44,22 @@ class Prefill:
 
 @dataclass
 class CompressedCache:
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    """The entries one policy keeps at one budget, per layer ``[heads, n, dim]`` (batch dimension dropped)."""
+
+    kept: KeptEntries
     plan: budgets.LayerPlan
 
     @property
     def kept_per_layer(self) -> list[int]:
-        return [k.shape[2] for k in self.keys]
+        """Entries per cache head in each layer (the mean over heads where heads keep different numbers)."""
+        if self.kept.lengths is None:
+            return [k.shape[1] for k in self.kept.keys]
+        return [round(float(n.float().mean()), 3) for n in self.kept.lengths]
 
     @property
     def nbytes(self) -> int:
-        """Physical bytes of the stored keys and values."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-
-@dataclass
-class Decoded:
-    tokens: list[int]
-    text: str
-    seconds: float
+        """Physical bytes of the stored keys and values (padding included)."""
+        return sum(t.numel() * t.element_size() for t in (*self.kept.keys, *self.kept.values))
 
 
 class Engine:
@@ -77,6 +74,9 @@ class Engine:
         forward_params = inspect.signature(self.model.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
         self.stop_ids = self._stop_ids()
+        self.decoder = BatchDecoder(
+            self._forward, self.tokenizer, self.stop_ids, loaded.num_kv_heads, self.device, self._sync
+        )
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -87,6 +87,7 @@ class Engine:
         return ids
 
     def _forward(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor) -> torch.Tensor:
+        """The model on ``input_ids`` ``[batch, n]``; the logits after each row's last token, ``[batch, vocab]``."""
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -94,7 +95,7 @@ class Engine:
             logits_to_keep=1,
             **{self._cache_arg: cache},
         )
-        return out.logits[0, -1]
+        return out.logits[:, -1]
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, policies: list[Policy]) -> Prefill:
@@ -110,6 +111,7 @@ class Engine:
         stats = [
             dataclasses.replace(
                 recorder.layers.get(i, LayerStats(context_len=length, num_kv_heads=self.loaded.num_kv_heads)),
+                num_query_heads=self.loaded.num_query_heads,
                 keys=layer.keys[0],
                 values=layer.values[0],
             )
@@ -135,29 +137,57 @@ class Engine:
             raise PkvError(f"prompt of {length} tokens exceeds the model's sliding window ({sliding}); not supported")
         started = time.perf_counter()
         with recording(recorder):
-            logits = self._forward(input_ids, cache, torch.arange(length, device=self.device)[None])
+            logits = self._forward(input_ids, cache, torch.arange(length, device=self.device)[None])[0]
         self._sync()
         return logits, time.perf_counter() - started
 
     def compress(self, prefill: Prefill, policy: Policy, budget: budgets.Budget) -> CompressedCache:
         """Gather the entries ``policy`` keeps at ``budget`` from the full cache (no second forward pass)."""
         plan = budgets.plan(policy, budget, prefill.context_len, self.loaded.num_layers)
+        full_keys = [k[0] for k in prefill.keys]
+        full_values = [v[0] for v in prefill.values]
+        # One kept set per KV head, or (the reference's gqa=query) one per query head, from keys and values repeated
+        # to every query head of their group as transformers' repeat_kv does.
+        group = policy.cache_heads(prefill.stats[0]) // self.loaded.num_kv_heads
+        if group > 1:
+            full_keys = [k.repeat_interleave(group, dim=0) for k in full_keys]
+            full_values = [v.repeat_interleave(group, dim=0) for v in full_values]
         if not plan.compressed:
-            return CompressedCache(keys=prefill.keys, values=prefill.values, plan=plan)
+            return CompressedCache(KeptEntries(full_keys, full_values), plan)
         keys, values = [], []
         for layer, k in enumerate(plan.per_layer):
-            full_k, full_v = prefill.keys[layer], prefill.values[layer]
             if k >= prefill.context_len:
-                keys.append(full_k)
-                values.append(full_v)
+                keys.append(full_keys[layer])
+                values.append(full_values[layer])
                 continue
             kept = policy.select(prefill.stats[layer], k).to(self.device)
-            index = kept[None, :, :, None].expand(1, -1, -1, full_k.shape[-1])
-            keys.append(full_k.gather(2, index))
-            values.append(full_v.gather(2, index))
-        return CompressedCache(keys=keys, values=values, plan=plan)
+            index = kept[:, :, None].expand(-1, -1, full_keys[layer].shape[-1])
+            keys.append(full_keys[layer].gather(1, index))
+            values.append(full_values[layer].gather(1, index))
+        return CompressedCache(KeptEntries(keys, values), plan)
 
-    @torch.inference_mode()
+    def request(
+        self,
+        prefill: Prefill,
+        cache: CompressedCache,
+        max_new_tokens: int,
+        stop_strings: tuple[str, ...] = (),
+        min_new_tokens: int = 0,
+    ) -> DecodeRequest:
+        """Decode ``cache`` after the prefilled prompt (the question is part of the compressed prompt)."""
+        return DecodeRequest(
+            kept=cache.kept,
+            position=prefill.context_len,
+            max_new_tokens=max_new_tokens,
+            first_logits=prefill.last_logits,
+            stop_strings=tuple(stop_strings),
+            min_new_tokens=min_new_tokens,
+        )
+
+    def decode_many(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:
+        """Greedy decoding of every request, in batches of up to ``max_rows`` (``decoding.plan_batches``)."""
+        return self.decoder.decode(requests, max_rows)
+
     def decode(
         self,
         prefill: Prefill,
@@ -166,39 +196,10 @@ class Engine:
         stop_strings: tuple[str, ...] = (),
         min_new_tokens: int = 0,
     ) -> Decoded:
-        """Greedy decoding from the compressed cache, at the original positions.
-
-        Stops after an end-of-sequence token, once the text holds a stop string, or at ``max_new_tokens``. For the
-        first ``min_new_tokens`` tokens the end tokens and the stop strings' tokens cannot be chosen (transformers'
-        ``min_length``, which LongBench's samsum uses so that an answer never starts with its stop newline).
-        """
-        started = time.perf_counter()
-        live = decoding_cache(cache.keys, cache.values, room=max_new_tokens)
-        barred = sorted(self.stop_ids | self._last_token_ids(stop_strings)) if min_new_tokens else []
-        tokens = [self._greedy(prefill.last_logits, barred)]
-        position = prefill.context_len
-        while len(tokens) < max_new_tokens and tokens[-1] not in self.stop_ids:
-            if stop_strings and any(s in self.tokenizer.decode(tokens) for s in stop_strings):
-                break
-            step = torch.tensor([[tokens[-1]]], device=self.device)
-            logits = self._forward(step, live, torch.tensor([[position]], device=self.device))
-            tokens.append(self._greedy(logits, barred if len(tokens) < min_new_tokens else []))
-            position += 1
-        self._sync()
-        seconds = time.perf_counter() - started
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return Decoded(tokens=tokens, text=text, seconds=seconds)
-
-    @staticmethod
-    def _greedy(logits: torch.Tensor, barred: list[int]) -> int:
-        if barred:
-            logits = logits.clone()
-            logits[barred] = float("-inf")
-        return int(logits.argmax())
-
-    def _last_token_ids(self, strings: tuple[str, ...]) -> set[int]:
-        """The token each stop string ends with (how LongBench's pred.py turns "\n" into a stop id)."""
-        return {self.tokenizer.encode(s, add_special_tokens=False)[-1] for s in strings}
+        """Greedy decoding of one compressed cache, at the original positions. Stops after an end-of-sequence token,
+        once the text holds a stop string, or at ``max_new_tokens``."""
+        request = self.request(prefill, cache, max_new_tokens, stop_strings, min_new_tokens)
+        return self.decoder.decode_batch([request])[0]
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

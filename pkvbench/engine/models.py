@@ -74,6 +74,10 @@ class LoadedModel:
         return self.config.num_key_value_heads
 
     @property
+    def num_query_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    @property
     def head_dim(self) -> int:
         return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
 

@@ -29,10 +29,17 @@ class Needs:
     """What the prefill must record for a policy (the union over a grid's policies is recorded once)."""
 
     windows: frozenset[int] = frozenset()  # the last-w queries' attention sums, for each w
-    accumulated: bool = False  # every query's attention sums (H2O)
+    accumulated: bool = False  # every query's causal attention sums (H2O)
+    # Every query's attention sums where only the last w×w block is causal (the reference H2O of 2024-10 to 2026-06),
+    # for each w.
+    bidirectional: frozenset[int] = frozenset()
 
     def __or__(self, other: Needs) -> Needs:
-        return Needs(windows=self.windows | other.windows, accumulated=self.accumulated or other.accumulated)
+        return Needs(
+            windows=self.windows | other.windows,
+            accumulated=self.accumulated or other.accumulated,
+            bidirectional=self.bidirectional | other.bidirectional,
+        )
 
     @staticmethod
     def union(needs: Iterable[Needs]) -> Needs:
@@ -58,10 +65,16 @@ class LayerStats:
 
     context_len: int
     num_kv_heads: int
+    num_query_heads: int | None = None  # None: as many as KV heads
     window_scores: dict[int, torch.Tensor] = field(default_factory=dict)
     accumulated: torch.Tensor | None = None
+    bidirectional: dict[int, torch.Tensor] = field(default_factory=dict)
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
+
+    @property
+    def query_heads(self) -> int:
+        return self.num_query_heads or self.num_kv_heads
 
     def window(self, w: int) -> torch.Tensor:
         if w not in self.window_scores:
@@ -73,23 +86,45 @@ class LayerStats:
             raise StatisticNotRecorded("accumulated attention was not recorded; declare it in `needs`")
         return self.accumulated
 
+    def bidirectional_attention(self, w: int) -> torch.Tensor:
+        if w not in self.bidirectional:
+            raise StatisticNotRecorded(f"window-{w} bidirectional attention was not recorded; declare it in `needs`")
+        return self.bidirectional[w]
+
+
+# How query heads' scores become a kept set (grouped-query attention). Query head h reads KV head ``h // group``
+# (transformers' ``repeat_kv`` layout).
+#   mean, max: fold each group's scores (after any pooling) and keep one set per KV head: the cache really shrinks.
+#   query:     no fold: each query head keeps its own set, and the cache holds one set per query head — what the
+#              PyramidKV paper's code does (it repeats keys and values to every query head before compressing).
+GQA_MODES = ("mean", "max", "query")
+
 
 def group_by_kv_head(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
-    """Fold ``[num_query_heads, T]`` scores to ``[num_kv_heads, T]``.
-
-    Query head h reads KV head ``h // group`` (transformers' ``repeat_kv`` layout), so selecting per KV head lets the
-    stored cache shrink for grouped-query attention.
-    """
+    """Fold ``[num_query_heads, T]`` scores to ``[num_kv_heads, T]`` by ``how`` (mean or max); ``query`` keeps them."""
+    if how == "query":
+        return scores
     num_query_heads, length = scores.shape
     grouped = scores.view(num_kv_heads, num_query_heads // num_kv_heads, length)
     return grouped.amax(dim=1) if how == "max" else grouped.mean(dim=1)
 
 
-def top_positions(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """Sorted indices of the ``count`` highest scores per row. Ties go to the earlier position (a stable sort), so
-    the choice is deterministic even on the plateaus a max-pool creates."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    return order[:, :count].sort(dim=-1).values
+# Which of several equal scores wins the last places of a top-k:
+#   stable: the earlier position (a stable sort), so the choice is the same on every machine;
+#   topk:   whatever torch.topk returns (backend-defined), as the reference code does.
+TIE_ORDERS = ("stable", "topk")
+
+
+def best_positions(scores: torch.Tensor, count: int, ties: str = "stable") -> torch.Tensor:
+    """Indices of the ``count`` highest scores per row (in no particular order)."""
+    if ties == "topk":
+        return torch.topk(scores, count, dim=-1).indices
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :count]
+
+
+def top_positions(scores: torch.Tensor, count: int, ties: str = "stable") -> torch.Tensor:
+    """Sorted indices of the ``count`` highest scores per row."""
+    return best_positions(scores, count, ties).sort(dim=-1).values
 
 
 def keep_all(length: int, heads: int, device: torch.device | None = None) -> torch.Tensor:
@@ -108,9 +143,15 @@ class Policy:
     positive: ClassVar[tuple[str, ...]] = ()
     # Part of ``pkvbench run``'s default --policy list (the paper's five).
     in_default_grid: ClassVar[bool] = False
+    # The options that make this rule select as the PyramidKV paper's code does (``--protocol reference``); an
+    # option the user sets wins over them.
+    reference_options: ClassVar[dict[str, object]] = {}
 
     def __post_init__(self) -> None:
-        for option, allowed in self.choices.items():
+        # A subclass's choices and positive options add to its bases'.
+        choices = {k: v for cls in reversed(type(self).__mro__) for k, v in vars(cls).get("choices", {}).items()}
+        positive = {name for cls in type(self).__mro__ for name in vars(cls).get("positive", ())}
+        for option, allowed in choices.items():
             if getattr(self, option) not in allowed:
                 raise ValueError(f"{self.name}: {option} must be one of {', '.join(allowed)}")
         for f in dataclasses.fields(self):
@@ -118,7 +159,7 @@ class Policy:
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{self.name}: {f.name} must be a finite number")
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                floor = 1 if f.name in self.positive else 0
+                floor = 1 if f.name in positive else 0
                 if value < floor:
                     raise ValueError(f"{self.name}: {f.name} must be at least {floor}")
 
@@ -137,6 +178,10 @@ class Policy:
         return budgets.uniform(k, context_len, num_layers)
 
     # --- selection -------------------------------------------------------------------------------------------
+    def cache_heads(self, stats: LayerStats) -> int:
+        """Kept sets per layer (rows of ``select``): one per KV head."""
+        return stats.num_kv_heads
+
     def select(self, stats: LayerStats, k: int) -> torch.Tensor:
         """Sorted kept positions ``[heads, min(k, T)]``."""
         raise NotImplementedError
@@ -161,6 +206,9 @@ class Policy:
 class ScoringPolicy(Policy):
     """A policy that scores positions; the selection from scores is this class's, the same for all."""
 
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {"ties": TIE_ORDERS}
+    ties: str = "stable"
+
     @property
     def keeps_recent(self) -> int:
         """How many of the last positions are always kept (an observation window); 0 by default."""
@@ -170,21 +218,24 @@ class ScoringPolicy(Policy):
     def min_budget(self) -> int:
         return max(self.keeps_recent, 1)
 
+    def cache_heads(self, stats: LayerStats) -> int:
+        """Kept sets per layer: one per KV head, or one per query head for a policy whose ``gqa`` is ``query``."""
+        return stats.query_heads if getattr(self, "gqa", None) == "query" else stats.num_kv_heads
+
     def score(self, stats: LayerStats) -> torch.Tensor:
-        """``[heads, T]``: higher means more worth keeping. ``heads`` is the layer's KV heads (one kept set per KV
-        head). Scores of the last ``keeps_recent`` positions are ignored: those are kept anyway."""
+        """``[heads, T]``: higher means more worth keeping, one row per kept set (``cache_heads``). The last
+        ``keeps_recent`` positions are kept anyway: their scores are ignored and may be left out (``[heads, T - r]``)."""
         raise NotImplementedError
 
     def select(self, stats: LayerStats, k: int) -> torch.Tensor:
         length = stats.context_len
         if k >= length:
-            return keep_all(length, stats.num_kv_heads)
+            return keep_all(length, self.cache_heads(stats))
         scores = self.score(stats).float()
         recent = min(self.keeps_recent, k)
-        if recent:
-            scores = scores.clone()
-            scores[:, length - recent :] = float("inf")
-        return top_positions(scores, k)
+        chosen = best_positions(scores[:, : length - recent], k - recent, self.ties)
+        window = torch.arange(length - recent, length, device=chosen.device).expand(chosen.shape[0], recent)
+        return torch.cat([chosen, window], dim=1).sort(dim=-1).values
 
 
 def _format(value: object) -> str:

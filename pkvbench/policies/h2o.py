@@ -3,10 +3,17 @@
 Rule, per layer: score each position by the sum over all T prompt queries of the causal softmax attention it
 receives (``scores=all``); with ``normalize=true`` divide that sum by the number of queries that can see the
 position (T - p), since early positions otherwise collect attention from more queries; fold query heads onto their
-KV head; keep the last ``window`` positions plus the top ``k - window`` of the others.
+KV head (``gqa``, as SnapKV's); keep the last ``window`` positions plus the top ``k - window`` of the others.
+Nothing is pooled.
 
-``scores=window`` is the PyramidKV paper's own H2O (the one behind its Table 1): the sum over the last ``window``
-queries only, with no pooling. It is SnapKV without the pool.
+The variants the PyramidKV paper's code (Zefan-Cai/KVCache-Factory, ``H2OKVCluster``) has run, by what they compute:
+
+- ``scores=window``: the last ``window`` queries only — the code of June–September 2024 (``4c9bbc3``), behind the
+  paper's Table 1. It is SnapKV without the pool.
+- ``scores=all-bidirectional``: all T queries, but only the last ``window`` × ``window`` block causally masked, so
+  every earlier query also attends to the keys after it — the code of 2024-10-13 (``98e8228``) to 2026-06-22, behind
+  most published KVCache-Factory H2O numbers.
+- ``scores=all``: all T queries, causal — the code since 2026-06-22 (``9f9aa2e``), and H2O's own rule.
 """
 
 from dataclasses import dataclass
@@ -14,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from pkvbench.policies.base import LayerStats, Needs, ScoringPolicy, group_by_kv_head
+from pkvbench.policies.base import GQA_MODES, LayerStats, Needs, ScoringPolicy, group_by_kv_head
 
 
 @dataclass(frozen=True)
@@ -22,8 +29,9 @@ class H2O(ScoringPolicy):
     name = "h2o"
     summary = "accumulated attention of all prompt queries; top k-window + window"
     in_default_grid = True
-    choices: ClassVar[dict[str, tuple[str, ...]]] = {"scores": ("all", "window"), "gqa": ("mean", "max")}
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {"scores": ("all", "all-bidirectional", "window"), "gqa": GQA_MODES}
     positive = ("window",)
+    reference_options: ClassVar[dict[str, object]] = {"gqa": "query", "ties": "topk"}
     window: int = 8
     scores: str = "all"
     normalize: bool = False
@@ -33,6 +41,8 @@ class H2O(ScoringPolicy):
     def needs(self) -> Needs:
         if self.scores == "window":
             return Needs(windows=frozenset({self.window}))
+        if self.scores == "all-bidirectional":
+            return Needs(bidirectional=frozenset({self.window}))
         return Needs(accumulated=True)
 
     @property
@@ -46,6 +56,9 @@ class H2O(ScoringPolicy):
             totals = stats.window(self.window)
             # Position p is seen by the window queries at positions >= p.
             seen_by = (length - torch.arange(length)).clamp(max=self.window)
+        elif self.scores == "all-bidirectional":
+            totals = stats.bidirectional_attention(self.window)
+            seen_by = torch.full((length,), float(length))
         else:
             totals = stats.accumulated_attention()
             seen_by = length - torch.arange(length)

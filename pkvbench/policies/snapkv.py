@@ -3,7 +3,16 @@
 Rule, per layer: for each position before the observation window (``p < T - window``), sum the causal softmax
 attention it receives from the last ``window`` queries; smooth those sums along the sequence with a 1-D pool
 (``kernel``, stride 1, same padding; max by default, over the pre-window positions only, as the reference code does);
-fold query heads onto their KV head (mean, or max); keep the top ``k - window`` plus the whole window.
+keep the top ``k - window`` plus the whole window.
+
+Grouped-query attention (``gqa``): ``mean``/``max`` fold each group's pooled scores and keep one set per KV head
+(pkvbench's default: the cache really shrinks); ``kv-mean-first`` averages the group's window sums *before* pooling
+(the reference code's opt-in per-KV-head mode, ``--kv_cache_granularity kv_head``, KVCache-Factory ``ad51c4e``);
+``query`` keeps one set per query head, as the reference code does by default (keys and values repeated to every
+query head before compressing; ``pyramidkv/llama_model.py``), so the cache holds one set per query head.
+Reference: Zefan-Cai/KVCache-Factory ``pyramidkv/pyramidkv_utils.py`` ``SnapKVCluster.update_kv`` (``4c9bbc3`` and
+unchanged since): window logits over all T keys, causal mask on the window block, fp32 softmax, sum over the window
+queries for the prefix positions, max-pool kernel 7, ``topk(k - window)``, then the window appended.
 """
 
 from dataclasses import dataclass
@@ -12,11 +21,12 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from pkvbench.policies.base import LayerStats, Needs, ScoringPolicy, group_by_kv_head
+from pkvbench.policies.base import GQA_MODES, LayerStats, Needs, ScoringPolicy, group_by_kv_head
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
-    """Smooth ``[heads, n]`` scores along the last axis; ``kernel`` odd keeps the length."""
+    """Smooth ``[heads, n]`` scores along the last axis; ``kernel`` odd keeps the length. Max-pooling pads with -inf
+    and average-pooling counts the zero padding (PyTorch's defaults, as the reference code uses them)."""
     if pooling == "none" or kernel <= 1:
         return scores
     pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
@@ -28,8 +38,12 @@ class SnapKV(ScoringPolicy):
     name = "snapkv"
     summary = "last `window` queries' attention, max-pooled (kernel 7); top k-window + window"
     in_default_grid = True
-    choices: ClassVar[dict[str, tuple[str, ...]]] = {"pooling": ("max", "avg", "none"), "gqa": ("mean", "max")}
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {
+        "pooling": ("max", "avg", "none"),
+        "gqa": (*GQA_MODES, "kv-mean-first"),
+    }
     positive = ("window", "kernel")
+    reference_options: ClassVar[dict[str, object]] = {"gqa": "query", "ties": "topk"}
     window: int = 8
     kernel: int = 7
     pooling: str = "max"
@@ -50,8 +64,7 @@ class SnapKV(ScoringPolicy):
 
     def score(self, stats: LayerStats) -> torch.Tensor:
         window = stats.window(self.window)
-        prefix_len = max(stats.context_len - self.window, 0)
-        pooled = pool_scores(window[:, :prefix_len], self.kernel, self.pooling)
-        # The window's own positions are kept whatever they score; zeros stand in for them.
-        scores = torch.cat([pooled, torch.zeros_like(window[:, prefix_len:])], dim=1)
-        return group_by_kv_head(scores, stats.num_kv_heads, self.gqa)
+        prefix = window[:, : max(stats.context_len - self.window, 0)]
+        if self.gqa == "kv-mean-first":
+            return pool_scores(group_by_kv_head(prefix, stats.num_kv_heads, "mean"), self.kernel, self.pooling)
+        return group_by_kv_head(pool_scores(prefix, self.kernel, self.pooling), stats.num_kv_heads, self.gqa)

@@ -31,12 +31,18 @@ def _coerce(policy: str, option: str, kind: type, text: str) -> object:
         raise PkvError(f"{policy}: option {option}={text!r} is not a valid {kind.__name__}") from None
 
 
-def parse_policy(spec: str, shared_options: dict[str, str] | None = None) -> Policy:
+PROTOCOLS = ("exact", "reference")
+
+
+def parse_policy(spec: str, shared_options: dict[str, str] | None = None, protocol: str = "exact") -> Policy:
     """Build a policy from ``name[:opt=value...]``.
 
     ``shared_options`` (from ``--policy-arg``) apply to every policy that has such an option; options in the spec
-    itself win over them.
+    itself win over them. Under the ``reference`` protocol a policy starts from its ``reference_options`` (how the
+    PyramidKV paper's code selects) instead of its defaults; options the user gives still win.
     """
+    if protocol not in PROTOCOLS:
+        raise PkvError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
     policies = registry()
     name, *own = [part.strip() for part in spec.strip().split(":")]
     if name not in policies:
@@ -50,6 +56,8 @@ def parse_policy(spec: str, shared_options: dict[str, str] | None = None) -> Pol
             raise PkvError(f"policy {name} has no option {option!r}; its options: {valid}")
     merged = {k: v for k, v in (shared_options or {}).items() if k in fields} | own_options
     kwargs = {k: _coerce(name, k, type(fields[k].default), v) for k, v in merged.items()}
+    if protocol == "reference":
+        kwargs = {**cls.reference_options, **kwargs}
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:

@@ -43,8 +43,21 @@ def needle_prompt(tokenizer, spec: TaskSpec, haystack_ids: list[int], length: in
         position = len(tokenizer.decode(haystack_ids[: round(context_tokens * depth / 100)]))
         context = insert_at_sentence_end(context, config["needle"], position)
         user = config["prompt"].format(context=context, question=config["question"])
-        return chat_prompt_ids(tokenizer, config.get("system"), user)
+        if spec.chat_template:
+            return chat_prompt_ids(tokenizer, config.get("system"), user)
+        return list(tokenizer(user)["input_ids"])
 
+    if config.get("fit") == "context":
+        # The reference needle script's sizing: the haystack is cut to `length` tokens less a buffer (200), the
+        # needle inserted, and the prompt is whatever that makes.
+        return build(
+            max(
+                0,
+                length
+                - int(config.get("buffer", 0))
+                - len(tokenizer(config["needle"], add_special_tokens=False)["input_ids"]),
+            )
+        )
     # The prompt is not exactly context + overhead tokens (merges at the seams), so correct the context size
     # until the prompt length is right, or as close as token merges allow.
     context_tokens = max(0, length - (len(build(0))))
@@ -67,7 +80,7 @@ def needle_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Samp
     if len(haystack) < needed_chars:
         haystack = haystack * (needed_chars // len(haystack) + 1)
     haystack_ids = tokenizer(haystack[:needed_chars], add_special_tokens=False)["input_ids"]
-    answer = config["needle"].strip()
+    answer = config.get("answer", config["needle"]).strip()
     samples = [
         Sample(
             sample_id=f"len{length}_depth{depth:g}",

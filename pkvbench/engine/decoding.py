@@ -1,0 +1,224 @@
+"""Greedy decoding of many compressed caches of one sample at once: one forward per step for the whole batch.
+
+Every configuration of a sample (policy × budget × query mode) leaves a compressed cache; they decode together as
+the rows of one batch. Per layer the caches are padded to the longest and masked (``cache.RaggedLayer``): each row,
+and each head where heads keep different numbers of entries, sees exactly its own entries, in the order it would
+see them alone. Positions are the original ones. Each row stops on its own (an end token, a stop string, its token
+limit) and leaves the batch. A batch of one is the plain one-configuration-at-a-time path.
+
+Which rows share a batch (``plan_batches``): rows whose caches have the same number of heads and that feed the same
+tokens first (query-agnostic rows feed their question on top of the compressed context), at most ``max_rows`` rows,
+and no more padding than ``PADDING_ALLOWANCE`` times what the rows hold themselves (so a full-cache row never pads
+a batch of small caches to its length).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pkvbench.engine.attention import decoding
+from pkvbench.engine.cache import RaggedCache, RaggedLayer
+
+# A batch may store at most this many times the entries its rows keep (padding included); a limit on memory.
+PADDING_ALLOWANCE = 1.5
+
+
+@dataclass
+class KeptEntries:
+    """One row's compressed cache: per layer ``[heads, n, dim]`` keys and values; where heads keep different
+    numbers of entries, ``lengths[layer]`` says how many (``[heads]``; the rest of ``n`` is padding)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    lengths: list[torch.Tensor] | None = None
+
+    def stored(self, layer: int) -> int:
+        return self.keys[layer].shape[1]
+
+    @property
+    def heads(self) -> tuple[int, ...]:
+        return tuple(k.shape[0] for k in self.keys)
+
+    @property
+    def entries(self) -> int:
+        """Entries kept, over layers and heads (padding not counted)."""
+        if self.lengths is None:
+            return sum(k.shape[0] * k.shape[1] for k in self.keys)
+        return int(sum(int(n.sum()) for n in self.lengths))
+
+
+@dataclass
+class DecodeRequest:
+    """Decode from ``kept`` at original positions starting at ``position``: first run ``feed`` through the model (if
+    any), then generate greedily from ``first_logits`` (when nothing is fed) or from the feed's last logits."""
+
+    kept: KeptEntries
+    position: int
+    max_new_tokens: int
+    first_logits: torch.Tensor | None = None
+    feed: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    min_new_tokens: int = 0
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]
+    text: str
+    seconds: float  # from the start of its batch to this row's last token
+    batch: int = 1  # rows that decoded together
+
+
+@dataclass
+class _Row:
+    request: DecodeRequest
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def plan_batches(requests: list[DecodeRequest], max_rows: int | None) -> list[list[int]]:
+    """Indices of ``requests`` grouped into batches (see the module docstring)."""
+    groups: dict[tuple, list[int]] = {}
+    for index, request in enumerate(requests):
+        groups.setdefault((request.kept.heads, request.feed, request.position), []).append(index)
+    batches = []
+    for members in groups.values():
+        members.sort(key=lambda i: requests[i].kept.entries)
+        batch: list[int] = []
+        for index in members:
+            candidate = [*batch, index]
+            if batch and (
+                (max_rows and len(candidate) > max_rows)
+                or _padded(requests, candidate) > PADDING_ALLOWANCE * sum(requests[i].kept.entries for i in candidate)
+            ):
+                batches.append(batch)
+                candidate = [index]
+            batch = candidate
+        batches.append(batch)
+    return batches
+
+
+def _padded(requests: list[DecodeRequest], batch: list[int]) -> int:
+    """Entries a batch stores, padding included."""
+    kept = [requests[i].kept for i in batch]
+    heads = kept[0].heads
+    return sum(len(kept) * heads[layer] * max(k.stored(layer) for k in kept) for layer in range(len(heads)))
+
+
+class BatchDecoder:
+    """Decodes batches of requests through ``forward(input_ids, cache, position_ids) -> last logits [batch, vocab]``."""
+
+    def __init__(
+        self,
+        forward: Callable,
+        tokenizer,
+        stop_ids: set[int],
+        kv_heads: int,
+        device: torch.device,
+        sync: Callable[[], None],
+    ):
+        self.forward = forward
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_ids
+        self.kv_heads = kv_heads
+        self.device = device
+        self.sync = sync
+
+    def decode(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:
+        results: list[Decoded | None] = [None] * len(requests)
+        for batch in plan_batches(requests, max_rows):
+            for index, decoded in zip(batch, self.decode_batch([requests[i] for i in batch])):
+                results[index] = decoded
+        return results
+
+    def _cache(self, requests: list[DecodeRequest], room: int) -> RaggedCache:
+        layers = []
+        for layer in range(len(requests[0].kept.keys)):
+            keys = [r.kept.keys[layer] for r in requests]
+            values = [r.kept.values[layer] for r in requests]
+            heads, dim = keys[0].shape[0], keys[0].shape[-1]
+            longest = max(k.shape[1] for k in keys)
+            key_store = keys[0].new_zeros((len(keys), heads, longest, dim))
+            value_store = values[0].new_zeros((len(values), heads, longest, values[0].shape[-1]))
+            lengths = torch.empty((len(keys), heads), dtype=torch.long)
+            for row, (k, v, request) in enumerate(zip(keys, values, requests)):
+                key_store[row, :, : k.shape[1]] = k
+                value_store[row, :, : v.shape[1]] = v
+                lengths[row] = request.kept.lengths[layer] if request.kept.lengths is not None else k.shape[1]
+            layers.append(RaggedLayer(key_store, value_store, lengths, room, self.kv_heads))
+        return RaggedCache(layers)
+
+    @torch.inference_mode()
+    def decode_batch(self, requests: list[DecodeRequest]) -> list[Decoded]:
+        """Decode requests that share their heads, feed and position, as one batch."""
+        started = time.perf_counter()
+        feed = requests[0].feed
+        cache = self._cache(requests, room=len(feed) + max(r.max_new_tokens for r in requests))
+        rows = [_Row(request, index) for index, request in enumerate(requests)]
+        position = requests[0].position
+        with decoding(cache):
+            if feed:
+                ids = torch.tensor([feed] * len(rows), device=self.device)
+                positions = torch.arange(position, position + len(feed), device=self.device).expand(len(rows), -1)
+                logits = self.forward(ids, cache, positions)
+                position += len(feed)
+            else:
+                logits = torch.stack([r.first_logits for r in requests])
+            live = rows
+            while live:
+                for row, row_logits in zip(live, logits):
+                    row.tokens.append(self._next_token(row, row_logits))
+                finished = [self._finished(row) for row in live]
+                if any(finished):
+                    now = time.perf_counter()
+                    for row, done in zip(live, finished):
+                        if done:
+                            row.seconds = now - started
+                    keep = [i for i, done in enumerate(finished) if not done]
+                    if not keep:
+                        break
+                    cache.select_rows(torch.tensor(keep, device=self.device))
+                    live = [live[i] for i in keep]
+                step = torch.tensor([[row.tokens[-1]] for row in live], device=self.device)
+                steps = torch.full((len(live), 1), position + len(live[0].tokens) - 1, device=self.device)
+                logits = self.forward(step, cache, steps)
+        self.sync()
+        return [
+            Decoded(
+                tokens=row.tokens,
+                text=self.tokenizer.decode(row.tokens, skip_special_tokens=True),
+                seconds=row.seconds,
+                batch=len(rows),
+            )
+            for row in rows
+        ]
+
+    def _next_token(self, row: _Row, logits: torch.Tensor) -> int:
+        """Greedy; for the first ``min_new_tokens`` tokens the end tokens and the stop strings' last tokens cannot be
+        chosen (transformers' ``min_length``, which LongBench's samsum uses so that an answer never starts with its
+        stop newline)."""
+        request = row.request
+        barred = self.barred(request.stop_strings) if len(row.tokens) < request.min_new_tokens else []
+        return greedy(logits, barred)
+
+    def barred(self, stop_strings: tuple[str, ...]) -> list[int]:
+        last_tokens = {self.tokenizer.encode(s, add_special_tokens=False)[-1] for s in stop_strings}
+        return sorted(self.stop_ids | last_tokens)
+
+    def _finished(self, row: _Row) -> bool:
+        request = row.request
+        if len(row.tokens) >= request.max_new_tokens or row.tokens[-1] in self.stop_ids:
+            return True
+        return bool(request.stop_strings) and any(s in self.tokenizer.decode(row.tokens) for s in request.stop_strings)
+
+
+def greedy(logits: torch.Tensor, barred: list[int]) -> int:
+    if barred:
+        logits = logits.clone()
+        logits[barred] = float("-inf")
+    return int(logits.argmax())
