@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pkvbench.errors import PkvError, first_line
-from pkvbench.runner import RunSettings, RowWriter, RunStats, pending_configs, plan_grid, run_sample
+from pkvbench.runner import RowWriter, RunSettings, RunStats, pending_configs, plan_grid, run_sample
 
 RAY_HINT = "--executor ray needs Ray: pip install 'pkvbench[ray]'"
 CPUS_PER_WORKER = 1  # also the worker's torch threads
