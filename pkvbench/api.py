@@ -24,7 +24,7 @@ from pkvbench.policies.registry import default_grid
 from pkvbench.policies.spec import check_shared_options, parse_option_pairs, parse_policy
 from pkvbench.provenance import make_deterministic, provenance
 from pkvbench.results import ResultStore
-from pkvbench.runner import RunSettings, RunStats, Shard
+from pkvbench.runner import QUERY_MODES, Cell, RunSettings, RunStats, Shard
 from pkvbench.tasks.base import TaskOptions, TaskSpec
 from pkvbench.tasks.registry import expand_tasks, validate
 
@@ -147,6 +147,9 @@ class RunConfig:
     policy_args: Mapping[str, Any] | Sequence[str] = ()
     # "exact": pkvbench's protocol; "reference": every policy selects as the PyramidKV paper's code (docs/protocol.md)
     protocol: str = "exact"
+    # where the question is: "aware" (inside the compressed prompt, the paper's protocol), "agnostic" (added after
+    # the context is compressed; one compressed context answers every question), or both
+    query_modes: Sequence[str] | str = ("aware",)
     # Task settings for every task that has them: chat_template, min_new_tokens, stop_strings (e.g. the paper's
     # LongBench script: no chat template, at least one new token, no stop but the end token)
     task_args: Mapping[str, Any] | Sequence[str] = ()
@@ -200,6 +203,12 @@ class ResolvedRun:
     options: TaskOptions
     shard: Shard | None
     out: Path
+    query_modes: list[str]
+
+    @property
+    def cells(self) -> list[Cell]:
+        """The grid: every policy × budget × query mode."""
+        return [Cell(p, b, m) for p in self.policies for b in self.budgets for m in self.query_modes]
 
     @property
     def settings(self) -> RunSettings:
@@ -229,6 +238,8 @@ class ResolvedRun:
             "sample_ids": o.sample_ids,
             "shard": str(self.shard) if self.shard else None,
             "task_versions": {t.name: t.identity for t in self.tasks},
+            "protocol": c.protocol,
+            "query_modes": self.query_modes,
         }
         return json.loads(json.dumps(recorded))  # tuples → lists, as they read back from run.json
 
@@ -266,7 +277,11 @@ def resolve(config: RunConfig) -> ResolvedRun:
         raise PkvError("--ray-address, --workers and --gpus-per-worker go with --executor ray")
     check_model_name(config.model)
     out = Path(config.out) if config.out is not None else default_out("runs", config.model, tasks)
-    return ResolvedRun(config, tasks, policies, budgets, options, shard, out)
+    modes = list(dict.fromkeys(as_list(config.query_modes, "--query-mode")))
+    unknown = [m for m in modes if m not in QUERY_MODES]
+    if unknown:
+        raise PkvError(f"unknown query mode {unknown[0]!r}; valid: {', '.join(QUERY_MODES)}")
+    return ResolvedRun(config, tasks, policies, budgets, options, shard, out, modes)
 
 
 @dataclass
@@ -329,8 +344,7 @@ def _execute(
             RaySettings(config.ray_address, config.workers, config.gpus_per_worker),
             ModelSpec(config.model, config.device, config.dtype, config.attn_implementation, config.seed),
             run.tasks,
-            run.policies,
-            run.budgets,
+            run.cells,
             run.options,
             store,
             shard=run.shard,
@@ -350,8 +364,7 @@ def _execute(
     return run_grid(
         Engine(loaded),
         run.tasks,
-        run.policies,
-        run.budgets,
+        run.cells,
         run.options,
         store,
         shard=run.shard,

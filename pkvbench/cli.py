@@ -3,6 +3,7 @@ stderr and exit code 2; an internal error is one line and exit code 1."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -475,7 +476,10 @@ def list_(include_paths) -> None:
         click.echo(f"  {group:14} {', '.join(members)}")
     click.echo("Policies (options with defaults):")
     for name, cls in registry().items():
-        defaults = " ".join(f"{k}={v}" for k, v in cls().options.items())
+        options = [f for f in dataclasses.fields(cls) if f.name != "inner"]
+        defaults = " ".join(f"{f.name}={f.default}" for f in options)
+        if getattr(cls, "wraps", False):
+            name = f"{name}(policy)"
         click.echo(f"  {name:14} {cls.summary}" + (f"\n  {'':14} [{defaults}]" if defaults else ""))
     click.echo("Models:")
     for name, alias in ALIASES.items():

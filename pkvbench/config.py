@@ -21,7 +21,7 @@ from pkvbench.errors import PkvError
 from pkvbench.io import read_text
 
 FLAGS = {"overwrite", "quiet", "verify"}
-LISTS = {"tasks", "policies", "budgets", "lengths", "depths", "sample_ids", "include_paths"}
+LISTS = {"tasks", "policies", "budgets", "lengths", "depths", "sample_ids", "include_paths", "query_modes"}
 PAIRS = {"policy_args", "task_args"}
 # Spellings other than the field's own name (and its dashed form).
 ALIASES = {
@@ -32,6 +32,7 @@ ALIASES = {
     "task-arg": "task_args",
     "sample-id": "sample_ids",
     "include-path": "include_paths",
+    "query-mode": "query_modes",
 }
 NEGATED = {"no-verify": "verify", "no_verify": "verify"}
 

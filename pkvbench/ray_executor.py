@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pkvbench.errors import PkvError, first_line
-from pkvbench.runner import RowWriter, RunSettings, RunStats, pending_configs, plan_grid, run_sample
+from pkvbench.runner import RowWriter, RunSettings, RunStats, pending_cells, plan_grid, run_sample
 
 RAY_HINT = "--executor ray needs Ray: pip install 'pkvbench[ray]'"
 CPUS_PER_WORKER = 1  # also the worker's torch threads
@@ -83,8 +83,7 @@ def run_grid_on_ray(
     cluster: RaySettings,
     model: ModelSpec,
     tasks,
-    policies,
-    budgets,
+    cells,
     options,
     store,
     *,
@@ -102,7 +101,7 @@ def run_grid_on_ray(
     check_ray()
     if model.device == "cuda" and cluster.gpus_per_worker == 0:
         raise PkvError("--device cuda with --gpus-per-worker 0: a worker has a GPU only when it reserves one")
-    plan = plan_grid(tasks, load_tokenizer(model.name), policies, budgets, options, store, shard)
+    plan = plan_grid(tasks, load_tokenizer(model.name), cells, options, store, shard)
     ray = _connect(cluster)
     try:
         pool = _Pool(ray, *_placement(ray, cluster, model, len(plan.pending)))
@@ -210,7 +209,7 @@ def _drive(ray, pool: _Pool, pending: list, writer: RowWriter, settings: RunSett
     while queue or running:
         while idle and queue:
             task, sample, configs, deaths = queue.popleft()
-            todo = pending_configs(task, sample, configs, writer.written)
+            todo = pending_cells(task, sample, configs, writer.written)
             if not todo:
                 continue
             actor = idle.popleft()

@@ -23,8 +23,16 @@ SUMMARY = "summary.csv"
 RUN = "run.json"
 
 
-def row_key(row: dict[str, Any]) -> tuple[str, str, str, str]:
-    return (row["task"], str(row["sample_id"]), row["policy"], budget_label(row["budget"]))
+def row_key(row: dict[str, Any]) -> tuple[str, str, str, str, str]:
+    """What makes a row unique: task, sample, policy, budget and query mode (rows written before the query mode was
+    recorded are query-aware)."""
+    return (
+        row["task"],
+        str(row["sample_id"]),
+        row["policy"],
+        budget_label(row["budget"]),
+        row.get("query_mode", "aware"),
+    )
 
 
 def differing_keys(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
@@ -111,13 +119,17 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    """``task, policy, budget, n, score`` with score the mean × 100, two decimals (LongBench's convention)."""
-    columns = ["task", "policy", "budget", "n", "score"]
+    """``task, policy, budget, [query_mode,] n, score`` with score the mean × 100, two decimals (LongBench's
+    convention); ``query_mode`` when the rows record it."""
+    axes = ["task", "policy", "budget"] + (["query_mode"] if any("query_mode" in row for row in rows) else [])
+    columns = [*axes, "n", "score"]
     if not rows:
         return pd.DataFrame(columns=columns)
     frame = pd.DataFrame(rows)
     frame["budget"] = [budget_label(row["budget"]) for row in rows]
-    table = frame.groupby(["task", "policy", "budget"], sort=False)["score"].agg(n="count", score="mean").reset_index()
+    if "query_mode" in axes:
+        frame["query_mode"] = frame["query_mode"].fillna("aware")
+    table = frame.groupby(axes, sort=False)["score"].agg(n="count", score="mean").reset_index()
     table["score"] = (table["score"] * 100).round(2)
     return table[columns]
 

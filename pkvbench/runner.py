@@ -14,15 +14,13 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from pkvbench.budgets import Budget
-from pkvbench.engine.generation import Engine
+from pkvbench.engine.generation import CompressedCache, Engine, Prefill
 from pkvbench.errors import PkvError
 from pkvbench.metrics import METRICS, prepare_prediction
 from pkvbench.policies.base import Policy
 from pkvbench.results import ResultStore, row_key
-from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec
+from pkvbench.tasks.base import Question, Sample, TaskOptions, TaskSpec
 from pkvbench.tasks.registry import build_samples
-
-Config = tuple[Policy, Budget]
 
 
 @dataclass
@@ -67,8 +65,27 @@ def work_items(
     return [item for position, item in enumerate(items) if shard is None or shard.takes(position)]
 
 
-def row_identity(task: TaskSpec, sample_id: str, policy: Policy, budget: Budget) -> dict:
-    return {"task": task.name, "sample_id": sample_id, "policy": policy.label, "budget": budget.value}
+QUERY_MODES = ("aware", "agnostic")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One configuration of the grid: a policy at a budget, with the question inside the compressed prompt
+    (``aware``) or added after compression (``agnostic``)."""
+
+    policy: Policy
+    budget: Budget
+    query_mode: str = "aware"
+
+
+def row_identity(task: TaskSpec, sample_id: str, cell: Cell) -> dict:
+    return {
+        "task": task.name,
+        "sample_id": sample_id,
+        "policy": cell.policy.label,
+        "budget": cell.budget.value,
+        "query_mode": cell.query_mode,
+    }
 
 
 @dataclass(frozen=True)
@@ -80,84 +97,149 @@ class RunSettings:
     protocol: str = "exact"  # recorded in every row: the policies were parsed under it
 
 
+@dataclass
+class _Job:
+    """One row to compute: a cell, a question, the compressed cache and which decode request answers it."""
+
+    cell: Cell
+    question: Question
+    cache: CompressedCache
+    selection_s: float
+    request: int
+    prefill: Prefill
+
+
 def run_sample(
-    engine: Engine, task: TaskSpec, sample: Sample, configs: list[Config], settings: RunSettings | None = None
+    engine: Engine, task: TaskSpec, sample: Sample, cells: list[Cell], settings: RunSettings | None = None
 ) -> Iterator[dict]:
-    """Prefill ``sample`` once, compress it for every configuration, decode them all together (in batches of at most
-    ``settings.decode_batch`` rows; 1 decodes one configuration at a time), and yield one row per configuration."""
+    """Run every cell on every question of ``sample`` and yield one row each.
+
+    One prefill serves the whole grid: the first question's prompt, whose first tokens are the context, with
+    statistics recorded at both ends (the context's for query-agnostic cells). Each cell's cache is compressed once
+    — an agnostic cell's once for all questions — and all of the sample's caches decode together (in batches of at
+    most ``settings.decode_batch`` rows). Only a query-aware cell's later questions need prefills of their own (their
+    question is part of what is compressed).
+    """
     settings = settings or RunSettings()
-    metric = METRICS[task.metric]
-    new_tokens = settings.max_new_tokens or task.max_new_tokens
-    prefill = engine.prefill(_as_tensor(sample.input_ids), [policy for policy, _ in configs])
-    caches, selection_seconds, requests, request_of = [], [], [], []
-    full_cache_request = None  # every configuration that keeps the whole prompt decodes to the same tokens: once
-    for policy, budget in configs:
-        selection_started = time.perf_counter()
-        cache = engine.compress(prefill, policy, budget)
-        selection_seconds.append(time.perf_counter() - selection_started)
-        caches.append(cache)
-        if not cache.plan.compressed and full_cache_request is not None:
-            request_of.append(full_cache_request)
-            continue
-        requests.append(engine.request(prefill, cache, new_tokens, task.stop_strings, task.min_new_tokens))
-        request_of.append(len(requests) - 1)
-        if not cache.plan.compressed:
-            full_cache_request = request_of[-1]
+    modes = {cell.query_mode for cell in cells}
+    first, context_len = sample.questions[0], len(sample.context_ids)
+    aware_len = len(sample.prompt(first))
+    prefill = engine.prefill(
+        _as_tensor(sample.prompt(first) if "aware" in modes else sample.context_ids),
+        [cell.policy for cell in cells],
+        cuts=tuple(n for n, mode in ((aware_len, "aware"), (context_len, "agnostic")) if mode in modes),
+    )
+    jobs: list[_Job] = []
+    requests = []
+    shared: dict[tuple, int] = {}  # uncompressed caches decode to the same tokens: one request per mode and question
+
+    def add(cell: Cell, question: Question, source: Prefill, cache: CompressedCache, selection_s: float) -> None:
+        agnostic = cell.query_mode == "agnostic"
+        key = (cell.query_mode, question.question_id, id(source))
+        if cache.plan.compressed or key not in shared:
+            requests.append(
+                engine.request(
+                    source,
+                    cache,
+                    settings.max_new_tokens or task.max_new_tokens,
+                    task.stop_strings,
+                    task.min_new_tokens,
+                    question.ids if agnostic else None,
+                )
+            )
+            if not cache.plan.compressed:
+                shared[key] = len(requests) - 1
+        which = shared[key] if not cache.plan.compressed else len(requests) - 1
+        jobs.append(_Job(cell, question, cache, selection_s, which, source))
+
+    for cell in cells:
+        started = time.perf_counter()
+        cut = context_len if cell.query_mode == "agnostic" else aware_len
+        cache = engine.compress(prefill, cell.policy, cell.budget, cut)
+        selection_s = time.perf_counter() - started
+        for question in sample.questions if cell.query_mode == "agnostic" else [first]:
+            add(cell, question, prefill, cache, selection_s)
     decoded = engine.decode_many(requests, settings.decode_batch)
-    for (policy, budget), cache, selection_s, which in zip(configs, caches, selection_seconds, request_of):
-        answer = decoded[which]
-        yield {
-            **row_identity(task, sample.sample_id, policy, budget),
-            "model": engine.loaded.name,
-            **task.identity,
-            "protocol": settings.protocol,
-            "policy_options": policy.options,
-            "budget_tokens": round(sum(cache.kept_per_layer) / len(cache.kept_per_layer), 3),
-            "requested_tokens": cache.plan.requested,
-            "context_tokens": prefill.context_len,
-            "kv_kept": cache.kept_per_layer,
-            "kv_bytes": cache.nbytes,
-            "pred": answer.text,
-            "answers": sample.answers,
-            "score": metric(prepare_prediction(answer.text, task.postprocess), sample.answers, sample.meta),
-            "new_tokens": len(answer.tokens),
-            "prefill_s": round(prefill.seconds, 4),
-            "selection_s": round(selection_s, 4),
-            "decode_s": round(answer.seconds, 4),
-            "decode_batch": answer.batch,
-            **sample.extras,
-        }
+    yield from (_row(engine, task, sample, job, decoded[job.request], settings) for job in jobs)
+
+    aware_cells = [cell for cell in cells if cell.query_mode == "aware"]
+    for question in sample.questions[1:] if aware_cells else []:
+        jobs, requests, shared = [], [], {}
+        own = engine.prefill(_as_tensor(sample.prompt(question)), [cell.policy for cell in aware_cells])
+        for cell in aware_cells:
+            started = time.perf_counter()
+            cache = engine.compress(own, cell.policy, cell.budget)
+            add(cell, question, own, cache, time.perf_counter() - started)
+        decoded = engine.decode_many(requests, settings.decode_batch)
+        yield from (_row(engine, task, sample, job, decoded[job.request], settings) for job in jobs)
+
+
+def _row(engine: Engine, task: TaskSpec, sample: Sample, job: _Job, answer, settings: RunSettings) -> dict:
+    cache, question = job.cache, job.question
+    metric = METRICS[task.metric]
+    return {
+        **row_identity(task, sample.row_id(question), job.cell),
+        "model": engine.loaded.name,
+        **task.identity,
+        "protocol": settings.protocol,
+        "policy_options": job.cell.policy.options,
+        "budget_tokens": round(sum(cache.kept_per_layer) / len(cache.kept_per_layer), 3),
+        "requested_tokens": cache.plan.requested,
+        "context_tokens": cache.plan.context_len,  # the tokens compressed: the whole prompt, or the context
+        "question_tokens": len(question.ids),
+        "kv_kept": cache.kept_per_layer,
+        "kv_bytes": cache.nbytes,
+        "kv_entries": cache.kept.entries,
+        "pred": answer.text,
+        "answers": question.answers,
+        "score": metric(prepare_prediction(answer.text, task.postprocess), question.answers, sample.meta),
+        "new_tokens": len(answer.tokens),
+        "prefill_s": round(job.prefill.seconds, 4),
+        "selection_s": round(job.selection_s, 4),
+        "decode_s": round(answer.seconds, 4),
+        "decode_batch": answer.batch,
+        **sample.extras,
+        **question.extras,
+    }
 
 
 @dataclass
 class GridPlan:
-    """What a run still has to do: each (task, sample) with the configurations not yet in the store, in run order."""
+    """What a run still has to do: each (task, sample) with the cells not yet in the store, in run order."""
 
-    pending: list[tuple[TaskSpec, Sample, list[Config]]]
+    pending: list[tuple[TaskSpec, Sample, list[Cell]]]
     total: int  # rows of the whole grid (of this shard)
     skipped: int  # rows the store already holds
+    done: set  # keys of the rows the store holds
 
 
-def pending_configs(task: TaskSpec, sample: Sample, configs: list[Config], done: set) -> list[Config]:
-    return [(p, b) for p, b in configs if row_key(row_identity(task, sample.sample_id, p, b)) not in done]
+def pending_cells(task: TaskSpec, sample: Sample, cells: list[Cell], done: set) -> list[Cell]:
+    """The cells of which some row of this sample (one per question) is missing."""
+    row_ids = [sample.row_id(q) for q in sample.questions]
+    return [cell for cell in cells if any(row_key(row_identity(task, r, cell)) not in done for r in row_ids)]
 
 
 def plan_grid(
     tasks: list[TaskSpec],
     tokenizer,
-    policies: list[Policy],
-    budgets: list[Budget],
+    cells: list[Cell],
     options: TaskOptions,
     store: ResultStore,
     shard: Shard | None = None,
 ) -> GridPlan:
     done = store.done_keys()
     items = work_items(tasks, tokenizer, options, shard)
-    configs = [(policy, budget) for policy in policies for budget in budgets]
-    pending = [(task, sample, pending_configs(task, sample, configs, done)) for task, sample in items]
-    total = len(items) * len(configs)
+    pending = [(task, sample, pending_cells(task, sample, cells, done)) for task, sample in items]
+    total = sum(len(sample.questions) for _, sample in items) * len(cells)
     left = [(task, sample, todo) for task, sample, todo in pending if todo]
-    return GridPlan(left, total, total - sum(len(todo) for _, _, todo in left))
+    skipped = sum(
+        1
+        for task, sample in items
+        for cell in cells
+        for q in sample.questions
+        if row_key(row_identity(task, sample.row_id(q), cell)) in done
+    )
+    return GridPlan(left, total, skipped, done)
 
 
 class RowWriter:
@@ -176,7 +258,7 @@ class RowWriter:
         self.on_row = on_row
         self.started = started
         self.stats = RunStats(skipped=plan.skipped)
-        self.written: set[tuple[str, str, str, str]] = set()
+        self.written: set[tuple] = set(plan.done)  # keys in the store: a sample rerun for a missing row skips these
         # Rows already done start the bar (initial=) instead of being counted as progress: a resumed run's rate and
         # ETA then come from the rows it really computes.
         self.bar = tqdm(
@@ -189,8 +271,11 @@ class RowWriter:
         )
 
     def write(self, row: dict) -> None:
+        key = row_key(row)
+        if key in self.written:
+            return
         self.store.append(row)
-        self.written.add(row_key(row))
+        self.written.add(key)
         self.stats.written += 1
         if self.on_row:
             self.on_row(row)
@@ -205,8 +290,7 @@ class RowWriter:
 def run_grid(
     engine: Engine,
     tasks: list[TaskSpec],
-    policies: list[Policy],
-    budgets: list[Budget],
+    cells: list[Cell],
     options: TaskOptions,
     store: ResultStore,
     *,
@@ -217,7 +301,7 @@ def run_grid(
 ) -> RunStats:
     """The local executor: every pending sample in order, in this process."""
     started = time.perf_counter()
-    plan = plan_grid(tasks, engine.tokenizer, policies, budgets, options, store, shard)
+    plan = plan_grid(tasks, engine.tokenizer, cells, options, store, shard)
     writer = RowWriter(store, plan, started=started, quiet=quiet, on_row=on_row)
     try:
         for task, sample, pending in plan.pending:

@@ -29,7 +29,7 @@ from pkvbench.budgets import Budget
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import load_model
 from pkvbench.policies import parse_policy
-from pkvbench.runner import run_sample
+from pkvbench.runner import Cell, run_sample
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 
@@ -50,7 +50,7 @@ def timed(fn):
 
 def grid_speed(engine: Engine, length: int) -> list[dict]:
     task, sample = needle_sample(engine, length)
-    configs = [(parse_policy(p), Budget.parse(b)) for p in POLICIES for b in BUDGETS]
+    configs = [Cell(parse_policy(p), Budget.parse(b)) for p in POLICIES for b in BUDGETS]
     shared, shared_s = timed(lambda: list(run_sample(engine, task, sample, configs)))
     alone, alone_s = timed(lambda: [r for c in configs for r in run_sample(engine, task, sample, [c])])
     same = [r["pred"] for r in shared] == [r["pred"] for r in alone]
@@ -177,7 +177,11 @@ def main(lengths, decode_length, out, skip_rss, rss_probe):
         task, sample = needle_sample(engine, lengths[0])
         policies = POLICIES if rss_probe == "grid" else ["pyramidkv"]
         budgets = BUDGETS if rss_probe == "grid" else ["128"]
-        list(run_sample(engine, task, sample, [(parse_policy(p), Budget.parse(b)) for p in policies for b in budgets]))
+        list(
+            run_sample(
+                engine, task, sample, [Cell(parse_policy(p), Budget.parse(b)) for p in policies for b in budgets]
+            )
+        )
         print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
         return
     rows = []

@@ -148,7 +148,10 @@ defaults: {{lengths: [300], depths: [50]}}
         (lambda t: t.replace("generator: needle", "generator: haystack"), "unknown generator 'haystack'"),
         (lambda t: t.replace("metric: rouge1", "metric: bleu"), "unknown metric 'bleu'"),
         (lambda t: t.replace("max_new_tokens: 8", "max_new_tokens: many"), "'max_new_tokens' must be int"),
-        (lambda t: t.replace("question: What is the code?\n", ""), "generator needle needs the key\\(s\\) question"),
+        (
+            lambda t: t.replace('needle: "The code is 42."\n', ""),
+            "generator needle needs the key\\(s\\) needle or needles",
+        ),
         (lambda t: t + "postprocess: [shout]\n", "unknown postprocess rule 'shout'"),
         (lambda t: "- a list\n", "expected a mapping"),
         (lambda t: "name: [unclosed\n", "not valid YAML"),

@@ -13,7 +13,7 @@ from pkvbench.budgets import Budget
 from pkvbench.cli import main
 from pkvbench.policies import parse_policy
 from pkvbench.results import read_rows
-from pkvbench.runner import run_sample
+from pkvbench.runner import Cell, RunSettings, run_sample
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 
@@ -60,13 +60,15 @@ def test_shared_prefill_equals_each_configuration_alone(engine, loaded):
     task = get_task("needle")
     sample = build_samples(task, loaded.tokenizer, TaskOptions(lengths=(800,), depths=(50,)))[0]
     configs = [
-        (parse_policy(p), Budget.parse(b))
+        Cell(parse_policy(p), Budget.parse(b), mode)
         for p in ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")
         for b in ("64", "0.1")
+        for mode in ("aware", "agnostic")
     ]
-    shared = list(run_sample(engine, task, sample, configs, max_new_tokens=12))
-    alone = [row for config in configs for row in run_sample(engine, task, sample, [config], max_new_tokens=12)]
-    assert len(shared) == len(alone) == 10
+    settings = RunSettings(max_new_tokens=12)
+    shared = list(run_sample(engine, task, sample, configs, settings))
+    alone = [row for config in configs for row in run_sample(engine, task, sample, [config], settings)]
+    assert len(shared) == len(alone) == 20
     for together, single in zip(shared, alone):
         assert {c: together[c] for c in OUTCOME} == {c: single[c] for c in OUTCOME}, together["policy"]
     assert len({r["pred"] for r in shared if r["policy"] != "full"}) > 1  # the policies really differ

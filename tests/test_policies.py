@@ -145,3 +145,85 @@ def test_labels_and_options():
 def test_bad_policy_specs(spec):
     with pytest.raises(PkvError):
         parse_policy(spec)
+
+
+# --- the field's policies (issue 19) --------------------------------------------------------------------------------
+
+
+def entry_stats(keys, values=None, windows=None, query_heads=None, weight=None, layer=0):
+    heads, length, _ = keys.shape
+    return LayerStats(
+        context_len=length,
+        num_kv_heads=heads,
+        num_query_heads=query_heads or heads,
+        layer=layer,
+        window_scores=windows or {},
+        keys=keys,
+        values=values if values is not None else keys,
+        output_weight=weight,
+    )
+
+
+def test_knorm_keeps_the_smallest_keys():
+    norms = torch.tensor([[5.0, 1.0, 3.0, 0.5, 4.0], [1.0, 2.0, 3.0, 4.0, 5.0]])
+    keys = torch.zeros(2, 5, 2)
+    keys[..., 0] = norms
+    assert rows(parse_policy("knorm").select(entry_stats(keys), 2)) == [[1, 3], [0, 1]]
+
+
+def test_keydiff_keeps_the_keys_least_like_the_mean_direction():
+    keys = torch.tensor([[[1.0, 0.0], [1.0, 0.1], [0.9, 0.0], [0.0, 1.0], [-1.0, 0.2]]])
+    assert rows(parse_policy("keydiff").select(entry_stats(keys), 2)) == [[3, 4]]
+
+
+def test_tova_uses_the_last_querys_attention_averaged_over_all_heads():
+    last = torch.tensor(
+        [[0.5, 0.1, 0.2, 0.1, 0.1], [0.0, 0.5, 0.2, 0.1, 0.1], [0.1, 0.1, 0.6, 0.1, 0.1], [0.3, 0.1, 0.1, 0.4, 0.1]]
+    )  # 4 query heads, 2 KV heads
+    stats = entry_stats(torch.zeros(2, 5, 2), windows={1: last}, query_heads=4)
+    kept = rows(parse_policy("tova").select(stats, 3))
+    assert kept == [[0, 2, 4], [0, 2, 4]]  # mean over all heads: 0.225, 0.2, 0.275, 0.175 (+ the last kept)
+
+
+def test_random_is_seeded_by_seed_and_layer():
+    keys = torch.zeros(3, 40, 2)
+    first = parse_policy("random").select(entry_stats(keys, layer=0), 10)
+    assert torch.equal(first, parse_policy("random").select(entry_stats(keys, layer=0), 10))
+    assert not torch.equal(first, parse_policy("random").select(entry_stats(keys, layer=1), 10))
+    assert not torch.equal(first, parse_policy("random:seed=1").select(entry_stats(keys, layer=0), 10))
+
+
+def test_adakv_gives_spread_heads_the_room_concentrated_heads_do_not_need():
+    # KV head 0 puts all its attention on 2 positions, head 1 spreads it; no window, no pooling.
+    window = torch.zeros(2, 12)
+    window[0, [2, 7]] = 5.0
+    window[1, :] = torch.linspace(1.0, 2.0, 12)
+    stats = entry_stats(torch.zeros(2, 12, 2), windows={1: window})
+    inner = "snapkv:window=1:pooling=none"
+    kept = parse_policy(f"adakv({inner}):alpha=0").select(stats, 4)  # 8 entries for the layer
+    assert kept.dtype == torch.bool and int(kept.sum()) == 8
+    assert kept[0].nonzero().flatten().tolist() == [2, 7, 11] and int(kept[1].sum()) == 5
+    floored = parse_policy(f"adakv({inner}):alpha=1").select(stats, 4)  # floor = k: every head keeps k
+    assert floored.sum(dim=1).tolist() == [4, 4]
+
+
+def test_criticalkv_fills_half_of_each_heads_budget_by_value_norm():
+    window = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.5, 0.4, 0.3, 0.2]])
+    values = torch.zeros(1, 8, 2)
+    values[0, 6] = 100.0  # a low-scoring entry whose value moves the output most
+    weight = torch.eye(2)
+    stats = entry_stats(torch.zeros(1, 8, 2), values=values, windows={1: window}, weight=weight)
+    plain = parse_policy("adakv(snapkv:window=1:pooling=none):alpha=0").select(stats, 4)
+    critical = parse_policy("adakv(snapkv:window=1:pooling=none):alpha=0:critical=true").select(stats, 4)
+    assert plain[0].nonzero().flatten().tolist() == [0, 1, 2, 7]
+    assert critical[0].nonzero().flatten().tolist() == [0, 1, 6, 7]  # top half by score; then by value norm
+
+
+def test_chunkkv_keeps_whole_chunks_the_same_in_every_head():
+    window = torch.zeros(4, 30)  # 2 KV heads × 2 query heads; chunks of 5
+    window[:, 10:15] = 1.0
+    window[0, 21] = 3.0  # one strong position: its chunk's mean (0.3) stays below chunk 10-14's (2.0)
+    stats = entry_stats(torch.zeros(2, 30, 2), windows={1: window}, query_heads=4)
+    kept = parse_policy("chunkkv(snapkv:window=1:pooling=none):chunk_length=5").select(stats, 11)
+    # The chunk holding the window (position 29) first, then the best chunk; a third does not fit in 11.
+    assert rows(kept) == [[10, 11, 12, 13, 14, 25, 26, 27, 28, 29]] * 2

@@ -22,36 +22,55 @@ def stats_for(policy, seed: int = 0) -> LayerStats:
     return LayerStats(
         context_len=LENGTH,
         num_kv_heads=KV_HEADS,
+        num_query_heads=QUERY_HEADS,
+        layer=3,
         window_scores={w: torch.rand(QUERY_HEADS, LENGTH, generator=gen) for w in needs.windows},
         accumulated=torch.rand(QUERY_HEADS, LENGTH, generator=gen) if needs.accumulated else None,
+        bidirectional={w: torch.rand(QUERY_HEADS, LENGTH, generator=gen) for w in needs.bidirectional},
         keys=torch.randn(KV_HEADS, LENGTH, HEAD_DIM, generator=gen),
         values=torch.randn(KV_HEADS, LENGTH, HEAD_DIM, generator=gen),
+        output_weight=torch.randn(QUERY_HEADS * HEAD_DIM, QUERY_HEADS * HEAD_DIM, generator=gen),
     )
+
+
+def instances(name: str) -> list:
+    """The policy with its defaults; a wrapper around every plain scoring policy."""
+    cls = registry()[name]
+    if not getattr(cls, "wraps", False):
+        return [cls()]
+    inner = [c() for c in registry().values() if issubclass(c, ScoringPolicy)]
+    return [cls(inner=policy) for policy in inner] + [parse_policy(f"{name}(pyramidkv)")]
 
 
 @pytest.mark.parametrize("name", policy_order())
 def test_every_registered_policy_keeps_what_its_budgets_say(name):
-    policy = registry()[name]()
-    assert policy.summary and parse_policy(policy.label) == policy
-    stats = stats_for(policy)
-    for k in sorted({policy.min_budget, 10, 25, LENGTH - 1, LENGTH, LENGTH + 7}):
-        for layer_k in policy.layer_budgets(k, LENGTH, LAYERS):
-            kept = policy.select(stats, layer_k)
-            assert kept.shape == (KV_HEADS, min(layer_k, LENGTH)), (name, k, layer_k)
-            assert kept.dtype == torch.long
-            assert bool((kept[:, 1:] > kept[:, :-1]).all()), "sorted, each position once"
-            assert int(kept.min()) >= 0 and int(kept.max()) < LENGTH
-            if layer_k >= LENGTH:
-                assert kept.tolist() == [list(range(LENGTH))] * KV_HEADS
-            if isinstance(policy, ScoringPolicy) and layer_k < LENGTH:
-                recent = range(LENGTH - min(policy.keeps_recent, layer_k), LENGTH)
-                assert all(set(recent) <= set(row) for row in kept.tolist()), "the recent window is kept"
-            assert torch.equal(kept, policy.select(stats, layer_k)), "deterministic"
+    for policy in instances(name):
+        assert policy.summary and parse_policy(policy.label) == policy
+        stats = stats_for(policy)
+        recent = getattr(policy, "keeps_recent", 0) or getattr(getattr(policy, "inner", None), "keeps_recent", 0)
+        for k in sorted({policy.min_budget, 10, 25, LENGTH - 1, LENGTH, LENGTH + 7}):
+            for layer_k in policy.layer_budgets(k, LENGTH, LAYERS):
+                kept = policy.select(stats, layer_k)
+                rows = kept.tolist() if kept.dtype == torch.long else [row.nonzero().flatten().tolist() for row in kept]
+                if kept.dtype == torch.bool:  # heads keep different numbers: the layer's total is what is fixed
+                    assert kept.shape == (KV_HEADS, LENGTH) and int(kept.sum()) == KV_HEADS * min(layer_k, LENGTH)
+                elif getattr(policy, "exact_count", True):
+                    assert kept.shape == (KV_HEADS, min(layer_k, LENGTH)), (policy.label, k, layer_k)
+                else:  # whole units (ChunkKV's chunks): never more than the budget
+                    assert kept.shape[0] == KV_HEADS and 0 < kept.shape[1] <= min(layer_k, LENGTH)
+                for row in rows:
+                    assert row == sorted(set(row)) and all(0 <= p < LENGTH for p in row), "sorted, each position once"
+                if layer_k >= LENGTH:
+                    assert rows == [list(range(LENGTH))] * KV_HEADS
+                elif recent:
+                    window = set(range(LENGTH - min(recent, layer_k), LENGTH))
+                    assert all(window <= set(row) for row in rows), "the recent window is kept"
+                assert torch.equal(kept, policy.select(stats, layer_k)), "deterministic"
 
 
 @pytest.mark.parametrize("name", policy_order())
 def test_budgets_never_fall_below_the_policys_floor(name):
-    policy = registry()[name]()
+    policy = instances(name)[0]
     for k in (policy.min_budget, 64):
         per_layer = policy.layer_budgets(k, 1000, LAYERS)
         assert len(per_layer) == LAYERS and min(per_layer) >= min(policy.min_budget, 1000)

@@ -19,9 +19,9 @@ def test_append_resume_and_summary(tmp_path):
     again = ResultStore(tmp_path / "run")
     again.open({"options": {"a": 1}})
     assert again.done_keys() == {
-        ("needle", "s1", "snapkv", "128"),
-        ("needle", "s2", "snapkv", "128"),
-        ("needle", "s1", "full", "0.12"),
+        ("needle", "s1", "snapkv", "128", "aware"),
+        ("needle", "s2", "snapkv", "128", "aware"),
+        ("needle", "s1", "full", "0.12", "aware"),
     }
     table = again.write_summary()
     assert table.to_dict("records") == [

@@ -121,13 +121,15 @@ def bidirectional_attention_sums(
 
 
 class StatsRecorder:
-    """Collects ``LayerStats`` for every layer during one prefill."""
+    """Collects ``LayerStats`` for every layer during one prefill: of the whole prompt, or of its first c tokens for
+    each c in ``cuts`` (the prompt is causal: the first c queries and keys are those of a prefill of c tokens)."""
 
-    def __init__(self, needs: Needs):
+    def __init__(self, needs: Needs, cuts: tuple[int, ...] = ()):
         self.windows = set(needs.windows)
         self.accumulated = needs.accumulated
         self.bidirectional = set(needs.bidirectional)
-        self.layers: dict[int, LayerStats] = {}
+        self.cuts = cuts
+        self.layers: dict[tuple[int, int], LayerStats] = {}  # (cut, layer) → statistics
 
     @property
     def needed(self) -> bool:
@@ -135,14 +137,15 @@ class StatsRecorder:
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         # Batch size is 1 in the engine; statistics drop that axis.
-        q, k = query[0], key[0]
-        self.layers[layer_idx] = LayerStats(
-            context_len=k.shape[1],
-            num_kv_heads=k.shape[0],
-            window_scores=window_attention_sums(q, k, scaling, self.windows) if self.windows else {},
-            accumulated=accumulated_attention(q, k, scaling) if self.accumulated else None,
-            bidirectional={w: bidirectional_attention_sums(q, k, scaling, w) for w in self.bidirectional},
-        )
+        for cut in self.cuts or (key.shape[2],):
+            q, k = query[0, :, :cut], key[0, :, :cut]
+            self.layers[cut, layer_idx] = LayerStats(
+                context_len=cut,
+                num_kv_heads=k.shape[0],
+                window_scores=window_attention_sums(q, k, scaling, self.windows) if self.windows else {},
+                accumulated=accumulated_attention(q, k, scaling) if self.accumulated else None,
+                bidirectional={w: bidirectional_attention_sums(q, k, scaling, w) for w in self.bidirectional},
+            )
 
 
 @contextlib.contextmanager

@@ -24,12 +24,18 @@ from pkvbench.policies.base import LayerStats, Needs, Policy
 
 @dataclass
 class Prefill:
-    """The full cache and statistics of one prompt, shared by every policy × budget run on it."""
+    """The full cache and statistics of one prompt, shared by every policy × budget (× query mode) run on it.
+
+    ``stats_at[c]`` are the statistics of the prompt's first c tokens alone (each layer's): those of the whole prompt
+    (c = T) for the question inside the compressed prompt, those of the context (c = where it ends) for a question
+    that comes after compression. Attention is causal, so the first c tokens' queries and keys — and statistics —
+    are exactly what a prefill of those tokens alone would give.
+    """
 
     input_ids: torch.Tensor  # [1, T]
     keys: list[torch.Tensor]  # per layer [1, Hkv, T, D]
     values: list[torch.Tensor]
-    stats: list[LayerStats]
+    stats_at: dict[int, list[LayerStats]]
     last_logits: torch.Tensor  # [vocab] after the prompt: the prefill saw the full cache, so it is the same for all
     seconds: float
 
@@ -38,8 +44,24 @@ class Prefill:
         return self.input_ids.shape[1]
 
     @property
+    def stats(self) -> list[LayerStats]:
+        """The whole prompt's statistics."""
+        return self.stats_at[self.context_len]
+
+    @property
     def first_token(self) -> int:
         return int(self.last_logits.argmax())
+
+
+def ragged_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A keep mask ``[heads, T]`` → (each head's kept positions in order, padded to the fullest head by repeating its
+    last position, ``[heads, n]``; each head's count, ``[heads]``)."""
+    length = mask.shape[1]
+    counts = mask.sum(dim=1)
+    positions = torch.where(mask, torch.arange(length, device=mask.device), length).sort(dim=1).values
+    positions = positions[:, : int(counts.max())]
+    last = positions.gather(1, (counts - 1).clamp(min=0)[:, None]).clamp(max=length - 1)  # a head may keep none
+    return torch.where(positions < length, positions, last), counts
 
 
 @dataclass
@@ -74,6 +96,7 @@ class Engine:
         forward_params = inspect.signature(self.model.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
         self.stop_ids = self._stop_ids()
+        self.output_weights = [layer.self_attn.o_proj.weight for layer in self.model.model.layers]
         self.decoder = BatchDecoder(
             self._forward, self.tokenizer, self.stop_ids, loaded.num_kv_heads, self.device, self._sync
         )
@@ -98,30 +121,36 @@ class Engine:
         return out.logits[:, -1]
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, policies: list[Policy]) -> Prefill:
-        """One forward pass over the prompt with the full cache, recording what ``policies`` need."""
+    def prefill(self, input_ids: torch.Tensor, policies: list[Policy], cuts: tuple[int, ...] = ()) -> Prefill:
+        """One forward pass over the prompt with the full cache, recording what ``policies`` need of the whole
+        prompt, or of its first c tokens for each c in ``cuts``."""
         from transformers import DynamicCache
 
         input_ids = input_ids.to(self.device)
-        length = input_ids.shape[1]
-        recorder = StatsRecorder(Needs.union(p.needs for p in policies))
+        cuts = tuple(sorted(set(cuts))) or (input_ids.shape[1],)
+        recorder = StatsRecorder(Needs.union(p.needs for p in policies), cuts)
         cache = DynamicCache()
         logits, seconds = self.recorded_forward(input_ids, recorder, cache)
         layers = [cache.layers[i] for i in range(self.loaded.num_layers)]
-        stats = [
-            dataclasses.replace(
-                recorder.layers.get(i, LayerStats(context_len=length, num_kv_heads=self.loaded.num_kv_heads)),
-                num_query_heads=self.loaded.num_query_heads,
-                keys=layer.keys[0],
-                values=layer.values[0],
-            )
-            for i, layer in enumerate(layers)
-        ]
+        stats_at = {
+            cut: [
+                dataclasses.replace(
+                    recorder.layers.get((cut, i), LayerStats(context_len=cut, num_kv_heads=self.loaded.num_kv_heads)),
+                    num_query_heads=self.loaded.num_query_heads,
+                    layer=i,
+                    keys=layer.keys[0, :, :cut],
+                    values=layer.values[0, :, :cut],
+                    output_weight=self.output_weights[i],
+                )
+                for i, layer in enumerate(layers)
+            ]
+            for cut in cuts
+        }
         return Prefill(
             input_ids=input_ids,
             keys=[layer.keys for layer in layers],
             values=[layer.values for layer in layers],
-            stats=stats,
+            stats_at=stats_at,
             last_logits=logits,
             seconds=seconds,
         )
@@ -141,30 +170,41 @@ class Engine:
         self._sync()
         return logits, time.perf_counter() - started
 
-    def compress(self, prefill: Prefill, policy: Policy, budget: budgets.Budget) -> CompressedCache:
-        """Gather the entries ``policy`` keeps at ``budget`` from the full cache (no second forward pass)."""
-        plan = budgets.plan(policy, budget, prefill.context_len, self.loaded.num_layers)
-        full_keys = [k[0] for k in prefill.keys]
-        full_values = [v[0] for v in prefill.values]
+    def compress(
+        self, prefill: Prefill, policy: Policy, budget: budgets.Budget, cut: int | None = None
+    ) -> CompressedCache:
+        """Gather the entries ``policy`` keeps at ``budget`` from the full cache (no second forward pass): of the
+        whole prompt, or of its first ``cut`` tokens (the context, when the question comes after compression)."""
+        length = cut or prefill.context_len
+        stats = prefill.stats_at[length]
+        plan = budgets.plan(policy, budget, length, self.loaded.num_layers)
+        full_keys = [k[0, :, :length] for k in prefill.keys]
+        full_values = [v[0, :, :length] for v in prefill.values]
         # One kept set per KV head, or (the reference's gqa=query) one per query head, from keys and values repeated
         # to every query head of their group as transformers' repeat_kv does.
-        group = policy.cache_heads(prefill.stats[0]) // self.loaded.num_kv_heads
+        group = policy.cache_heads(stats[0]) // self.loaded.num_kv_heads
         if group > 1:
             full_keys = [k.repeat_interleave(group, dim=0) for k in full_keys]
             full_values = [v.repeat_interleave(group, dim=0) for v in full_values]
         if not plan.compressed:
             return CompressedCache(KeptEntries(full_keys, full_values), plan)
         keys, values = [], []
+        lengths: list[torch.Tensor | None] = [None] * len(plan.per_layer)
         for layer, k in enumerate(plan.per_layer):
-            if k >= prefill.context_len:
+            if k >= length:
                 keys.append(full_keys[layer])
                 values.append(full_values[layer])
                 continue
-            kept = policy.select(prefill.stats[layer], k).to(self.device)
+            kept = policy.select(stats[layer], k).to(self.device)
+            if kept.dtype == torch.bool:  # heads keep different numbers of entries: stored padded, counted apart
+                kept, lengths[layer] = ragged_positions(kept)
             index = kept[:, :, None].expand(-1, -1, full_keys[layer].shape[-1])
             keys.append(full_keys[layer].gather(1, index))
             values.append(full_values[layer].gather(1, index))
-        return CompressedCache(KeptEntries(keys, values), plan)
+        if not any(n is not None for n in lengths):
+            return CompressedCache(KeptEntries(keys, values), plan)
+        filled = [n if n is not None else torch.full((k.shape[0],), k.shape[1]) for n, k in zip(lengths, keys)]
+        return CompressedCache(KeptEntries(keys, values, filled), plan)
 
     def request(
         self,
@@ -173,16 +213,20 @@ class Engine:
         max_new_tokens: int,
         stop_strings: tuple[str, ...] = (),
         min_new_tokens: int = 0,
+        question: list[int] | None = None,
     ) -> DecodeRequest:
-        """Decode ``cache`` after the prefilled prompt (the question is part of the compressed prompt)."""
-        return DecodeRequest(
-            kept=cache.kept,
-            position=prefill.context_len,
-            max_new_tokens=max_new_tokens,
-            first_logits=prefill.last_logits,
-            stop_strings=tuple(stop_strings),
-            min_new_tokens=min_new_tokens,
-        )
+        """Decode ``cache``: after the prefilled prompt (the question was part of the compressed prompt), or, with
+        ``question``, after feeding the question's tokens on top of the compressed context (the cache's first
+        ``cache.plan.context_len`` prompt tokens) at their original positions; they are never compressed."""
+        common = {
+            "kept": cache.kept,
+            "max_new_tokens": max_new_tokens,
+            "stop_strings": tuple(stop_strings),
+            "min_new_tokens": min_new_tokens,
+        }
+        if question is None:
+            return DecodeRequest(position=prefill.context_len, first_logits=prefill.last_logits, **common)
+        return DecodeRequest(position=cache.plan.context_len, feed=tuple(question), **common)
 
     def decode_many(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:
         """Greedy decoding of every request, in batches of up to ``max_rows`` (``decoding.plan_batches``)."""

@@ -66,11 +66,14 @@ class LayerStats:
     context_len: int
     num_kv_heads: int
     num_query_heads: int | None = None  # None: as many as KV heads
+    layer: int = 0
     window_scores: dict[int, torch.Tensor] = field(default_factory=dict)
     accumulated: torch.Tensor | None = None
     bidirectional: dict[int, torch.Tensor] = field(default_factory=dict)
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    # The layer's output projection weight ``[hidden, num_query_heads * head_dim]`` (value-norm-weighted scores)
+    output_weight: torch.Tensor | None = None
 
     @property
     def query_heads(self) -> int:

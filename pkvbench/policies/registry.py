@@ -27,6 +27,12 @@ BUILTIN: dict[str, str] = {
     "h2o": "pkvbench.policies.h2o:H2O",
     "snapkv": "pkvbench.policies.snapkv:SnapKV",
     "pyramidkv": "pkvbench.policies.pyramidkv:PyramidKV",
+    "random": "pkvbench.policies.random:Random",
+    "knorm": "pkvbench.policies.knorm:Knorm",
+    "keydiff": "pkvbench.policies.keydiff:KeyDiff",
+    "tova": "pkvbench.policies.tova:TOVA",
+    "adakv": "pkvbench.policies.adakv:AdaKV",
+    "chunkkv": "pkvbench.policies.chunkkv:ChunkKV",
 }
 
 

@@ -34,6 +34,26 @@ def _coerce(policy: str, option: str, kind: type, text: str) -> object:
 PROTOCOLS = ("exact", "reference")
 
 
+def split_spec(spec: str) -> tuple[str, str | None, list[str]]:
+    """``snapkv:window=32`` → (snapkv, None, [window=32]); ``adakv(snapkv:window=32):alpha=0.3`` → (adakv,
+    snapkv:window=32, [alpha=0.3])."""
+    spec = spec.strip()
+    opening = spec.find("(")
+    if opening < 0 or (":" in spec and spec.index(":") < opening):
+        name, *own = [part.strip() for part in spec.split(":")]
+        return name, None, own
+    depth = 0
+    for position in range(opening, len(spec)):
+        depth += {"(": 1, ")": -1}.get(spec[position], 0)
+        if depth == 0:
+            break
+    rest = spec[position + 1 :].strip()
+    if depth or (rest and not rest.startswith(":")):
+        raise PkvError(f"policy {spec!r}: write a wrapper as name(inner), options after it: adakv(snapkv):alpha=0.3")
+    own = [part.strip() for part in rest[1:].split(":")] if rest else []
+    return spec[:opening].strip(), spec[opening + 1 : position].strip(), own
+
+
 def parse_policy(spec: str, shared_options: dict[str, str] | None = None, protocol: str = "exact") -> Policy:
     """Build a policy from ``name[:opt=value...]``.
 
@@ -44,11 +64,18 @@ def parse_policy(spec: str, shared_options: dict[str, str] | None = None, protoc
     if protocol not in PROTOCOLS:
         raise PkvError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
     policies = registry()
-    name, *own = [part.strip() for part in spec.strip().split(":")]
+    name, inner_spec, own = split_spec(spec)
     if name not in policies:
         raise PkvError(f"unknown policy {name!r}; valid policies: {', '.join(policies)}")
     cls = policies[name]
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    wraps = getattr(cls, "wraps", False)
+    if wraps != (inner_spec is not None):
+        raise PkvError(
+            f"policy {name} wraps another: write {name}(snapkv)"
+            if wraps
+            else f"policy {name} does not wrap another policy: {spec!r}"
+        )
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "inner"}
     own_options = parse_option_pairs(own)
     for option in own_options:
         if option not in fields:
@@ -58,6 +85,8 @@ def parse_policy(spec: str, shared_options: dict[str, str] | None = None, protoc
     kwargs = {k: _coerce(name, k, type(fields[k].default), v) for k, v in merged.items()}
     if protocol == "reference":
         kwargs = {**cls.reference_options, **kwargs}
+    if wraps:
+        kwargs["inner"] = parse_policy(inner_spec, shared_options, protocol)
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:

@@ -9,16 +9,67 @@ from pkvbench.errors import PkvError
 
 
 @dataclass(frozen=True)
+class Question:
+    """One question about a sample's context: the tokens that follow the context (the question, the rest of the
+    instruction, the chat template's closing tokens, an answer prefix) and what scores the answer."""
+
+    ids: list[int]
+    answers: list[str]
+    question_id: str = ""  # "" for a sample's only question; otherwise part of its rows' sample_id
+    extras: dict[str, Any] = field(default_factory=dict)  # result columns of this question (e.g. its needle's depth)
+
+
+@dataclass(frozen=True)
 class Sample:
-    """One prompt, tokenized, with what scoring needs."""
+    """One context, tokenized, with the questions asked about it and what scoring needs.
+
+    The prompt of question q is ``context_ids + q.ids``: with the question inside the compressed prompt (query-aware,
+    the paper's protocol) all of it is prefilled and compressed; query-agnostic, only the context is, and the
+    question's tokens go on top of the compressed cache. Most tasks ask one question per context.
+    """
 
     sample_id: str
-    input_ids: list[int]
-    answers: list[str]
+    context_ids: list[int]
+    questions: tuple[Question, ...]
     extras: dict[str, Any] = field(default_factory=dict)  # task-specific result columns (length, depth)
-    meta: dict[str, Any] = field(
-        default_factory=dict
-    )  # what scoring needs besides the answers (all_classes); not written
+    meta: dict[str, Any] = field(default_factory=dict)  # what scoring needs besides the answers (all_classes)
+
+    @classmethod
+    def one_question(
+        cls,
+        sample_id: str,
+        input_ids: list[int],
+        context_len: int,
+        answers: list[str],
+        extras: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Sample:
+        """A prompt whose first ``context_len`` tokens are the context and the rest its one question."""
+        if not 0 < context_len <= len(input_ids):
+            raise PkvError(f"sample {sample_id}: no context/question split ({context_len} of {len(input_ids)} tokens)")
+        return cls(
+            sample_id,
+            list(input_ids[:context_len]),
+            (Question(list(input_ids[context_len:]), answers),),
+            extras or {},
+            meta or {},
+        )
+
+    def prompt(self, question: Question) -> list[int]:
+        return self.context_ids + question.ids
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The prompt of the first question."""
+        return self.prompt(self.questions[0])
+
+    @property
+    def answers(self) -> list[str]:
+        return self.questions[0].answers
+
+    def row_id(self, question: Question) -> str:
+        """A row's ``sample_id``: the sample's own, or ``<sample>/<question>`` when it asks several."""
+        return f"{self.sample_id}/{question.question_id}" if question.question_id else self.sample_id
 
 
 @dataclass(frozen=True)
@@ -69,6 +120,53 @@ class TaskSpec:
 
 def chat_prompt_ids(tokenizer, system: str | None, user: str) -> list[int]:
     """Token ids of a one-turn chat prompt, ready for the assistant's answer."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return chat_ids(tokenizer, chat_messages(system, [user]))
+
+
+def chat_messages(system: str | None, turns: list[str]) -> list[dict[str, str]]:
+    """Chat messages: an optional system prompt, then turns alternating user, assistant, …, user."""
+    roles = ("user", "assistant")
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": roles[i % 2], "content": turn} for i, turn in enumerate(turns)
+    ]
+
+
+def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     return list(encoded["input_ids"])
+
+
+def format_at_context(template: str, **fields: Any) -> tuple[str, int]:
+    """``template.format(**fields)`` and where, in the result, its ``{context}`` ends (what follows is the question)."""
+    end = template.index("{context}") + len("{context}")
+    head = template[:end].format(**fields)
+    return head + template[end:].format(**fields), len(head)
+
+
+# Marks the context's end in a rendered chat prompt; an invisible separator that no chat template alters.
+_CONTEXT_END = "\u2063"
+
+
+def _shared_prefix(first: list[int], second: list[int]) -> int:
+    count = 0
+    for a, b in zip(first, second):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
+def context_length(
+    tokenizer, ids: list[int], messages: list[dict[str, str]] | None, text: str | None, context_end: int
+) -> int:
+    """How many of a prompt's ``ids`` are its context: the tokens of the prompt cut where the last message's
+    content (``messages``, a chat prompt) or ``text`` (a plain prompt) reaches ``context_end``, as far as they agree
+    with ``ids`` (a token that straddles the cut belongs to the question)."""
+    if messages is not None:
+        last = messages[-1]["content"]
+        marked = [*messages[:-1], {**messages[-1], "content": last[:context_end] + _CONTEXT_END + last[context_end:]}]
+        rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+        head = list(tokenizer(rendered[: rendered.index(_CONTEXT_END)], add_special_tokens=False)["input_ids"])
+    else:
+        head = list(tokenizer(text[:context_end])["input_ids"])
+    return _shared_prefix(ids, head)

@@ -18,7 +18,7 @@ from typing import Any
 
 from pkvbench.errors import PkvError, first_line
 from pkvbench.io import read_json_lines
-from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec, chat_prompt_ids
+from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec, chat_messages, chat_prompt_ids, context_length
 from pkvbench.tasks.files import file_sha256
 
 HUB_REPOS = ("zai-org/LongBench", "THUDM/LongBench")  # the second is the old name of the first
@@ -156,6 +156,23 @@ def prompt_ids(tokenizer, spec: TaskSpec, prompt: str) -> list[int]:
     return list(tokenizer(prompt, truncation=False)["input_ids"])
 
 
+def question_text(spec: TaskSpec, row: dict[str, Any]) -> str:
+    """What the official template puts after the context: the question and the answer instruction, or for the
+    datasets without a per-sample question (gov_report, multi_news, vcsum, passage_count, lcc) only the instruction."""
+    template = spec.config["prompt"]
+    return template[template.index("{context}") + len("{context}") :].format(**row)
+
+
+def split_ids(tokenizer, spec: TaskSpec, prompt: str, question: str) -> tuple[list[int], int]:
+    """The prompt's ids and how many are context. Middle truncation keeps the prompt's end, so the question is
+    whole at its end unless it alone is longer than half the max length; then the context ends where the kept
+    tail starts (what could be kept of the context), and the rest counts as question."""
+    ids = prompt_ids(tokenizer, spec, prompt)
+    context_end = len(prompt) - len(question) if prompt.endswith(question) else len(prompt) // 2
+    messages = chat_messages(None, [prompt]) if spec.chat_template else None
+    return ids, context_length(tokenizer, ids, messages, None if messages else prompt, context_end)
+
+
 def model_context_window(tokenizer) -> int | None:
     """The model's maximum positions, from the config beside its tokenizer (or the tokenizer's own limit)."""
     path = getattr(tokenizer, "name_or_path", None)
@@ -196,11 +213,13 @@ def longbench_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[S
     samples = []
     for row in rows:
         prompt, untruncated = truncate_middle(tokenizer, format_prompt(spec, row), max_length)
+        ids, context_len = split_ids(tokenizer, spec, prompt, question_text(spec, row))
         samples.append(
-            Sample(
-                sample_id=str(row["_id"]),
-                input_ids=prompt_ids(tokenizer, spec, prompt),
-                answers=[a for a in row["answers"] if isinstance(a, str)],
+            Sample.one_question(
+                str(row["_id"]),
+                ids,
+                context_len,
+                [a for a in row["answers"] if isinstance(a, str)],
                 extras={
                     "length": row.get("length"),
                     "untruncated_tokens": untruncated,

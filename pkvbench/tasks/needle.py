@@ -8,11 +8,21 @@ trimmed so that the prompt fits, and the needle is inserted at the last sentence
 from __future__ import annotations
 
 import importlib.metadata
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from pkvbench.errors import PkvError
-from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec, chat_prompt_ids
+from pkvbench.tasks.base import (
+    Question,
+    Sample,
+    TaskOptions,
+    TaskSpec,
+    chat_ids,
+    chat_messages,
+    context_length,
+    format_at_context,
+)
 
 
 @cache
@@ -35,60 +45,119 @@ def insert_at_sentence_end(text: str, needle: str, position: int) -> str:
     return text[:cut] + needle + text[cut:]
 
 
-def needle_prompt(tokenizer, spec: TaskSpec, haystack_ids: list[int], length: int, depth: float) -> list[int]:
-    config = spec.config
+@dataclass(frozen=True)
+class Needle:
+    text: str  # the sentence hidden in the haystack
+    question: str  # what the prompt asks about it
+    answer: str  # what the score compares the prediction with
 
-    def build(context_tokens: int) -> list[int]:
-        context = tokenizer.decode(haystack_ids[:context_tokens])
-        position = len(tokenizer.decode(haystack_ids[: round(context_tokens * depth / 100)]))
-        context = insert_at_sentence_end(context, config["needle"], position)
-        user = config["prompt"].format(context=context, question=config["question"])
-        if spec.chat_template:
-            return chat_prompt_ids(tokenizer, config.get("system"), user)
-        return list(tokenizer(user)["input_ids"])
 
-    if config.get("fit") == "context":
-        # The reference needle script's sizing: the haystack is cut to `length` tokens less a buffer (200), the
-        # needle inserted, and the prompt is whatever that makes.
-        return build(
-            max(
-                0,
-                length
-                - int(config.get("buffer", 0))
-                - len(tokenizer(config["needle"], add_special_tokens=False)["input_ids"]),
-            )
+def needles_of(config: dict) -> list[Needle]:
+    """The task's needles: one (``needle``, ``question``, ``answer``) or a list under ``needles``."""
+    entries = config.get("needles") or [config]
+    return [Needle(e["needle"], e["question"], e.get("answer", e["needle"]).strip()) for e in entries]
+
+
+class NeedlePrompts:
+    """Prompts of one task: a haystack cut to size, needles inserted at depths, one question asked."""
+
+    def __init__(self, tokenizer, spec: TaskSpec, haystack_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.haystack_ids = haystack_ids
+
+    def context(self, context_tokens: int, placed: list[tuple[Needle, float]]) -> str:
+        text = self.tokenizer.decode(self.haystack_ids[:context_tokens])
+        positions = [
+            (len(self.tokenizer.decode(self.haystack_ids[: round(context_tokens * depth / 100)])), needle)
+            for needle, depth in placed
+        ]
+        for position, needle in sorted(positions, key=lambda item: -item[0]):  # deepest first: no shifts
+            text = insert_at_sentence_end(text, needle.text, position)
+        return text
+
+    def prompt(self, context: str, question: str) -> tuple[list[int], int]:
+        """The prompt's ids and how many of them are the context."""
+        config = self.spec.config
+        user, context_end = format_at_context(config["prompt"], context=context, question=question)
+        if self.spec.chat_template:
+            messages = chat_messages(config.get("system"), [user])
+            ids = chat_ids(self.tokenizer, messages)
+            return ids, context_length(self.tokenizer, ids, messages, None, context_end)
+        ids = list(self.tokenizer(user)["input_ids"])
+        return ids, context_length(self.tokenizer, ids, None, user, context_end)
+
+    def context_size(self, length: int, placed: list[tuple[Needle, float]]) -> int:
+        """Haystack tokens that make the first question's prompt ``length`` tokens long (or the reference needle
+        script's sizing: ``length`` less a buffer, needles included, whatever the prompt comes to)."""
+        config = self.spec.config
+        if config.get("fit") == "context":
+            needle_tokens = sum(len(self.tokenizer(n.text, add_special_tokens=False)["input_ids"]) for n, _ in placed)
+            return max(0, length - int(config.get("buffer", 0)) - needle_tokens)
+
+        def prompt_tokens(context_tokens: int) -> int:
+            return len(self.prompt(self.context(context_tokens, placed), placed[0][0].question)[0])
+
+        # The prompt is not exactly context + overhead tokens (merges at the seams), so correct the context size
+        # until the prompt length is right, or as close as token merges allow.
+        context_tokens = max(0, length - prompt_tokens(0))
+        for _ in range(4):
+            size = prompt_tokens(context_tokens)
+            if size == length or context_tokens == 0:
+                break
+            context_tokens = max(0, context_tokens + length - size)
+        return context_tokens
+
+    def sample(self, sample_id: str, length: int, placed: list[tuple[Needle, float]], extras: dict) -> Sample:
+        context = self.context(self.context_size(length, placed), placed)
+        prompts = [self.prompt(context, needle.question) for needle, _ in placed]
+        context_len = min(split for _, split in prompts)
+        context_ids = prompts[0][0][:context_len]
+        if any(ids[:context_len] != context_ids for ids, _ in prompts):
+            raise PkvError(f"{self.spec.name} {sample_id}: the questions do not share the context's tokens")
+        if len(placed) == 1:
+            return Sample.one_question(sample_id, prompts[0][0], context_len, [placed[0][0].answer], extras)
+        questions = tuple(
+            Question(ids[context_len:], [needle.answer], f"q{index}", {"needle": index, "depth": depth})
+            for index, ((ids, _), (needle, depth)) in enumerate(zip(prompts, placed))
         )
-    # The prompt is not exactly context + overhead tokens (merges at the seams), so correct the context size
-    # until the prompt length is right, or as close as token merges allow.
-    context_tokens = max(0, length - (len(build(0))))
-    ids = build(context_tokens)
-    for _ in range(4):
-        if len(ids) == length or context_tokens == 0:
-            break
-        context_tokens = max(0, context_tokens + length - len(ids))
-        ids = build(context_tokens)
-    return ids
+        return Sample(sample_id, context_ids, questions, extras)
 
 
 def needle_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]:
+    """One needle at each length × depth; or, for a task with several needles (``needles`` and their depth
+    ``slots``), at each length every rotation of the needles over the slots, each needle asked in its own question."""
     config = spec.config
     lengths = options.lengths or tuple(config["defaults"]["lengths"])
-    depths = options.depths or tuple(config["defaults"]["depths"])
     haystack = haystack_text(config["haystack"]["distribution"], config["haystack"]["folder"])
     # A few characters per token suffice; tokenize only the head of the haystack we can use.
     needed_chars = max(lengths) * 8
     if len(haystack) < needed_chars:
         haystack = haystack * (needed_chars // len(haystack) + 1)
-    haystack_ids = tokenizer(haystack[:needed_chars], add_special_tokens=False)["input_ids"]
-    answer = config.get("answer", config["needle"]).strip()
-    samples = [
-        Sample(
-            sample_id=f"len{length}_depth{depth:g}",
-            input_ids=needle_prompt(tokenizer, spec, haystack_ids, length, depth),
-            answers=[answer],
-            extras={"length": length, "depth": depth},
-        )
-        for length in lengths
-        for depth in depths
-    ]
+    prompts = NeedlePrompts(tokenizer, spec, tokenizer(haystack[:needed_chars], add_special_tokens=False)["input_ids"])
+    needles = needles_of(config)
+    if len(needles) == 1:
+        depths = options.depths or tuple(config["defaults"]["depths"])
+        grid = [(length, depth) for length in lengths for depth in depths]
+        samples = [
+            prompts.sample(
+                f"len{length}_depth{depth:g}", length, [(needles[0], depth)], {"length": length, "depth": depth}
+            )
+            for length, depth in grid
+        ]
+    else:
+        slots = [float(d) for d in options.depths or config["slots"]]
+        if len(slots) != len(needles):
+            raise PkvError(f"{spec.name} hides {len(needles)} needles: give as many depths (--depths), one per needle")
+        samples = []
+        for length in lengths:
+            for rotation in range(len(needles)):
+                placed = [(needle, slots[(index + rotation) % len(slots)]) for index, needle in enumerate(needles)]
+                samples.append(
+                    prompts.sample(
+                        f"len{length}_rot{rotation}", length, placed, {"length": length, "rotation": rotation}
+                    )
+                )
+    if options.sample_ids is not None:
+        samples = [s for s in samples if s.sample_id in set(options.sample_ids)]
     return samples[: options.limit] if options.limit else samples

@@ -37,12 +37,12 @@ class Generator:
     """How a task's samples are made, and the keys its YAML must have for that."""
 
     build: Callable[[Any, TaskSpec, TaskOptions], list[Sample]]
-    keys: tuple[str, ...]
+    keys: tuple[str | tuple[str, ...], ...]  # a tuple entry: one of these keys
 
 
 _RULER = ("template", "answer_prefix", "defaults")
 GENERATORS: dict[str, Generator] = {
-    "needle": Generator(needle_samples, ("haystack", "needle", "question", "prompt", "defaults")),
+    "needle": Generator(needle_samples, ("haystack", ("needle", "needles"), "prompt", "defaults")),
     "longbench": Generator(longbench_samples, ("dataset", "prompt")),
     "ruler_niah": Generator(
         niah_samples, (*_RULER, "haystack", "key_type", "value_type", "num_keys", "num_values", "num_queries", "needle")
@@ -102,7 +102,11 @@ def validate(raw: Any, where: str) -> TaskSpec:
         raise PkvError(
             f"task file {where}: unknown postprocess rule {unknown_rules[0]!r}; valid: {', '.join(PREDICTION_RULES)}"
         )
-    missing = [key for key in generator.keys if key not in raw]
+    missing = [
+        key if isinstance(key, str) else " or ".join(key)
+        for key in generator.keys
+        if not (key in raw if isinstance(key, str) else any(k in raw for k in key))
+    ]
     if missing:
         raise PkvError(f"task file {where}: generator {raw['generator']} needs the key(s) {', '.join(missing)}")
     if raw["max_new_tokens"] < 1 or raw.get("min_new_tokens", 0) < 0:

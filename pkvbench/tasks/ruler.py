@@ -28,7 +28,16 @@ from functools import cache
 from typing import TypeVar
 
 from pkvbench.errors import PkvError
-from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec
+from pkvbench.tasks.base import (
+    Question,
+    Sample,
+    TaskOptions,
+    TaskSpec,
+    chat_ids,
+    chat_messages,
+    context_length,
+    format_at_context,
+)
 
 TOLERANCE = 0.02  # a prompt is within ±2% of its requested length
 ATTEMPTS = 200  # fresh draws tried per sample before giving up (all but the first cost 3 tokenizations)
@@ -79,25 +88,54 @@ def split_sentences(text: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Built:
-    """One drawn sample before tokenization: chat turns (user, assistant, …, user), answer prefix, answers."""
+class Asked:
+    """A question about the drawn context: the rest of the last user turn, the answer prefix, the answers."""
 
-    turns: tuple[str, ...]
+    text: str
     answer_prefix: str
     answers: tuple[str, ...]
 
 
-def prompt_ids(tokenizer, spec: TaskSpec, built: Built) -> list[int]:
+@dataclass(frozen=True)
+class Built:
+    """One drawn sample before tokenization: earlier chat turns (user, assistant, …), the last user turn up to the
+    end of its context, and the questions asked (usually one)."""
+
+    turns: tuple[str, ...]
+    head: str
+    asked: tuple[Asked, ...]
+
+    @classmethod
+    def one(cls, turns: tuple[str, ...], last_turn: str, context_end: int, answer_prefix: str, answers) -> Built:
+        return cls(turns, last_turn[:context_end], (Asked(last_turn[context_end:], answer_prefix, tuple(answers)),))
+
+
+def prompt_ids(tokenizer, spec: TaskSpec, built: Built, question: int = 0) -> tuple[list[int], int]:
+    """Token ids of question ``question``'s prompt and how many of them are the context."""
+    asked = built.asked[question]
     if spec.chat_template:
-        roles = ["user", "assistant"]
-        messages = []
-        if spec.config.get("system"):
-            messages.append({"role": "system", "content": spec.config["system"]})
-        messages += [{"role": roles[i % 2], "content": turn} for i, turn in enumerate(built.turns)]
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-        prefix = built.answer_prefix.lstrip(" ")
-        return list(encoded["input_ids"]) + (tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else [])
-    return list(tokenizer("\n".join(built.turns) + built.answer_prefix)["input_ids"])
+        messages = chat_messages(spec.config.get("system"), [*built.turns, built.head + asked.text])
+        prefix = asked.answer_prefix.lstrip(" ")
+        ids = chat_ids(tokenizer, messages) + (
+            tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
+        )
+        return ids, context_length(tokenizer, ids, messages, None, len(built.head))
+    before = "\n".join([*built.turns, built.head])
+    text = before + asked.text + asked.answer_prefix
+    ids = list(tokenizer(text)["input_ids"])
+    return ids, context_length(tokenizer, ids, None, text, len(before))
+
+
+def built_sample(tokenizer, spec: TaskSpec, sample_id: str, built: Built, extras: dict) -> Sample:
+    prompts = [prompt_ids(tokenizer, spec, built, i) for i in range(len(built.asked))]
+    context_len = min(split for _, split in prompts)
+    if len(prompts) == 1:
+        return Sample.one_question(sample_id, prompts[0][0], context_len, list(built.asked[0].answers), extras)
+    questions = tuple(
+        Question(ids[context_len:], list(asked.answers), f"q{i}")
+        for i, ((ids, _), asked) in enumerate(zip(prompts, built.asked))
+    )
+    return Sample(sample_id, prompts[0][0][:context_len], questions, extras)
 
 
 def fit_length(build: Callable[[int], list[int]], length: int, low: int, high: int = 1 << 22) -> tuple[int, list[int]]:
@@ -196,31 +234,29 @@ def generate(
 
             def build(attempt: int, n: int) -> tuple[list[int], Built]:
                 built = draw(random.Random(f"{options.seed}/{spec.name}/{length}/{index}/{attempt}"), length, n)
-                return prompt_ids(tokenizer, spec, built), built
+                return prompt_ids(tokenizer, spec, built)[0], built
 
-            ids, built = fit_drawn(build, length, low, high, spec.name)
-            samples.append(
-                Sample(
-                    sample_id=f"len{length}_{index}",
-                    input_ids=ids,
-                    answers=list(built.answers),
-                    extras={"length": length},
-                )
-            )
+            _, built = fit_drawn(build, length, low, high, spec.name)
+            samples.append(built_sample(tokenizer, spec, f"len{length}_{index}", built, {"length": length}))
     return samples
 
 
 # ------------------------------------------------------------------------------------------------------- niah_*
 
 
+def _singular_text(text: str) -> str:
+    """RULER's wording for a single answer: 'Some … are all …' becomes 'A … is …'."""
+    for old, new in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
+        text = text.replace(old, new)
+    return text
+
+
 def _singular(config: dict) -> tuple[str, str, str]:
-    """RULER's wording for a single answer: 'Some … are all …' becomes 'A … is …', and the type loses its 's'."""
+    """The template, answer prefix and value type, put in the singular (and the type losing its 's') when the
+    sample has a single answer, as RULER does."""
     template, prefix, kind = config["template"], config["answer_prefix"], config["value_type"]
     if config["num_values"] * config["num_queries"] == 1:
-        edits = [("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")]
-        for old, new in edits:
-            template, prefix = template.replace(old, new), prefix.replace(old, new)
-        kind = kind[:-1]
+        return _singular_text(template), _singular_text(prefix), kind[:-1]
     return template, prefix, kind
 
 
@@ -283,11 +319,27 @@ def niah_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample
             ):
                 lines.insert(index, item)
             context = "\n".join(lines)
+        if config.get("ask") == "each":
+            # The context as RULER writes it for several keys, then one question per key, in the singular.
+            plural = config["value_type"]
+            head = config["template"].split("{context}", 1)[0].format(type_needle_v=plural) + context
+            singular, tail = plural[:-1], _singular_text(config["template"].split("{context}", 1)[1])
+            return Built(
+                (),
+                head,
+                tuple(
+                    Asked(
+                        tail.format(type_needle_v=singular, query=keys[i]),
+                        _singular_text(config["answer_prefix"]).format(type_needle_v=singular, query=keys[i]),
+                        tuple(values[i]),
+                    )
+                    for i in asked
+                ),
+            )
         query = _join_keys([keys[i] for i in asked])
-        user = template.format(type_needle_v=kind, context=context, query=query)
-        return Built(
-            (user,), prefix.format(type_needle_v=kind, query=query), tuple(v for i in asked for v in values[i])
-        )
+        user, context_end = format_at_context(template, type_needle_v=kind, context=context, query=query)
+        answers = [v for i in asked for v in values[i]]
+        return Built.one((), user, context_end, prefix.format(type_needle_v=kind, query=query), answers)
 
     return generate(tokenizer, spec, options, draw)
 
@@ -327,14 +379,15 @@ def vt_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]:
     template, prefix, noise = config["template"], config["answer_prefix"], config["noise"]
     num_chains, num_hops = config["num_chains"], config["num_hops"]
 
-    def draw_one(rng: random.Random, n: int, icl: bool) -> tuple[str, str, list[str]]:
+    def draw_one(rng: random.Random, n: int, icl: bool) -> tuple[str, int, str, list[str]]:
         groups, chains = _chains(rng, num_chains, min(10, num_hops) if icl else num_hops, 3 if icl else 5)
         context = _vt_context(rng, noise, n, chains)
         value = chains[0][0].split("=")[-1].strip()
         fields = {"context": context, "query": value, "num_v": len(groups[0])}
         if icl:  # the example is one block of text: the template with its whitespace collapsed, prefix, answer
-            return " ".join(template.split()).format(**fields) + prefix.format(**fields), "", groups[0]
-        return template.format(**fields), prefix.format(**fields), groups[0]
+            return " ".join(template.split()).format(**fields) + prefix.format(**fields), 0, "", groups[0]
+        user, context_end = format_at_context(template, **fields)
+        return user, context_end, prefix.format(**fields), groups[0]
 
     # One worked example for the whole task (as RULER makes one per data set), at most icl_max_tokens long
     # counting the generated answer's budget, its noise grown in steps of 5 lines.
@@ -342,7 +395,7 @@ def vt_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]:
     if config.get("icl_max_tokens"):
 
         def icl_text(n: int) -> str:
-            text, _, answer = draw_one(random.Random(f"{options.seed}/{spec.name}/icl"), n, icl=True)
+            text, _, _, answer = draw_one(random.Random(f"{options.seed}/{spec.name}/icl"), n, icl=True)
             return text + " " + " ".join(answer)
 
         def icl_tokens(n: int) -> int:
@@ -354,8 +407,8 @@ def vt_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]:
         icl_block = icl_text(n) + "\n\n\n\n"
 
     def draw(rng: random.Random, length: int, n: int) -> Built:
-        user, answer_prefix, answer = draw_one(rng, n, icl=False)
-        return Built((icl_block + user,), answer_prefix, tuple(answer))
+        user, context_end, answer_prefix, answer = draw_one(rng, n, icl=False)
+        return Built.one((), icl_block + user, len(icl_block) + context_end, answer_prefix, answer)
 
     return generate(tokenizer, spec, options, draw)
 
@@ -386,12 +439,9 @@ def cwe_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]
         pool = rng.sample(vocabulary, len(vocabulary))
         context, answer = word_list(rng, pool, num_common + n, size["freq_cw"], size["freq_ucw"])
         # RULER shows one solved example first (a whole earlier prompt with its answer), then asks.
-        turns = (
-            template.format(context=example_context),
-            prefix.lstrip(" ") + numbered(example_answer),
-            template.format(context=context),
-        )
-        return Built(turns, prefix, tuple(answer))
+        example = (template.format(context=example_context), prefix.lstrip(" ") + numbered(example_answer))
+        user, context_end = format_at_context(template, context=context)
+        return Built.one(example, user, context_end, prefix, answer)
 
     return generate(tokenizer, spec, options, draw, high=len(vocabulary) - num_common)
 
@@ -421,6 +471,7 @@ def fwe_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]
         counts = [int(n * k**-alpha / scale) for k in range(1, len(ranked) + 1)]
         words = [word for word, count in zip(ranked, counts) for _ in range(count)]
         rng.shuffle(words)
-        return Built((template.format(context=" ".join(words)),), prefix, tuple(ranked[1:4]))
+        user, context_end = format_at_context(template, context=" ".join(words))
+        return Built.one((), user, context_end, prefix, ranked[1:4])
 
     return generate(tokenizer, spec, options, draw, low=1)

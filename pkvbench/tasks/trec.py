@@ -15,7 +15,7 @@ from functools import cache
 from pathlib import Path
 
 from pkvbench.errors import PkvError
-from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec
+from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec, context_length, format_at_context
 from pkvbench.tasks.files import file_sha256
 from pkvbench.tasks.ruler import fit_drawn
 
@@ -72,9 +72,6 @@ def trec_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample
     # The test questions, in an order drawn once per seed: sample i asks the same question at every length.
     order = random.Random(f"{options.seed}/{spec.name}/test").sample(range(len(test)), len(test))
 
-    def ids_of(text: str) -> list[int]:
-        return list(tokenizer(text)["input_ids"])
-
     samples = []
     for length in lengths:
         for index in range(len(test)):
@@ -85,21 +82,19 @@ def trec_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample
                 break
             label, question = test[order[index]]
 
-            def build(attempt: int, n: int) -> tuple[list[int], None]:
+            def build(attempt: int, n: int) -> tuple[list[int], tuple[str, int]]:
                 shots = random.Random(f"{options.seed}/{spec.name}/{length}/{index}/{attempt}").sample(
                     train, len(train)
                 )
                 context = "".join(example.format(question=q, type=classes[lab]) for lab, q in shots[:n])
-                return ids_of(template.format(context=context, input=query.format(question=question))), None
+                text, context_end = format_at_context(template, context=context, input=query.format(question=question))
+                return list(tokenizer(text)["input_ids"]), (text, context_end)
 
-            ids, _ = fit_drawn(build, length, 0, len(train), spec.name)
+            ids, (text, context_end) = fit_drawn(build, length, 0, len(train), spec.name)
+            context_len = context_length(tokenizer, ids, None, text, context_end)
             samples.append(
-                Sample(
-                    sample_id=sample_id,
-                    input_ids=ids,
-                    answers=[classes[label]],
-                    extras={"length": length},
-                    meta={"all_classes": all_classes},
+                Sample.one_question(
+                    sample_id, ids, context_len, [classes[label]], {"length": length}, {"all_classes": all_classes}
                 )
             )
     return samples

@@ -1,0 +1,72 @@
+"""ChunkKV (Liu et al., 2025, arXiv 2502.00299): keep whole chunks of consecutive tokens, not single tokens.
+
+A wrapper over any scoring policy (``chunkkv(snapkv)``): the prompt is cut into chunks of ``chunk_length`` tokens
+from position 0 (the last one may be shorter); a chunk's score is the mean over its positions of the inner scores
+summed over KV heads (what the inner policy always keeps, e.g. SnapKV's window, counts as +inf, so its chunks win);
+the best chunks are kept whole, the same positions for every head. This is kvpress's ``ChunkKVPress``
+(chunk_length 20; the paper prefers 10). Whole chunks rarely add up to exactly k: chunks are taken in score order
+while they fit, so a layer keeps between k − chunk_length + 1 and k entries per head (``kv_kept`` records it).
+"""
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from pkvbench.policies.adakv import full_scores, wrapper_label
+from pkvbench.policies.base import LayerStats, Needs, Policy, ScoringPolicy, keep_all
+
+
+@dataclass(frozen=True)
+class ChunkKV(Policy):
+    name = "chunkkv"
+    summary = "whole chunks of chunk_length tokens, ranked by the inner policy's mean score summed over heads"
+    wraps: ClassVar[bool] = True
+    exact_count: ClassVar[bool] = False  # whole chunks: up to chunk_length - 1 fewer than k
+    positive = ("chunk_length",)
+    inner: ScoringPolicy | None = field(default=None, compare=True)
+    chunk_length: int = 20
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.inner, ScoringPolicy):
+            raise ValueError("chunkkv wraps a scoring policy: write chunkkv(snapkv), …")
+        if getattr(self.inner, "gqa", None) == "query":
+            raise ValueError("chunkkv keeps the same chunks in every head: its inner policy cannot use gqa=query")
+
+    @property
+    def needs(self) -> Needs:
+        return self.inner.needs
+
+    @property
+    def min_budget(self) -> int:
+        return max(self.inner.min_budget, self.chunk_length)
+
+    def layer_budgets(self, k: int, context_len: int, num_layers: int) -> list[int]:
+        return self.inner.layer_budgets(k, context_len, num_layers)
+
+    def select(self, stats: LayerStats, k: int) -> torch.Tensor:
+        length, heads = stats.context_len, stats.num_kv_heads
+        if k >= length:
+            return keep_all(length, heads)
+        summed = full_scores(self.inner, stats).sum(dim=0)
+        starts = torch.arange(0, length, self.chunk_length)
+        sizes = (length - starts).clamp(max=self.chunk_length)
+        means = torch.stack([summed[s : s + n].mean() for s, n in zip(starts.tolist(), sizes.tolist())])
+        ranked = torch.sort(means, descending=True, stable=True).indices.tolist()
+        kept, room = [], k
+        for chunk in ranked:
+            if sizes[chunk] <= room:
+                kept.append(chunk)
+                room -= int(sizes[chunk])
+        if not kept:  # a layer budget below one chunk (a pyramid's top layers): the best chunk's best k positions
+            start = int(starts[ranked[0]])
+            inside = summed[start : start + int(sizes[ranked[0]])]
+            best = torch.sort(inside, descending=True, stable=True).indices[:k] + start
+            return best.sort().values.expand(heads, -1)
+        positions = torch.cat([torch.arange(int(starts[c]), int(starts[c] + sizes[c])) for c in sorted(kept)])
+        return positions.expand(heads, -1)
+
+    @property
+    def label(self) -> str:
+        return wrapper_label(self)
