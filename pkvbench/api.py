@@ -227,7 +227,7 @@ class ResolvedRun:
             "attn_implementation": c.attn_implementation,
             "tasks": [t.name for t in self.tasks],
             "policies": [p.label for p in self.policies],
-            "budgets": [b.value for b in self.budgets],
+            "budgets": [b.recorded for b in self.budgets],
             "lengths": o.lengths,
             "depths": o.depths,
             "limit": o.limit,

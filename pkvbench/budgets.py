@@ -16,16 +16,32 @@ from pkvbench.errors import PkvError
 ROUNDINGS = ("half-up", "half-even")
 
 
+# kvpress's spelling of a budget: the compression ratio r, the fraction of the cache *removed*; kept entries are
+# int(T·(1 − r)), truncated as kvpress's ScorerPress does. Written "cr0.25".
+REMOVED_PREFIX = "cr"
+
+
 @dataclass(frozen=True)
 class Budget:
     """A requested budget, as the user gave it."""
 
     value: float | int
     rounding: str = field(default="half-up", compare=False)
+    removed: bool = False  # value is kvpress's compression ratio: the fraction removed
 
     @classmethod
     def parse(cls, text: str) -> Budget:
         text = str(text).strip()
+        if text.startswith(REMOVED_PREFIX):
+            try:
+                ratio = float(text[len(REMOVED_PREFIX) :])
+            except ValueError:
+                ratio = float("nan")
+            if not 0 <= ratio < 1:
+                raise PkvError(
+                    f"budget {text!r}: a compression ratio (the fraction removed) is cr0 .. cr0.99, e.g. cr0.5"
+                )
+            return cls(ratio, removed=True)
         try:
             number = float(text)
         except ValueError:
@@ -44,22 +60,31 @@ class Budget:
 
     @property
     def is_fraction(self) -> bool:
-        return isinstance(self.value, float)
+        return isinstance(self.value, float) and not self.removed
+
+    @property
+    def recorded(self) -> float | int | str:
+        """What a result row's ``budget`` holds: the number as given, or the ``cr…`` spelling."""
+        return str(self) if self.removed else self.value
 
     def entries(self, context_len: int) -> int:
         """Mean entries per KV head per layer for a prompt of ``context_len`` tokens (before any policy floor)."""
+        if self.removed:
+            return max(1, int(context_len * (1 - self.value)))
         if self.is_fraction:
             exact = self.value * context_len
             return max(1, round(exact) if self.rounding == "half-even" else math.floor(exact + 0.5))
         return int(self.value)
 
     def __str__(self) -> str:
+        if self.removed:
+            return f"{REMOVED_PREFIX}{self.value:g}"
         return f"{self.value:g}" if self.is_fraction else str(self.value)
 
 
-def budget_label(value: float | int) -> str:
-    """How a budget value is written in keys and tables: ``128``, ``0.12``."""
-    return str(Budget(value))
+def budget_label(value: float | int | str) -> str:
+    """How a budget value is written in keys and tables: ``128``, ``0.12``, ``cr0.5``."""
+    return str(Budget.parse(value) if isinstance(value, str) else Budget(value))
 
 
 def parse_budgets(values: list[str] | str, rounding: str = "half-up") -> list[Budget]:

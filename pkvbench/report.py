@@ -155,7 +155,10 @@ def _run_model(folder: Path) -> str:
 
 
 def budget_sort_key(label: str) -> tuple[int, float]:
-    """Token budgets first (ascending), then fractions (ascending)."""
+    """Token budgets first (ascending), then fractions kept (ascending), then kvpress compression ratios (the
+    fraction removed; largest first, so that the kept share ascends as in the others)."""
+    if str(label).startswith("cr"):
+        return (2, -float(str(label)[2:]))
     value = float(label)
     return (0, value) if value >= 1 else (1, value)
 

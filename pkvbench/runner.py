@@ -83,7 +83,7 @@ def row_identity(task: TaskSpec, sample_id: str, cell: Cell) -> dict:
         "task": task.name,
         "sample_id": sample_id,
         "policy": cell.policy.label,
-        "budget": cell.budget.value,
+        "budget": cell.budget.recorded,
         "query_mode": cell.query_mode,
     }
 
@@ -195,6 +195,7 @@ def _row(engine: Engine, task: TaskSpec, sample: Sample, job: _Job, answer, sett
         "score": metric(prepare_prediction(answer.text, task.postprocess), question.answers, sample.meta),
         "new_tokens": len(answer.tokens),
         "prefill_s": round(job.prefill.seconds, 4),
+        "extra_pass_s": round(job.prefill.extra_seconds, 4),
         "selection_s": round(job.selection_s, 4),
         "decode_s": round(answer.seconds, 4),
         "decode_batch": answer.batch,

@@ -120,22 +120,72 @@ def bidirectional_attention_sums(
     return totals
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's pairing of dimension i with i + d/2 (transformers' convention): (x1, x2) → (−x2, x1)."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def unrotate(rotated: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The vectors before RoPE: RoPE maps x to x·cos + rotate_half(x)·sin (cos, sin per position, halves equal), so
+    x = (y·cos − rotate_half(y)·sin) / (cos² + sin²) (cos² + sin² is the rope's attention scaling squared, 1 mostly)."""
+    return (rotated * cos - rotate_half(rotated) * sin) / (cos * cos + sin * sin)
+
+
+def future_query_statistics(
+    queries: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    sink: int,
+    future_cos: torch.Tensor,
+    future_sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expected Attention's statistics of the queries to come (kvpress ``ExpectedAttentionPress``): the mean μ and
+    (biased) covariance Σ of the pre-RoPE queries of positions ``sink`` onwards, per query head, rotated by the average
+    of the RoPE rotations R_p of the next positions: (R̄μ, R̄ΣR̄ᵀ). ``queries`` is ``[Hq, c, d]`` after RoPE, with
+    ``cos``/``sin`` ``[c, d]`` of its positions and ``future_cos``/``future_sin`` ``[f, d]`` of the positions to come."""
+    plain = unrotate(queries.float(), cos, sin)[:, sink:]
+    mean = plain.mean(dim=1)
+    centred = plain - mean[:, None]
+    covariance = centred.transpose(1, 2) @ centred / plain.shape[1]
+    dim = queries.shape[-1]
+    half_turn = rotate_half(torch.eye(dim, device=queries.device)).T  # P with rotate_half(x) = P @ x
+    rotation = torch.diag(future_cos.mean(dim=0)) + torch.diag(future_sin.mean(dim=0)) @ half_turn
+    return mean @ rotation.T, rotation @ covariance @ rotation.T
+
+
 class StatsRecorder:
     """Collects ``LayerStats`` for every layer during one prefill: of the whole prompt, or of its first c tokens for
-    each c in ``cuts`` (the prompt is causal: the first c queries and keys are those of a prefill of c tokens)."""
+    each c in ``cuts`` (the prompt is causal: the first c queries and keys are those of a prefill of c tokens).
+    ``rope(start, count)`` gives the model's RoPE cos and sin ``[count, d]`` of positions start… (query statistics)."""
 
-    def __init__(self, needs: Needs, cuts: tuple[int, ...] = ()):
+    def __init__(self, needs: Needs, cuts: tuple[int, ...] = (), rope=None):
         self.windows = set(needs.windows)
         self.accumulated = needs.accumulated
         self.bidirectional = set(needs.bidirectional)
+        self.query_stats = set(needs.query_stats)
         self.cuts = cuts
+        self.rope = rope
         self.layers: dict[tuple[int, int], LayerStats] = {}  # (cut, layer) → statistics
 
     @property
     def needed(self) -> bool:
-        return bool(self.windows) or self.accumulated or bool(self.bidirectional)
+        return bool(self.windows or self.accumulated or self.bidirectional or self.query_stats)
+
+    def _query_stats(self, q: torch.Tensor) -> dict:
+        cut = q.shape[1]
+        if not self.query_stats:
+            return {}
+        cos, sin = self.rope(0, cut)
+        out = {}
+        for sink, future in self.query_stats:
+            future_cos, future_sin = self.rope(cut, future)
+            out[sink, future] = future_query_statistics(q, cos, sin, min(sink, cut - 1), future_cos, future_sin)
+        return out
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        if query.shape[2] != key.shape[2]:
+            return  # not a prefill of the whole prompt
         # Batch size is 1 in the engine; statistics drop that axis.
         for cut in self.cuts or (key.shape[2],):
             q, k = query[0, :, :cut], key[0, :, :cut]
@@ -145,6 +195,7 @@ class StatsRecorder:
                 window_scores=window_attention_sums(q, k, scaling, self.windows) if self.windows else {},
                 accumulated=accumulated_attention(q, k, scaling) if self.accumulated else None,
                 bidirectional={w: bidirectional_attention_sums(q, k, scaling, w) for w in self.bidirectional},
+                query_stats=self._query_stats(q),
             )
 
 
@@ -218,7 +269,7 @@ def _recording_attention(base: str):
                 kernel, base, decoding.layers[module.layer_idx], module, query, key, value, **kwargs
             )
         recorder = _ACTIVE_RECORDER.get()
-        if recorder is not None and recorder.needed and query.shape[2] == key.shape[2]:
+        if recorder is not None and recorder.needed:
             recorder.observe(module.layer_idx, query, key, kwargs.get("scaling", module.scaling))
         return kernel(module, query, key, value, attention_mask, **kwargs)
 

@@ -18,6 +18,7 @@ from pkvbench import budgets
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries
 from pkvbench.engine.models import LoadedModel
+from pkvbench.engine.reconstruction import SINK, ReconstructionRecorder, repeat_inputs
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs, Policy
 
@@ -38,6 +39,7 @@ class Prefill:
     stats_at: dict[int, list[LayerStats]]
     last_logits: torch.Tensor  # [vocab] after the prompt: the prefill saw the full cache, so it is the same for all
     seconds: float
+    extra_seconds: float = 0.0  # passes some policies need beside the prefill (KVzip's repeat passes)
 
     @property
     def context_len(self) -> int:
@@ -101,6 +103,12 @@ class Engine:
             self._forward, self.tokenizer, self.stop_ids, loaded.num_kv_heads, self.device, self._sync
         )
 
+    def rope(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's RoPE cos and sin ``[count, head_dim]`` (float32) at positions start, start + 1, …"""
+        positions = torch.arange(start, start + count, device=self.device)[None]
+        cos, sin = self.model.model.rotary_emb(torch.zeros(1, device=self.device), positions)
+        return cos[0].float(), sin[0].float()
+
     def _stop_ids(self) -> set[int]:
         ids = set()
         for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
@@ -128,10 +136,18 @@ class Engine:
 
         input_ids = input_ids.to(self.device)
         cuts = tuple(sorted(set(cuts))) or (input_ids.shape[1],)
-        recorder = StatsRecorder(Needs.union(p.needs for p in policies), cuts)
+        needs = Needs.union(p.needs for p in policies)
+        recorder = StatsRecorder(needs, cuts, self.rope)
         cache = DynamicCache()
         logits, seconds = self.recorded_forward(input_ids, recorder, cache)
         layers = [cache.layers[i] for i in range(self.loaded.num_layers)]
+        started = time.perf_counter()
+        reconstruction = {
+            (cut, chunk): self.reconstruction_scores(layers, input_ids[0, :cut].tolist(), chunk)
+            for cut in cuts
+            for chunk in needs.reconstruction
+        }
+        extra_seconds = time.perf_counter() - started
         stats_at = {
             cut: [
                 dataclasses.replace(
@@ -141,6 +157,7 @@ class Engine:
                     keys=layer.keys[0, :, :cut],
                     values=layer.values[0, :, :cut],
                     output_weight=self.output_weights[i],
+                    reconstruction={chunk: reconstruction[cut, chunk][i] for chunk in needs.reconstruction},
                 )
                 for i, layer in enumerate(layers)
             ]
@@ -153,7 +170,31 @@ class Engine:
             stats_at=stats_at,
             last_logits=logits,
             seconds=seconds,
+            extra_seconds=extra_seconds,
         )
+
+    @torch.inference_mode()
+    def reconstruction_scores(self, layers, prompt: list[int], chunk: int) -> list[torch.Tensor]:
+        """KVzip's scores of the prompt's entries (``engine/reconstruction.py``): ``[num_kv_heads, len(prompt)]`` per
+        layer, from repeat passes over the full cache ``layers`` (cut to the prompt)."""
+        from transformers import DynamicCache
+
+        length = len(prompt)
+        prefix, passes = repeat_inputs(self.tokenizer, prompt, chunk)
+        scores = [torch.zeros(self.loaded.num_kv_heads, length, device=self.device) for _ in layers]
+        for layer_scores in scores:  # the chat prefix and the sinks are always kept
+            layer_scores[:, : max(prefix, min(SINK, length))] = float("inf")
+        for start, end, ids in passes:
+            cache = DynamicCache()
+            for index, layer in enumerate(layers):
+                cache.update(layer.keys[:, :, :length], layer.values[:, :, :length], index)
+            recorder = ReconstructionRecorder(length, start, end, min(SINK, start))
+            positions = torch.arange(length, length + len(ids), device=self.device)[None]
+            with recording(recorder):
+                self._forward(torch.tensor([ids], device=self.device), cache, positions)
+            for index, layer_scores in enumerate(scores):
+                layer_scores[:, start:end] = recorder.scores[index]
+        return scores
 
     @torch.inference_mode()
     def recorded_forward(self, input_ids: torch.Tensor, recorder: Recorder, cache=None) -> tuple[torch.Tensor, float]:
@@ -190,12 +231,19 @@ class Engine:
             return CompressedCache(KeptEntries(full_keys, full_values), plan)
         keys, values = [], []
         lengths: list[torch.Tensor | None] = [None] * len(plan.per_layer)
-        for layer, k in enumerate(plan.per_layer):
-            if k >= length:
+        compressed = [layer for layer, k in enumerate(plan.per_layer) if k < length]
+        chosen = dict(
+            zip(
+                compressed,
+                policy.select_layers([stats[i] for i in compressed], [plan.per_layer[i] for i in compressed]),
+            )
+        )
+        for layer in range(len(plan.per_layer)):
+            if layer not in chosen:
                 keys.append(full_keys[layer])
                 values.append(full_values[layer])
                 continue
-            kept = policy.select(stats[layer], k).to(self.device)
+            kept = chosen[layer].to(self.device)
             if kept.dtype == torch.bool:  # heads keep different numbers of entries: stored padded, counted apart
                 kept, lengths[layer] = ragged_positions(kept)
             index = kept[:, :, None].expand(-1, -1, full_keys[layer].shape[-1])

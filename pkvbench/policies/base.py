@@ -33,13 +33,15 @@ class Needs:
     # Every query's attention sums where only the last w×w block is causal (the reference H2O of 2024-10 to 2026-06),
     # for each w.
     bidirectional: frozenset[int] = frozenset()
+    # Statistics of the queries (pre-RoPE mean and covariance from position s on, rotated to the average of the next
+    # f positions), for each (s, f): Expected Attention's.
+    query_stats: frozenset[tuple[int, int]] = frozenset()
+    # Scores of a pass that asks the model to repeat the prompt (KVzip), for each chunk size.
+    reconstruction: frozenset[int] = frozenset()
 
     def __or__(self, other: Needs) -> Needs:
-        return Needs(
-            windows=self.windows | other.windows,
-            accumulated=self.accumulated or other.accumulated,
-            bidirectional=self.bidirectional | other.bidirectional,
-        )
+        """Everything either needs (flags or'ed, sets joined)."""
+        return Needs(**{f.name: getattr(self, f.name) | getattr(other, f.name) for f in dataclasses.fields(self)})
 
     @staticmethod
     def union(needs: Iterable[Needs]) -> Needs:
@@ -74,6 +76,11 @@ class LayerStats:
     values: torch.Tensor | None = None
     # The layer's output projection weight ``[hidden, num_query_heads * head_dim]`` (value-norm-weighted scores)
     output_weight: torch.Tensor | None = None
+    # (s, f) → (mean ``[num_query_heads, head_dim]``, covariance ``[num_query_heads, head_dim, head_dim]``) of future
+    # queries (``Needs.query_stats``)
+    query_stats: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # chunk size → ``[num_kv_heads, T]`` reconstruction scores (``Needs.reconstruction``)
+    reconstruction: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def query_heads(self) -> int:
@@ -88,6 +95,20 @@ class LayerStats:
         if self.accumulated is None:
             raise StatisticNotRecorded("accumulated attention was not recorded; declare it in `needs`")
         return self.accumulated
+
+    def future_queries(self, sink: int, future: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if (sink, future) not in self.query_stats:
+            raise StatisticNotRecorded(
+                f"query statistics ({sink}, {future}) were not recorded; declare them in `needs`"
+            )
+        return self.query_stats[sink, future]
+
+    def reconstruction_scores(self, chunk: int) -> torch.Tensor:
+        if chunk not in self.reconstruction:
+            raise StatisticNotRecorded(
+                f"reconstruction scores (chunk {chunk}) were not recorded; declare them in `needs`"
+            )
+        return self.reconstruction[chunk]
 
     def bidirectional_attention(self, w: int) -> torch.Tensor:
         if w not in self.bidirectional:
@@ -186,8 +207,14 @@ class Policy:
         return stats.num_kv_heads
 
     def select(self, stats: LayerStats, k: int) -> torch.Tensor:
-        """Sorted kept positions ``[heads, min(k, T)]``."""
+        """Sorted kept positions ``[heads, min(k, T)]`` — or, for a policy whose heads keep different numbers of
+        entries, a keep mask ``[heads, T]`` with heads·k kept in all."""
         raise NotImplementedError
+
+    def select_layers(self, stats: list[LayerStats], budgets: list[int]) -> list[torch.Tensor]:
+        """``select`` for several layers at once (the compressed ones): a policy that shares its budget across
+        layers (KVzip) chooses them together."""
+        return [self.select(layer_stats, k) for layer_stats, k in zip(stats, budgets)]
 
     # --- naming ----------------------------------------------------------------------------------------------
     @property

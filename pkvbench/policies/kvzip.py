@@ -1,0 +1,41 @@
+"""KVzip (Kim et al., 2025, arXiv 2505.23416): keep what the model needs to reconstruct the context.
+
+Scores come from a pass of their own (``engine/reconstruction.py``): the model is asked to repeat the prompt, chunk
+by chunk, and each entry scores the most attention any query of its KV head's group pays it meanwhile. Selection is
+head-wise and, by default, shared across layers (kvpress ``KVzipPress``, ``layerwise=False``): of all layers', heads'
+and positions' scores together, the top Σ_l H·k_l are kept, so both layers and heads keep different numbers of
+entries; ``layerwise=true`` keeps each layer's top H·k over its heads. No floor per head (KVzip "does not rely on
+safeguards"). Query-agnostic by construction; with the question in the compressed prompt it is repeated too.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from pkvbench.policies.adakv import _top_mask
+from pkvbench.policies.base import LayerStats, Needs, Policy, keep_all
+
+
+@dataclass(frozen=True)
+class KVzip(Policy):
+    name = "kvzip"
+    summary = "attention received while the model repeats the prompt (an extra pass); head- and layer-adaptive"
+    positive = ("chunk",)
+    chunk: int = 2048
+    layerwise: bool = False
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(reconstruction=frozenset({self.chunk}))
+
+    def select(self, stats: LayerStats, k: int) -> torch.Tensor:
+        if k >= stats.context_len:
+            return keep_all(stats.context_len, stats.num_kv_heads)
+        return _top_mask(stats.reconstruction_scores(self.chunk).float(), stats.num_kv_heads * k)
+
+    def select_layers(self, stats: list[LayerStats], budgets: list[int]) -> list[torch.Tensor]:
+        if self.layerwise or not stats:
+            return super().select_layers(stats, budgets)
+        scores = torch.stack([s.reconstruction_scores(self.chunk).float() for s in stats])  # [L, H, T]
+        kept = _top_mask(scores.flatten(0, 1), sum(s.num_kv_heads * k for s, k in zip(stats, budgets)))
+        return list(kept.view_as(scores))
