@@ -30,7 +30,15 @@ def stats_for(policy, seed: int = 0) -> LayerStats:
         keys=torch.randn(KV_HEADS, LENGTH, HEAD_DIM, generator=gen),
         values=torch.randn(KV_HEADS, LENGTH, HEAD_DIM, generator=gen),
         output_weight=torch.randn(QUERY_HEADS * HEAD_DIM, QUERY_HEADS * HEAD_DIM, generator=gen),
+        query_stats={key: future_queries(gen) for key in needs.query_stats},
+        reconstruction={chunk: torch.rand(KV_HEADS, LENGTH, generator=gen) for chunk in needs.reconstruction},
     )
+
+
+def future_queries(gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mean and a (positive semi-definite) covariance per query head."""
+    spread = torch.randn(QUERY_HEADS, HEAD_DIM, HEAD_DIM, generator=gen)
+    return torch.randn(QUERY_HEADS, HEAD_DIM, generator=gen), spread @ spread.transpose(1, 2) / HEAD_DIM
 
 
 def instances(name: str) -> list:
