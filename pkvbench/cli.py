@@ -337,6 +337,29 @@ def plot(folders, out_dir) -> None:
 
 @cli.command()
 @click.argument("folders", nargs=-1, required=True, type=click.Path())
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["kvpress"]),
+    default="kvpress",
+    show_default=True,
+    help="kvpress: its evaluation folders (predictions.csv, metrics.json, config.yaml per press and ratio).",
+)
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write into.")
+def export(folders, fmt, out_dir) -> None:
+    """Results in another harness's layout, from run folders alone."""
+    from pkvbench.export import export_kvpress
+    from pkvbench.report import load_runs
+
+    runs = load_runs(list(folders))
+    written = export_kvpress(runs, out_dir)
+    for note in runs.notes:
+        click.echo(f"note: {note}", err=True)
+    click.echo(f"{len(written)} kvpress result folders → {out_dir}/")
+
+
+@cli.command()
+@click.argument("folders", nargs=-1, required=True, type=click.Path())
 @click.option("--reference", default="pyramidkv-table1", show_default=True, help="Reference name or CSV file.")
 @click.option(
     "--paper-model",

@@ -138,3 +138,11 @@ def test_a_cache_of_query_heads_decodes_exactly(engine, loaded, prefill):
     for spec in ("snapkv", "pyramidkv", "h2o"):
         whole = engine.compress(prefill, parse_policy(spec, protocol="reference"), Budget(5000))
         assert engine.decode(prefill, whole, 24).tokens == full, spec
+
+
+def test_recording_h2o_statistics_leaves_the_prefill_bit_for_bit(engine, needle_ids, prefill):
+    """With H2O's accumulated attention recorded, sdpa's attention on CPU comes from the flash kernel directly (for
+    its log-sum-exps): the prefill's cache and logits must equal a prefill that records nothing."""
+    plain = engine.prefill(needle_ids, [parse_policy("full")])
+    assert torch.equal(plain.last_logits, prefill.last_logits)
+    assert all(torch.equal(a, b) for a, b in zip(plain.keys, prefill.keys))

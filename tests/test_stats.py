@@ -33,3 +33,51 @@ def test_window_sums_equal_the_last_rows():
     torch.testing.assert_close(sums[1], probs[:, -1])
     torch.testing.assert_close(sums[8], probs[:, -8:].sum(1))
     torch.testing.assert_close(sums[32], probs.sum(1))  # a window longer than the prompt is the whole prompt
+
+
+def test_accumulated_attention_from_the_kernels_logsumexp():
+    """The fused path: each query's log-sum-exp from the flash kernel, then one more kernel call for the sums."""
+    from pkvbench.engine.attention import accumulated_from_logsumexp
+
+    gen = torch.Generator().manual_seed(2)
+    query, key, value = (torch.randn(1, h, 300, 64, generator=gen) for h in (9, 3, 3))
+    output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), 0.0, True, scale=0.125)[:2]
+    reference = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=0.125,
+                                                                 enable_gqa=True)
+    assert torch.equal(output, reference)  # the same output as the sdpa call transformers makes
+    sums = accumulated_from_logsumexp(query[0], key[0], logsumexp[0], 0.125)
+    torch.testing.assert_close(sums, naive_attention(query[0], key[0], 0.125).sum(dim=1), rtol=1e-5, atol=1e-5)
+
+
+def test_bidirectional_sums_leave_only_the_window_block_causal():
+    from pkvbench.engine.attention import bidirectional_attention_sums
+
+    gen = torch.Generator().manual_seed(3)
+    query, key = torch.randn(4, 20, 8, generator=gen), torch.randn(2, 20, 8, generator=gen)
+    logits = query @ key.repeat_interleave(2, 0).transpose(1, 2) * 0.3
+    logits[:, -5:, -5:] = logits[:, -5:, -5:].masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(bidirectional_attention_sums(query, key, 0.3, 5, chunk_bytes=64),
+                               logits.softmax(-1).sum(1))
+
+
+def test_future_query_statistics_rotate_the_mean_and_covariance():
+    """Against the definition: unrotated queries' mean and covariance, under the average of the future rotations."""
+    from pkvbench.engine.attention import future_query_statistics, rotate_half
+
+    gen = torch.Generator().manual_seed(4)
+    plain = torch.randn(2, 50, 8, generator=gen)
+    angles = torch.arange(60.0)[:, None] * torch.tensor([1.0, 0.1, 0.01, 0.001]).repeat(2)[None]
+    cos, sin = angles.cos(), angles.sin()
+    rotated = plain * cos[:50] + rotate_half(plain) * sin[:50]
+    mean, covariance = future_query_statistics(rotated, cos[:50], sin[:50], 4, cos[50:], sin[50:])
+
+    def turn(x, p):  # RoPE at position p
+        return x * cos[p] + rotate_half(x) * sin[p]
+
+    expected_mean = torch.stack([turn(plain[:, 4:].mean(1), p) for p in range(50, 60)]).mean(0)
+    torch.testing.assert_close(mean, expected_mean, rtol=1e-5, atol=1e-5)
+    matrix = torch.stack([turn(torch.eye(8), p).T for p in range(50, 60)]).mean(0)  # R̄ as a matrix
+    centred = plain[:, 4:] - plain[:, 4:].mean(1, keepdim=True)
+    expected = matrix @ (centred.transpose(1, 2) @ centred / 46) @ matrix.T
+    torch.testing.assert_close(covariance, expected, rtol=1e-4, atol=1e-5)

@@ -26,7 +26,8 @@ class Recorder(Protocol):
 
     needed: bool
 
-    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None: ...
+    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        """Called by every attention call of a recorded forward (prefill or not), with post-RoPE queries and keys."""
 
 
 _ACTIVE_RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("pkvbench_recorder", default=None)
@@ -172,6 +173,12 @@ class StatsRecorder:
     def needed(self) -> bool:
         return bool(self.windows or self.accumulated or self.bidirectional or self.query_stats)
 
+    @staticmethod
+    def _accumulated(q, k, scaling, logsumexp, cut) -> torch.Tensor:
+        if logsumexp is not None:  # the first `cut` queries' log-sum-exps over their (causal) keys are those of a cut
+            return accumulated_from_logsumexp(q, k, logsumexp[0, :, :cut], scaling)
+        return accumulated_attention(q, k, scaling)
+
     def _query_stats(self, q: torch.Tensor) -> dict:
         cut = q.shape[1]
         if not self.query_stats:
@@ -183,7 +190,19 @@ class StatsRecorder:
             out[sink, future] = future_query_statistics(q, cos, sin, min(sink, cut - 1), future_cos, future_sin)
         return out
 
-    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    @property
+    def wants_logsumexp(self) -> bool:
+        """Accumulated attention is cheap given each query's log-sum-exp (``accumulated_from_logsumexp``)."""
+        return self.accumulated
+
+    def observe(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: float,
+        logsumexp: torch.Tensor | None = None,
+    ) -> None:
         if query.shape[2] != key.shape[2]:
             return  # not a prefill of the whole prompt
         # Batch size is 1 in the engine; statistics drop that axis.
@@ -193,7 +212,7 @@ class StatsRecorder:
                 context_len=cut,
                 num_kv_heads=k.shape[0],
                 window_scores=window_attention_sums(q, k, scaling, self.windows) if self.windows else {},
-                accumulated=accumulated_attention(q, k, scaling) if self.accumulated else None,
+                accumulated=self._accumulated(q, k, scaling, logsumexp, cut) if self.accumulated else None,
                 bidirectional={w: bidirectional_attention_sums(q, k, scaling, w) for w in self.bidirectional},
                 query_stats=self._query_stats(q),
             )
@@ -260,6 +279,53 @@ def _decoding_attention(kernel, base: str, layer, module, query, key, value, **k
     return kernel(module, query, key, value, mask, **kwargs)
 
 
+# Keyword arguments of an attention call that the plain causal prefill kernel below ignores safely.
+_PLAIN_PREFILL_KWARGS = {"dropout", "scaling", "position_ids", "is_causal", "output_attentions"}
+
+
+def _attention_with_logsumexp(base: str, module, query, key, value, attention_mask, kwargs):
+    """The prefill's attention output as the model's sdpa kernel computes it, with each query's log-sum-exp, when
+    that is to be had for free: sdpa on CPU in float32, causal with no mask, runs PyTorch's flash kernel, which returns
+    both (the same output, bit for bit: ``tests/test_engine.py``). Else None."""
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if (
+        flash is None
+        or base != "sdpa"
+        or query.device.type != "cpu"
+        or query.dtype != torch.float32
+        or attention_mask is not None
+        or query.shape[2] != key.shape[2]
+        or kwargs.get("dropout", 0.0)
+        or kwargs.get("is_causal", True) is False
+        or set(kwargs) - _PLAIN_PREFILL_KWARGS
+    ):
+        return None
+    group = query.shape[1] // key.shape[1]
+    keys, values = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    output, logsumexp = flash(query, keys, values, 0.0, True, scale=kwargs.get("scaling", module.scaling))[:2]
+    return output.transpose(1, 2).contiguous(), logsumexp
+
+
+def accumulated_from_logsumexp(
+    query: torch.Tensor, key: torch.Tensor, logsumexp: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """``accumulated_attention`` given each query's log-sum-exp ``[Hq, T]``, in one fused kernel call.
+
+    Position j's sum over queries r ≥ j of exp(q_r·k_j·s − lse_r) is itself a log-sum-exp: that of a "query" k_j
+    over "keys" q_r with the bias −lse_r (carried as an extra dimension: [k_j, 1]·[q_r·s, −lse_r]), over r ≥ j —
+    causal once both sequences are reversed. PyTorch's flash kernel computes it in blocks, without the T×T matrix.
+    """
+    heads, length, dim = query.shape
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    pad = (-(dim + 1)) % 8  # the kernel runs fastest on head sizes in multiples of 8
+    keys = key.float().repeat_interleave(heads // key.shape[0], dim=0)
+    extra = torch.zeros(heads, length, pad, device=query.device)
+    as_queries = torch.cat([keys, torch.ones(heads, length, 1, device=query.device), extra], dim=-1).flip(1)
+    as_keys = torch.cat([query.float() * scaling, -logsumexp.float()[..., None], extra], dim=-1).flip(1)
+    sums = flash(as_queries[None], as_keys[None], torch.zeros_like(as_keys)[None], 0.0, True, scale=1.0)[1]
+    return sums[0].flip(1).exp()
+
+
 def _recording_attention(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         kernel = _kernel_for(base, module)
@@ -270,7 +336,14 @@ def _recording_attention(base: str):
             )
         recorder = _ACTIVE_RECORDER.get()
         if recorder is not None and recorder.needed:
-            recorder.observe(module.layer_idx, query, key, kwargs.get("scaling", module.scaling))
+            scaling = kwargs.get("scaling", module.scaling)
+            if getattr(recorder, "wants_logsumexp", False):
+                fused = _attention_with_logsumexp(base, module, query, key, value, attention_mask, kwargs)
+                if fused is not None:
+                    output, logsumexp = fused
+                    recorder.observe(module.layer_idx, query, key, scaling, logsumexp=logsumexp)
+                    return output, None
+            recorder.observe(module.layer_idx, query, key, scaling)
         return kernel(module, query, key, value, attention_mask, **kwargs)
 
     return attention

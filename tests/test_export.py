@@ -1,0 +1,46 @@
+"""kvpress's result layout from a pkvbench run folder (no model)."""
+
+import json
+
+import pandas as pd
+import yaml
+
+from pkvbench.cli import main
+
+
+def row(task, sample, policy, budget, mode, score, kept=3000, length=4000):
+    return {"task": task, "sample_id": sample, "policy": policy, "budget": budget, "query_mode": mode,
+            "score": score, "pred": f"answer {sample}", "answers": ["1234567"], "budget_tokens": kept,
+            "context_tokens": length, "length": length, "model": "smollm2-135m"}
+
+
+def test_export_writes_kvpress_folders(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [
+        row("niah_single_1", "len4000_0", "adakv(expected_attention:epsilon=0.01)", "cr0.25", "agnostic", 1.0),
+        row("niah_single_1", "len4000_1", "adakv(expected_attention:epsilon=0.01)", "cr0.25", "agnostic", 0.0),
+        row("vt", "len4000_0", "adakv(expected_attention:epsilon=0.01)", "cr0.25", "agnostic", 0.6),
+        row("niah_single_1", "len4000_0", "snapkv:window=64:kernel=5:pooling=avg", "cr0.875", "aware", 1.0),
+        row("niah_single_1", "len4000_0", "full", 128, "aware", 1.0, kept=4000),
+    ]
+    (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "run.json").write_text(json.dumps({"options": {"model": "smollm2-135m"}}))
+    try:
+        main(["export", str(run), "--format", "kvpress", "--out", str(tmp_path / "kv")])
+    except SystemExit as exit_info:
+        assert exit_info.code == 0, capsys.readouterr().err
+    folders = sorted(p.name for p in (tmp_path / "kv").iterdir())
+    assert folders == [
+        "ruler__4000__SmolLM2-135M-Instruct__expected_attention__0.25",
+        "ruler__4000__SmolLM2-135M-Instruct__no_press__0.00__query_aware",
+        "ruler__4000__SmolLM2-135M-Instruct__snapkv__0.88__query_aware",  # kvpress writes 0.875 as 0.88 too
+    ]
+    folder = tmp_path / "kv" / folders[0]
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert metrics == {"niah_single_1": {"string_match": 50.0}, "vt": {"string_match": 60.0}}
+    predictions = pd.read_csv(folder / "predictions.csv")
+    assert {"task", "answer", "predicted_answer", "compression_ratio"} <= set(predictions.columns)
+    assert len(predictions) == 3 and set(predictions["compression_ratio"]) == {0.25}
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    assert config["press"] == "expected_attention" and config["query_aware"] is False
