@@ -47,7 +47,13 @@ def needle_prompt(tokenizer, spec: TaskSpec, haystack_ids: list[int], length: in
 
     # The prompt is not exactly context + overhead tokens (merges at the seams), so correct the context size
     # until the prompt length is right, or as close as token merges allow.
-    context_tokens = max(0, length - (len(build(0))))
+    overhead = len(build(0))
+    if overhead > length:
+        raise PkvError(
+            f"{spec.name}: --lengths {length} is too short; the prompt without any haystack (instructions, needle, "
+            f"question) already takes {overhead} tokens, so ask for at least {overhead}"
+        )
+    context_tokens = length - overhead
     ids = build(context_tokens)
     for _ in range(4):
         if len(ids) == length or context_tokens == 0:
@@ -57,25 +63,35 @@ def needle_prompt(tokenizer, spec: TaskSpec, haystack_ids: list[int], length: in
     return ids
 
 
+def sample_id(length: int, depth: float) -> str:
+    return f"len{length}_depth{depth:g}"
+
+
 def needle_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]:
     config = spec.config
     lengths = options.lengths or tuple(config["defaults"]["lengths"])
     depths = options.depths or tuple(config["defaults"]["depths"])
+    grid = [
+        (length, depth)
+        for length in lengths
+        for depth in depths
+        if options.sample_ids is None or sample_id(length, depth) in options.sample_ids
+    ][: options.limit]
+    if not grid:
+        return []
     haystack = haystack_text(config["haystack"]["distribution"], config["haystack"]["folder"])
     # A few characters per token suffice; tokenize only the head of the haystack we can use.
-    needed_chars = max(lengths) * 8
+    needed_chars = max(length for length, _ in grid) * 8
     if len(haystack) < needed_chars:
         haystack = haystack * (needed_chars // len(haystack) + 1)
     haystack_ids = tokenizer(haystack[:needed_chars], add_special_tokens=False)["input_ids"]
     answer = config["needle"].strip()
-    samples = [
+    return [
         Sample(
-            sample_id=f"len{length}_depth{depth:g}",
+            sample_id=sample_id(length, depth),
             input_ids=needle_prompt(tokenizer, spec, haystack_ids, length, depth),
             answers=[answer],
             extras={"length": length, "depth": depth},
         )
-        for length in lengths
-        for depth in depths
+        for length, depth in grid
     ]
-    return samples[: options.limit] if options.limit else samples
