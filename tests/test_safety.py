@@ -345,3 +345,34 @@ def test_prompts_that_cannot_fit_the_model_are_refused():
     with pytest.raises(PkvError, match="the most a prompt can have is 8092"):
         api.fit_to_model("smollm2-135m", [needle], TaskOptions(lengths=(8100,)), 100)
     assert api.fit_to_model("smollm2-135m", [needle], TaskOptions(lengths=(8192,)), None, decodes=False)
+
+
+def test_material_too_small_for_a_length_is_one_line():
+    """trec-fewshot with a training file too small for the length failed with a TypeError."""
+    from pkvbench.tasks.ruler import fit_drawn
+
+    def build(attempt: int, n: int) -> tuple[list[int], None]:
+        return [0] * (10 + 20 * n), None  # the prompt grows with n, up to the 3 units there are
+
+    assert len(fit_drawn(build, 70, 0, 3)[0]) == 70
+    with pytest.raises(PkvError, match="--lengths 2000 is more than its material can fill; all of it makes a prompt "
+                                       "of 70 tokens"):  # fmt: skip
+        fit_drawn(build, 2000, 0, 3, "trec-fewshot (3 training questions)")
+
+
+def test_an_unreadable_data_file_is_one_line_naming_it(tmp_path, monkeypatch):
+    from pkvbench.tasks.longbench import local_rows
+    from pkvbench.tasks.registry import get_task
+    from tests.test_adversarial import Context, deny_reading
+
+    path = tmp_path / "narrativeqa.jsonl"
+    write(path, '{"input": "q", "context": "c", "answers": ["a"], "_id": "1"}\n')
+    ctx = Context(tmp_path, monkeypatch, [], armed=True)
+    deny_reading(ctx, path)
+    try:
+        for verify in (True, False):  # the checksum reads it first, else the rows
+            with pytest.raises(PkvError, match=f"cannot read {path}: Permission denied"):
+                local_rows(get_task("narrativeqa"), str(tmp_path), verify)
+    finally:
+        for cleanup in ctx.cleanups:
+            cleanup()
