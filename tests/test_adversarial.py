@@ -62,8 +62,17 @@ def write(path: Path, data: str | bytes) -> None:
 
 
 def snapshot(root: Path) -> dict[str, bytes | None]:
-    """Every file (its bytes) and folder (None) below ``root``."""
-    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+    """Every file (its bytes, or a mark for one this user may not read) and folder (None) below ``root``."""
+
+    def content(path: Path) -> bytes | None:
+        if path.is_dir():
+            return None
+        try:
+            return path.read_bytes()
+        except PermissionError:
+            return b"<unreadable>"
+
+    return {str(p.relative_to(root)): content(p) for p in sorted(root.rglob("*"))}
 
 
 @dataclass
