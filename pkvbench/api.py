@@ -7,9 +7,11 @@ configs in YAML (``configs/``) build the same ``RunConfig`` (``RunConfig.from_fi
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,9 @@ import pandas as pd
 import yaml
 
 from pkvbench.budgets import Budget, parse_budgets
-from pkvbench.engine.models import DEFAULT_MODEL, check_model_name, is_gguf_file
+from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, check_model_name, is_gguf_file, locate_gguf
 from pkvbench.errors import PkvError
+from pkvbench.io import read_json
 from pkvbench.policies.base import Policy
 from pkvbench.policies.registry import default_grid
 from pkvbench.policies.spec import check_shared_options, parse_option_pairs, parse_policy
@@ -26,7 +29,7 @@ from pkvbench.provenance import make_deterministic, provenance
 from pkvbench.results import ResultStore
 from pkvbench.runner import QUERY_MODES, Cell, RunSettings, RunStats, Shard
 from pkvbench.tasks.base import TaskOptions, TaskSpec
-from pkvbench.tasks.registry import expand_tasks, validate
+from pkvbench.tasks.registry import check_sample_options, expand_tasks, requested_prompt_tokens, validate
 
 EXECUTORS = ("local", "ray")
 
@@ -35,11 +38,13 @@ EXECUTORS = ("local", "ray")
 
 
 def as_list(value: Any, what: str) -> list[str]:
-    """A comma string or a sequence → a list of non-empty strings; empty is an error."""
+    """A comma string or a sequence → a list of non-empty strings; an empty list or item is an error."""
     items = str(value).split(",") if isinstance(value, (str, int, float)) else [str(v) for v in value]
-    items = [item.strip() for item in items if item.strip()]
-    if not items:
+    items = [item.strip() for item in items]
+    if not any(items):
         raise PkvError(f"{what} is empty; give a comma-separated list")
+    if not all(items):
+        raise PkvError(f"{what} {','.join(items)!r} has an empty item; remove the extra comma")
     return items
 
 
@@ -125,6 +130,76 @@ def with_task_args(task: TaskSpec, task_args: dict[str, Any]) -> TaskSpec:
 def default_out(kind: str, model: str, tasks: list[TaskSpec]) -> Path:
     """``results/<kind>/<model>/<task+task…>``: where a run goes when no folder is given."""
     return Path("results") / kind / model_slug(model) / "+".join(t.name for t in tasks)
+
+
+# --- what fits the model -------------------------------------------------------------------------------------------
+
+
+@cache
+def _gguf_context_length(path: str, size: int, mtime_ns: int) -> int | None:
+    """``<architecture>.context_length`` from a GGUF file's header (the weights are not read; parsing the header
+    still takes a second or two, so it is done once per file version)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+
+    def value(name: str):
+        field = reader.fields.get(name)
+        return field.parts[field.data[0]] if field is not None and field.data else None
+
+    architecture = value("general.architecture")
+    length = (
+        value(f"{bytes(architecture).decode('utf-8', 'replace')}.context_length") if architecture is not None else None
+    )
+    return int(length[0]) if length is not None else None
+
+
+def _config_file(model: str) -> Path | None:
+    """A local folder's or a hub model's ``config.json`` (the hub's from its cache, or fetched: a few kB)."""
+    if Path(model).is_dir():
+        return Path(model) / "config.json" if (Path(model) / "config.json").is_file() else None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(model, "config.json"))
+    except Exception:  # offline and not cached, no such model, no access: the model load says which, in one line
+        return None
+
+
+def model_context_window(model: str) -> int | None:
+    """The positions ``model`` was made for, read from its GGUF header or ``config.json`` without loading it; None
+    when that cannot be told (the model load then reports what is wrong with the model)."""
+    if model in ALIASES or is_gguf_file(model):
+        path = locate_gguf(ALIASES[model]) if model in ALIASES else Path(model)
+        stat = path.stat()
+        return _gguf_context_length(str(path), stat.st_size, stat.st_mtime_ns)
+    path = _config_file(model)
+    config = read_json(path, "model config") if path is not None else None
+    window = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return window if isinstance(window, int) and window > 0 else None
+
+
+def fit_to_model(
+    model: str, tasks: list[TaskSpec], options: TaskOptions, max_new_tokens: int | None, decodes: bool = True
+) -> TaskOptions:
+    """Refuse, before any sample is built, what the model cannot hold: a requested prompt size (``--lengths``, a
+    task's default lengths, ``--max-length``) that with the task's answer (``decodes``) exceeds the model's context
+    window. A 10-million-token request fails here in a second instead of tokenizing gigabytes. Returns ``options``
+    with the window, which tasks that cut their data to fit read."""
+    check_sample_options(tasks, options)
+    window = model_context_window(model)
+    if window is None:
+        return options
+    for task in tasks:
+        answer = (max_new_tokens or task.max_new_tokens) if decodes else 0
+        for tokens, asked_by in requested_prompt_tokens(task, options):
+            if tokens + answer > window:
+                room = f"its {answer}-token answer" if answer else "nothing else"
+                raise PkvError(
+                    f"{asked_by} {tokens}: {task.name}'s prompt with {room} exceeds the context window of {model} "
+                    f"({window} tokens); the most a prompt can have is {window - answer}"
+                )
+    return replace(options, context_window=window)
 
 
 # --- the run configuration -----------------------------------------------------------------------------------------
@@ -293,12 +368,13 @@ class EvalResult:
     summary: pd.DataFrame
     stats: RunStats
     info: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what the user should know (the CLI prints them on stderr)
 
 
 def evaluate(config: RunConfig, *, on_row: Callable[[dict], None] | None = None) -> EvalResult:
     """Run ``config``: each sample is prefilled once, every policy × budget decoded from that prefill; rows are
     appended to ``<out>/samples.jsonl`` as they finish, then ``summary.csv`` is written. Rerunning the same config into
-    the same folder does only what is missing.
+    the same folder does only what is missing; one process at a time writes a folder (a second is refused).
 
     Returns the folder's rows and summary as pandas tables. Raises ``PkvError`` (one line: what is wrong) for bad
     options, data or models; ``on_row`` (if given) sees each row as it is written.
@@ -308,10 +384,8 @@ def evaluate(config: RunConfig, *, on_row: Callable[[dict], None] | None = None)
         from pkvbench.ray_executor import check_ray
 
         check_ray()
+    run.options = fit_to_model(config.model, run.tasks, run.options, config.max_new_tokens)
     store = ResultStore(run.out)
-    # Check the folder before the (slow) model load, and record the run once the model is known.
-    store.open({"options": run.recorded_options}, overwrite=config.overwrite)
-    make_deterministic(config.seed)
     info: dict[str, Any] = {}
 
     def record(model_info: dict) -> None:
@@ -324,13 +398,23 @@ def evaluate(config: RunConfig, *, on_row: Callable[[dict], None] | None = None)
                 **provenance(config.seed),
             }
         )
-        store.open(info)
+        store.record(info)
 
-    try:
-        stats = _execute(run, store, record, on_row)
-    finally:
+    # The folder is checked and locked before the slow model load; it changes only once the model has loaded
+    # (``record``), so a run that fails before that leaves it as it was.
+    with store.claim(run.recorded_options, overwrite=config.overwrite):
+        make_deterministic(config.seed)
+        try:
+            stats = _execute(run, store, record, on_row)
+        except BaseException:
+            if store.started:  # the finished rows still get their summary; the error is what is reported
+                with contextlib.suppress(PkvError):
+                    store.write_summary()
+            raise
         summary = store.write_summary()
-    return EvalResult(run.out, pd.DataFrame(store.rows()), summary, stats, info)
+        rows = store.rows()
+    notes = [note] if (note := store.duplicate_note()) else []
+    return EvalResult(run.out, pd.DataFrame(rows), summary, stats, info, notes)
 
 
 def _execute(
@@ -435,6 +519,7 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
     if config.sink < 0:
         raise PkvError("--sink must not be negative")
     check_model_name(config.model)
+    options = fit_to_model(config.model, tasks, options, None, decodes=False)
     out = Path(config.out) if config.out is not None else default_out("funnel", config.model, tasks)
     recorded = json.loads(
         json.dumps(
@@ -458,20 +543,18 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
             }
         )
     )
-    store = ResultStore(out, rows_name=funnel.SAMPLES, info_name=funnel.INFO)
-    store.open({"options": recorded}, overwrite=config.overwrite)
-    make_deterministic(config.seed)
-    loaded = load_model(
-        config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation
-    )
-    store.open({"options": recorded, "model": loaded.describe(), **provenance(config.seed)})
-    engine = Engine(loaded)
-    items = work_items(tasks, engine.tokenizer, options)
-    if not items:
-        raise PkvError("no samples to measure (check --task, --limit, --sample-id)")
-    stats = funnel.run_funnel(engine, items, store, config.window, config.sink, config.top_k, quiet=config.quiet)
-    report = funnel.write_reports(out, store.rows(), loaded.name, loaded.num_layers, overlay[0], config.sink)
-    plot_funnel(report.per_layer, report.overlays, loaded.name, out / funnel.FIGURE)
+    store = funnel.funnel_store(out)
+    with store.claim(recorded, overwrite=config.overwrite):  # as evaluate: checked now, changed after the load
+        make_deterministic(config.seed)
+        loaded = load_model(
+            config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation
+        )
+        store.record({"options": recorded, "model": loaded.describe(), **provenance(config.seed)})
+        engine = Engine(loaded)
+        items = work_items(tasks, engine.tokenizer, options)
+        stats = funnel.run_funnel(engine, items, store, config.window, config.sink, config.top_k, quiet=config.quiet)
+        report = funnel.write_reports(out, store.rows(), loaded.name, loaded.num_layers, overlay[0], config.sink)
+        plot_funnel(report.per_layer, report.overlays, loaded.name, out / funnel.FIGURE)
     return FunnelResult(
         out, report.per_layer, report.per_head, report.verdicts, stats.written, stats.skipped, stats.seconds
     )

@@ -88,12 +88,12 @@ def budget_label(value: float | int | str) -> str:
 
 
 def parse_budgets(values: list[str] | str, rounding: str = "half-up") -> list[Budget]:
-    if isinstance(values, str):
-        values = values.split(",")
-    parsed = [replace(Budget.parse(v), rounding=rounding) for v in values if str(v).strip()]
-    if not parsed:
+    items = [str(v).strip() for v in (values.split(",") if isinstance(values, str) else values)]
+    if not any(items):
         raise PkvError("--budget is empty; give one or more budgets, e.g. 128,0.12")
-    return list(dict.fromkeys(parsed))
+    if not all(items):
+        raise PkvError(f"--budget {','.join(items)!r} has an empty item; remove the extra comma")
+    return list(dict.fromkeys(replace(Budget.parse(item), rounding=rounding) for item in items))
 
 
 def uniform(k: int, context_len: int, num_layers: int) -> list[int]:

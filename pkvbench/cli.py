@@ -14,7 +14,7 @@ import click
 from pkvbench._version import __version__
 from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, SUPPORTED_ARCHITECTURES
 from pkvbench.errors import PkvError
-from pkvbench.io import atomic_write
+from pkvbench.io import atomic_write, make_dir
 
 
 def _options(*options):
@@ -178,7 +178,10 @@ def _default_policies() -> str:
 )
 @click.option("--out", type=click.Path(file_okay=False), help="Result folder (default: results/runs/<model>/<tasks>).")
 @click.option(
-    "--overwrite", is_flag=True, help="Replace what --out holds (only a pkvbench run folder) and start afresh."
+    "--overwrite",
+    is_flag=True,
+    help="Start afresh in --out: its pkvbench files go once the model has loaded (a pkvbench run folder only; "
+    "other files stay).",
 )
 @click.option(
     "--shard",
@@ -223,6 +226,8 @@ def run(**options) -> None:
     from pkvbench.api import RunConfig, evaluate
 
     result = evaluate(RunConfig(**options))
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
     if not options["quiet"]:
         table = result.summary
         click.echo(table.to_string(index=False) if len(table) else "(no rows)")
@@ -236,7 +241,9 @@ def run(**options) -> None:
 
 @cli.command()
 @click.argument("folders", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="New folder for the merged run.")
+@click.option(
+    "--out", required=True, type=click.Path(file_okay=False), help="New (or empty) folder for the merged run."
+)
 def merge(folders, out) -> None:
     """Combine run folders (the shards of one run) into one, without duplicate rows."""
     from pkvbench.results import merge_runs
@@ -313,8 +320,8 @@ def report(folders, fmt, out_file) -> None:
     from pkvbench.report import load_runs, render, report_table, uneven_counts
 
     runs = load_runs(list(folders))
-    text = render(report_table(runs.rows), fmt)
-    _write_or_echo(text, out_file, runs.folders)
+    _refuse_overwriting_inputs(out_file, runs.folders)
+    _write_or_echo(render(report_table(runs.rows), fmt), out_file)
     for note in runs.notes + uneven_counts(runs.rows):
         click.echo(f"note: {note}", err=True)
 
@@ -329,6 +336,7 @@ def plot(folders, out_dir) -> None:
     from pkvbench.report import load_runs
 
     runs = load_runs(list(folders))
+    make_dir(out_dir, "--out")
     paths = plot_runs(runs, out_dir)
     for note in runs.notes:
         click.echo(f"note: {note}", err=True)
@@ -378,15 +386,23 @@ def compare(folders, reference, paper_model, fmt) -> None:
     click.echo(render(result.table, fmt), nl=False)
 
 
-def _write_or_echo(text: str, out_file: str | None, inputs: list[Path] = ()) -> None:
-    """Print ``text``, or write it to ``out_file`` (atomically; never over one of the input folders' files)."""
+def _refuse_overwriting_inputs(out_file: str | None, inputs: list[Path]) -> None:
+    """An output may go beside the inputs (a report in a run folder), never over pkvbench's own files there."""
+    from pkvbench.results import RUN_FOLDER_FILES
+
     if out_file is None:
-        click.echo(text, nl=False)
         return
     target = Path(out_file).resolve()
     for folder in inputs:
-        if target.parent == Path(folder).resolve():
-            raise PkvError(f"--out {out_file} is inside the input folder {folder}; write it elsewhere")
+        if target.parent == Path(folder).resolve() and target.name in RUN_FOLDER_FILES:
+            raise PkvError(f"--out {out_file} would overwrite the {target.name} of the input folder {folder}")
+
+
+def _write_or_echo(text: str, out_file: str | None) -> None:
+    """Print ``text``, or write it to ``out_file`` (atomically: a failed write leaves the previous file)."""
+    if out_file is None:
+        click.echo(text, nl=False)
+        return
     atomic_write(out_file, text)
     click.echo(f"table → {out_file}", err=True)
 
@@ -410,6 +426,7 @@ def score(file, out_file, dataset) -> None:
 
     if out_file is not None and Path(out_file).resolve() == Path(file).resolve():
         raise PkvError("--out must not be the input file")
+    _refuse_overwriting_inputs(out_file, [Path(file).parent])
     rows = read_json_lines(file, "predictions file")
     if not rows:
         raise PkvError(f"{file} has no predictions")
@@ -540,7 +557,7 @@ def list_(include_paths) -> None:
     help="Budget whose PyramidKV per-layer allocation is drawn over the curves (fraction or entries).",
 )
 @click.option("--out", type=click.Path(file_okay=False), help="Folder (default: results/funnel/<model>/<tasks>).")
-@click.option("--overwrite", is_flag=True, help="Discard what --out holds and start afresh.")
+@click.option("--overwrite", is_flag=True, help="Start afresh in --out: its funnel files go once the model has loaded.")
 @click.option("--quiet", is_flag=True, help="No progress bar, no verdict on the terminal (it is still written).")
 def funnel(**options) -> None:
     """Does attention funnel with depth in this model? PyramidKV's premise, measured.

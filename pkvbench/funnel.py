@@ -22,8 +22,10 @@ from tqdm import tqdm
 
 from pkvbench.budgets import Budget, plan
 from pkvbench.engine.attention import window_attention_probs
+from pkvbench.errors import PkvError
 from pkvbench.io import atomic_write
 from pkvbench.policies.spec import parse_policy
+from pkvbench.results import ResultStore
 
 SAMPLES = "funnel_samples.jsonl"
 INFO = "funnel.json"
@@ -42,6 +44,30 @@ STATISTICS = {
     "keys_for_90": "fewest keys holding 90% of the attention",
 }
 MASS_TARGET = 0.9
+
+
+def sample_key(record: dict) -> tuple[str, str]:
+    return (record["task"], str(record["sample_id"]))
+
+
+def check_record(record: dict, where: str) -> None:
+    """A line of funnel_samples.jsonl as ``run_funnel`` writes it."""
+    if not isinstance(record.get("task"), str) or not isinstance(record.get("sample_id"), (str, int)):
+        raise PkvError(f"{where}: not a funnel record (needs task and sample_id)")
+    if not isinstance(record.get("stats"), dict) or not set(STATISTICS) <= set(record["stats"]):
+        raise PkvError(f"{where}: not a funnel record (needs stats with {', '.join(STATISTICS)})")
+
+
+def funnel_store(out: str | Path) -> ResultStore:
+    """The funnel's folder: a line per sample, funnel.json, and the tables, verdict and figure made from them."""
+    return ResultStore(
+        out,
+        rows_name=SAMPLES,
+        info_name=INFO,
+        outputs=(TABLE, HEAD_TABLE, VERDICT, FIGURE),
+        key=sample_key,
+        check=check_record,
+    )
 
 
 def attention_statistics(probs: torch.Tensor, visible: torch.Tensor, sink: int, top_k: int) -> dict[str, torch.Tensor]:
@@ -275,7 +301,7 @@ class FunnelStats:
 def run_funnel(engine, items, store, window: int, sink: int, top_k: int, quiet: bool = False) -> FunnelStats:
     """Measure every (task, sample) of ``items`` not yet in ``store``, appending one line per sample."""
     started = time.perf_counter()
-    done = {(row["task"], str(row["sample_id"])) for row in store.rows()}
+    done = store.done_keys()
     pending = [(task, sample) for task, sample in items if (task.name, sample.sample_id) not in done]
     stats = FunnelStats(skipped=len(items) - len(pending))
     bar = tqdm(

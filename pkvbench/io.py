@@ -24,6 +24,48 @@ def os_error(path: str | os.PathLike, exc: OSError, doing: str = "write") -> Pkv
     return PkvError(f"cannot {doing} {path}: {reason}")
 
 
+def make_dir(path: str | os.PathLike, what: str = "folder") -> bool:
+    """Create the folder ``path`` and its parents if missing; returns whether it was created here. A file in the way,
+    a missing permission or a full disk is one line naming the path."""
+    path = Path(path)
+    if path.is_dir():
+        return False
+    if path.exists():
+        raise PkvError(f"{what} {path} is a file, not a folder")
+    try:
+        path.mkdir(parents=True)
+    except FileExistsError:  # made meanwhile by another process, or a file took the name
+        if path.is_dir():
+            return False
+        raise PkvError(f"{what} {path} is a file, not a folder") from None
+    except OSError as exc:
+        raise os_error(path, exc, "create") from None
+    return True
+
+
+def remove_file(path: str | os.PathLike) -> None:
+    """Delete the file ``path`` if it is there (one line if it cannot be)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise os_error(path, exc, "delete") from None
+
+
+# The process's umask, read once at import (reading it means setting it, which is not safe once threads run).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+def _new_file_mode(path: Path) -> int:
+    """The permissions a replaced file keeps, or those ``open`` would give a new one (mkstemp's are owner-only)."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        return 0o666 & ~_UMASK
+
+
 def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
     """Replace ``path`` with ``data`` all at once (text is written as UTF-8)."""
     path = Path(path)
@@ -35,6 +77,7 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
         raise os_error(path, exc) from None
     try:
         with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), _new_file_mode(path))
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
@@ -43,6 +86,11 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(staging)
         raise os_error(path, exc) from None
+
+
+def is_staging_file(name: str, target: str) -> bool:
+    """Whether the file ``name`` is one ``atomic_write`` stages ``target`` in (one is left behind only by a kill)."""
+    return name.startswith(f".{target}.") and name.endswith(".tmp")
 
 
 def read_text(path: str | os.PathLike, what: str = "file") -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from io import BytesIO
 from pathlib import Path
 
 import matplotlib
@@ -22,6 +23,7 @@ from matplotlib.colors import LinearSegmentedColormap, Normalize
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from pkvbench.errors import PkvError
+from pkvbench.io import atomic_write
 from pkvbench.report import (
     Runs,
     budget_sort_key,
@@ -47,9 +49,14 @@ def budget_title(label: str) -> str:
 
 
 def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    plt.close(fig)
+    """Draw ``fig`` into memory, then replace ``path`` at once (``atomic_write``): a full disk or a kill never
+    leaves half a figure. The format is the file's suffix (.png, .pdf, .svg), as ``savefig`` would take it."""
+    drawn = BytesIO()
+    try:
+        fig.savefig(drawn, format=path.suffix.lstrip(".").lower(), dpi=DPI, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    atomic_write(path, drawn.getvalue())
     return path
 
 

@@ -21,7 +21,7 @@ import pandas as pd
 from pkvbench.budgets import budget_label
 from pkvbench.errors import PkvError
 from pkvbench.policies.registry import policy_order
-from pkvbench.results import ROWS, RUN, read_rows
+from pkvbench.results import ROWS, RUN, read_rows, repeated_rows_note, unique_rows
 
 # LongBench v1's 21 tasks in the order of its own tables (the paper's 16 English tasks keep their Table 1 order).
 LONGBENCH_ORDER = (
@@ -115,7 +115,9 @@ def load_runs(paths: list[str | os.PathLike]) -> Runs:
     folders = run_folders(paths)
     frames, notes = [], []
     for folder in folders:
-        rows = read_rows(folder)
+        rows, repeated = unique_rows(read_rows(folder))
+        if repeated:
+            notes.append(repeated_rows_note(folder / ROWS, repeated))
         if not rows:
             notes.append(f"{folder}: no result rows yet")
             continue

@@ -3,27 +3,50 @@
 Rows are appended one at a time, flushed and fsynced, so a run killed at any point keeps every finished row; a
 partial last line (a kill mid-write) is cut off when the folder is opened again. Rerunning into the same folder
 skips the rows already there.
+
+A store touches nothing it did not write. ``claim`` checks the folder before anything slow and locks it for one
+writer (``pkvbench.lock``); the folder changes only at ``record``, once the run's model has loaded: a folder being
+replaced (``--overwrite``) loses its previous pkvbench files then, never a file of anyone else's. ``run.json`` and
+``summary.csv`` are replaced atomically (``io.atomic_write``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from pkvbench.budgets import budget_label
+from pkvbench.budgets import REMOVED_PREFIX, Budget, budget_label
 from pkvbench.errors import PkvError
+from pkvbench.io import (
+    atomic_write,
+    is_staging_file,
+    make_dir,
+    os_error,
+    read_json,
+    read_json_lines,
+    remove_file,
+)
+from pkvbench.lock import LOCK_NAME, FolderLock
 
 ROWS = "samples.jsonl"
 SUMMARY = "summary.csv"
 RUN = "run.json"
+RUN_FOLDER_FILES = (ROWS, SUMMARY, RUN, LOCK_NAME)  # what pkvbench keeps in a run folder (nothing else is its own)
+# Options whose order carries no meaning: the same policies or budgets in another order are the same grid. Tasks,
+# lengths, depths and sample ids too, unless the run is sharded: then their order decides which shard takes a sample.
+ORDERLESS = ("policies", "budgets", "query_modes")
+ORDERLESS_UNLESS_SHARDED = ("tasks", "lengths", "depths", "sample_ids")
+
+Row = dict[str, Any]
 
 
-def row_key(row: dict[str, Any]) -> tuple[str, str, str, str, str]:
+def row_key(row: Row) -> tuple[str, str, str, str, str]:
     """What makes a row unique: task, sample, policy, budget and query mode (rows written before the query mode was
     recorded are query-aware)."""
     return (
@@ -39,86 +62,273 @@ def differing_keys(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(first) | set(second) if first.get(k) != second.get(k))
 
 
-class ResultStore:
-    """A result folder: a JSON file of the run's options and an append-only JSON-lines file of rows."""
-
-    def __init__(self, out_dir: str | os.PathLike, rows_name: str = ROWS, info_name: str = RUN):
-        self.dir = Path(out_dir)
-        self.rows_path = self.dir / rows_name
-        self.info_path = self.dir / info_name
-
-    def open(self, run_info: dict[str, Any], overwrite: bool = False) -> None:
-        """Create the folder, or check that an existing one was made by the same run options."""
-        if overwrite and self.dir.exists():
-            shutil.rmtree(self.dir)
-        if self.info_path.exists():
-            previous = json.loads(self.info_path.read_text())["options"]
-            changed = differing_keys(previous, run_info["options"])
-            if changed:
-                raise PkvError(
-                    f"{self.dir} holds a run with other options ({', '.join(changed)} differ); "
-                    "use another --out, or --overwrite to start it afresh"
-                )
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._repair_tail()
-        self.info_path.write_text(json.dumps(run_info, indent=2, default=str) + "\n")
-
-    def _repair_tail(self) -> None:
-        """Drop a partial last line left by a run killed mid-write."""
-        if not self.rows_path.exists():
-            return
-        data = self.rows_path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            with open(self.rows_path, "r+b") as handle:
-                handle.truncate(data.rfind(b"\n") + 1)
-
-    def rows(self) -> list[dict[str, Any]]:
-        return read_rows(self.rows_path)
-
-    def done_keys(self) -> set[tuple[str, str, str, str]]:
-        return {row_key(row) for row in self.rows()}
-
-    def append(self, row: dict[str, Any]) -> None:
-        self.extend([row])
-
-    def extend(self, rows: list[dict[str, Any]]) -> None:
-        """Append ``rows`` in one write and one fsync (a merge of thousands of rows should not pay a sync each)."""
-        data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
-        fd = os.open(self.rows_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            view = memoryview(data)
-            while view:  # os.write may write less than asked
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def write_summary(self) -> pd.DataFrame:
-        table = summarize(self.rows())
-        table.to_csv(self.dir / SUMMARY, index=False)
-        return table
+def comparable_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Run options as they decide whether two runs are the same run: order-free lists sorted."""
+    orderless = ORDERLESS + (() if options.get("shard") else ORDERLESS_UNLESS_SHARDED)
+    return {k: sorted(v, key=json.dumps) if k in orderless and isinstance(v, list) else v for k, v in options.items()}
 
 
-def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The rows of a run folder's samples.jsonl (or of the JSON-lines file ``path`` names)."""
+def differing_options(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
+    """The options that make two runs different runs (``policies: a,b`` and ``b,a`` do not)."""
+    return differing_keys(comparable_options(first), comparable_options(second))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_result_row(row: Row, where: str) -> None:
+    """Refuse a line of samples.jsonl that is not a result row as pkvbench writes it (``where`` names file and line)."""
+    for name in ("task", "sample_id", "policy", "budget"):
+        if name not in row:
+            raise PkvError(f"{where}: not a pkvbench result row (no {name!r})")
+    for name, kinds, what in (
+        ("task", str, "a string"),
+        ("policy", str, "a string"),
+        ("sample_id", (str, int), "an id"),
+    ):
+        if not isinstance(row[name], kinds) or isinstance(row[name], bool):
+            raise PkvError(f"{where}: {name} must be {what}, got {row[name]!r}")
+    budget = row["budget"]
+    if not _is_number(budget) and not (isinstance(budget, str) and budget.startswith(REMOVED_PREFIX)):
+        raise PkvError(f"{where}: budget must be a number, got {budget!r}")
+    if "query_mode" in row and row["query_mode"] not in ("aware", "agnostic"):
+        raise PkvError(f"{where}: query_mode must be aware or agnostic, got {row['query_mode']!r}")
+    try:
+        Budget.parse(str(budget))
+    except PkvError as exc:
+        raise PkvError(f"{where}: {exc}") from None
+    if "score" not in row:
+        raise PkvError(f"{where}: not a pkvbench result row (no 'score')")
+    if not _is_number(row["score"]):
+        raise PkvError(f"{where}: score must be a number, got {row['score']!r}")
+
+
+def read_rows(path: str | os.PathLike, check: Callable[[Row, str], None] | None = check_result_row) -> list[Row]:
+    """The rows of a run folder's samples.jsonl (or of the JSON-lines file ``path`` names), as written: a row written
+    twice is there twice (``unique_rows``). A partial last line (a run killed mid-write) is left out; any other bad
+    line, or a file that cannot be read, is one line naming the file (and the line)."""
     path = Path(path)
     if path.is_dir():
         path = path / ROWS
     if not path.exists():
         return []
-    rows = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.endswith("\n"):
-                break  # partial last line of a killed run: not a result
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise PkvError(f"{path}:{number}: not a JSON line; the file is damaged") from None
-    return rows
+    return read_json_lines(path, "result file", partial_tail=True, check=check)
 
 
-def summarize(rows: list[dict[str, Any]]) -> pd.DataFrame:
+def unique_rows(rows: Iterable[Row], key: Callable[[Row], tuple] = row_key) -> tuple[list[Row], int]:
+    """Each key's first row, and how many later rows with a key already seen were left out."""
+    seen: dict[tuple, Row] = {}
+    duplicates = 0
+    for row in rows:
+        if key(row) in seen:
+            duplicates += 1
+        else:
+            seen[key(row)] = row
+    return list(seen.values()), duplicates
+
+
+def repeated_rows_note(path: str | os.PathLike, count: int) -> str:
+    return f"{path}: {count} row(s) repeat the key of an earlier row; each key is counted once (the first row)"
+
+
+def read_run_record(path: str | os.PathLike) -> dict[str, Any]:
+    """A run folder's ``run.json``: a JSON object with the run's ``options``; anything else is one line."""
+    record = read_json(path, "run record")
+    if not isinstance(record, dict) or not isinstance(record.get("options"), dict):
+        raise PkvError(f"run record {path} is not pkvbench's: expected a JSON object with the run's options")
+    return record
+
+
+class ResultStore:
+    """A result folder: a JSON record of the run (its options first), an append-only JSON-lines file of rows, and
+    files made from the rows (``outputs``). ``key`` says which rows are the same; ``check`` refuses a malformed row.
+
+    A run goes ``claim`` (check and lock the folder) → ``record`` (the model has loaded: write the record) →
+    ``append`` … → ``close`` (let go of the lock); ``with store.claim(options): …`` closes it.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        rows_name: str = ROWS,
+        info_name: str = RUN,
+        outputs: Sequence[str] = (SUMMARY,),
+        key: Callable[[Row], tuple] = row_key,
+        check: Callable[[Row, str], None] | None = check_result_row,
+    ):
+        self.dir = Path(out_dir)
+        self.rows_path = self.dir / rows_name
+        self.info_path = self.dir / info_name
+        self.own_paths = [self.info_path, self.rows_path, *(self.dir / name for name in outputs)]
+        self.key = key
+        self.check = check
+        self.lock = FolderLock(self.dir)
+        self.started = False  # the run is recorded: the folder is this run's
+        self.duplicates = 0  # rows of a key already seen, left out by the last rows()
+        self._replacing = False  # the folder's previous files go when the run is recorded
+        self._created = False  # this store made the folder, and removes it again if nothing is written
+
+    # --- claiming a folder ------------------------------------------------------------------------------------
+
+    def claim(self, options: dict[str, Any], overwrite: bool = False) -> ResultStore:
+        """Check that the folder can take a run of ``options`` and lock it for this process (until ``close``);
+        nothing in it changes yet. Refused (``PkvError``): a folder in use, one holding files pkvbench did not write
+        where it would write its own, a run of other options with rows (unless ``overwrite``), ``overwrite`` of a
+        folder that is not a pkvbench run folder."""
+        self.lock.check_free()  # a folder in use is refused as such, whatever it holds
+        self._inspect(options, overwrite)  # refuse what can be refused without creating anything
+        self._created = make_dir(self.dir, "--out")
+        try:
+            self.lock.acquire()
+            self._replacing = self._inspect(options, overwrite)  # again: no other writer can change it now
+            self.rows()  # a damaged rows file is refused now, not after a model load
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _inspect(self, options: dict[str, Any], overwrite: bool) -> bool:
+        """Whether the folder's pkvbench files are to be replaced (True) or resumed (False); raises if they may not
+        be touched."""
+        if not self.dir.exists():
+            return False
+        if not self.dir.is_dir():
+            raise PkvError(f"--out {self.dir} is a file, not a folder")
+        for path in self.own_paths:
+            if path.is_dir():
+                raise PkvError(f"{path} is a folder where pkvbench keeps a file; use another --out")
+        if not self.info_path.exists():
+            strangers = [path.name for path in self.own_paths if path.exists()]
+            if strangers:
+                raise PkvError(
+                    f"{self.dir} holds {', '.join(strangers)} but no {self.info_path.name}: not a pkvbench run "
+                    "folder, and pkvbench will not overwrite files it did not write; use another --out"
+                )
+            if overwrite and self._foreign_files():
+                raise PkvError(
+                    f"--overwrite: {self.dir} is not a pkvbench run folder (no {self.info_path.name}); pkvbench "
+                    "replaces only its own run folders and deleted nothing; use another --out"
+                )
+            return False
+        try:
+            previous = read_run_record(self.info_path)["options"]
+        except PkvError as exc:
+            raise PkvError(f"{exc}; pkvbench will not resume or replace a folder it cannot recognise") from None
+        if overwrite:
+            return True
+        changed = differing_options(previous, options)
+        if not changed:
+            return False
+        if not read_rows(self.rows_path, self.check):
+            return True  # no row finished under the old options: nothing to lose by starting afresh
+        raise PkvError(
+            f"{self.dir} holds a run with other options ({', '.join(changed)} differ); "
+            "use another --out, or --overwrite to start it afresh"
+        )
+
+    def _foreign_files(self) -> list[str]:
+        """Names in the folder that are neither pkvbench's files nor what a killed write of one leaves."""
+        own = [path.name for path in self.own_paths]
+        return [
+            entry.name
+            for entry in self.dir.iterdir()
+            if entry.name not in (*own, LOCK_NAME) and not any(is_staging_file(entry.name, name) for name in own)
+        ]
+
+    def record(self, run_info: dict[str, Any]) -> None:
+        """Write the run's record: the run has started (its model has loaded). A folder being replaced loses its
+        previous pkvbench files now, not at ``claim``: a run that fails before this leaves it as it was."""
+        if self._replacing:
+            for path in self.own_paths:
+                remove_file(path)
+            self._replacing = False
+        self._repair_tail()
+        atomic_write(self.info_path, json.dumps(run_info, indent=2, default=str) + "\n")
+        self.started = True
+
+    def open(self, run_info: dict[str, Any], overwrite: bool = False) -> None:
+        """``claim`` and ``record`` at once, then let go of the lock: for a folder written in one go where no other
+        process writes (tests, tools). A run holds the lock from ``claim`` to ``close``."""
+        with self.claim(run_info["options"], overwrite):
+            self.record(run_info)
+
+    def discard(self) -> None:
+        """Remove what this store wrote (a merge that failed part-way leaves no half a folder)."""
+        for path in self.own_paths:
+            with contextlib.suppress(PkvError):  # best effort, on the way out of another error
+                remove_file(path)
+        self.started = False
+
+    def close(self) -> None:
+        """Let go of the folder; a folder this store made and never wrote to is removed again."""
+        self.lock.release()
+        if self._created:
+            with contextlib.suppress(OSError):  # not empty: the run wrote something, which stays
+                self.dir.rmdir()
+            self._created = False
+
+    def __enter__(self) -> ResultStore:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _repair_tail(self) -> None:
+        """Drop a partial last line left by a run killed mid-write."""
+        if not self.rows_path.exists():
+            return
+        try:
+            with open(self.rows_path, "r+b") as handle:
+                data = handle.read()
+                if data and not data.endswith(b"\n"):
+                    handle.truncate(data.rfind(b"\n") + 1)
+        except OSError as exc:
+            raise os_error(self.rows_path, exc) from None
+
+    # --- rows -------------------------------------------------------------------------------------------------
+
+    def rows(self) -> list[Row]:
+        """The folder's rows, each key once (``duplicates``: how many rows repeated a key; two runs writing one
+        folder at once, before folders were locked, wrote each row twice). None of a folder being replaced."""
+        if self._replacing:
+            return []
+        rows, self.duplicates = unique_rows(read_rows(self.rows_path, self.check), self.key)
+        return rows
+
+    def done_keys(self) -> set[tuple]:
+        return {self.key(row) for row in self.rows()}
+
+    def duplicate_note(self) -> str | None:
+        return repeated_rows_note(self.rows_path, self.duplicates) if self.duplicates else None
+
+    def append(self, row: Row) -> None:
+        self.extend([row])
+
+    def extend(self, rows: list[Row]) -> None:
+        """Append ``rows`` in one write and one fsync (a merge of thousands of rows should not pay a sync each)."""
+        data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
+        try:
+            fd = os.open(self.rows_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise os_error(self.rows_path, exc) from None
+        try:
+            view = memoryview(data)
+            while view:  # os.write may write less than asked
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except OSError as exc:
+            raise os_error(self.rows_path, exc) from None
+        finally:
+            os.close(fd)
+
+    def write_summary(self) -> pd.DataFrame:
+        table = summarize(self.rows())
+        atomic_write(self.dir / SUMMARY, table.to_csv(index=False))
+        return table
+
+
+def summarize(rows: list[Row]) -> pd.DataFrame:
     """``task, policy, budget, [query_mode,] n, score`` with score the mean × 100, two decimals (LongBench's
     convention); ``query_mode`` when the rows record it."""
     axes = ["task", "policy", "budget"] + (["query_mode"] if any("query_mode" in row for row in rows) else [])
@@ -134,40 +344,66 @@ def summarize(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return table[columns]
 
 
-def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tuple[int, int]:
-    """Combine run folders (typically the shards of one run) into ``out``; returns (rows written, duplicates dropped).
+# --- merging ---------------------------------------------------------------------------------------------------------
 
-    The folders must come from the same run options, shard aside. A key present in two folders is kept once; if the
-    two rows disagree on the prediction the merge is refused, since that means the runs were not the same.
+
+def _check_merge_target(out: Path, folders: list[Path]) -> None:
+    """``--out`` is a new (or empty) folder that is none of the inputs and holds none of them."""
+    target = out.resolve()
+    for folder in folders:
+        source = folder.resolve()
+        if target == source or target in source.parents:
+            relation = "is" if target == source else "contains"
+            raise PkvError(f"--out {out} {relation} the input {folder}; merge into a new folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise PkvError(f"--out {out} is not empty; merge writes a new folder and leaves existing ones alone")
+
+
+def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tuple[int, int]:
+    """Combine run folders (typically the shards of one run) into the new folder ``out``; returns (rows written,
+    duplicates dropped).
+
+    The folders must come from the same run options, shard aside, and no run may be writing them. A key present in
+    two folders is kept once; if the two rows disagree on the prediction the merge is refused, since that means the
+    runs were not the same. A merge that fails leaves no files in ``out``.
     """
-    infos = []
-    for folder in folders:
-        run_path = Path(folder) / RUN
-        if not run_path.exists():
+    out, sources = Path(out), [Path(f) for f in folders]
+    _check_merge_target(out, sources)
+    records = []
+    for folder in sources:
+        holder = FolderLock(folder).holder()
+        if holder:
+            raise PkvError(f"{folder} is being written by a running pkvbench ({holder}); merge it once that run ends")
+        if not (folder / RUN).is_file():
             raise PkvError(f"{folder} is not a run folder (no {RUN})")
-        infos.append(json.loads(run_path.read_text()))
-    base = {k: v for k, v in infos[0]["options"].items() if k != "shard"}
-    for folder, info in zip(folders, infos):
-        other = {k: v for k, v in info["options"].items() if k != "shard"}
-        if other != base:
-            changed = differing_keys(base, other)
-            raise PkvError(f"{folder} was run with other options than {folders[0]} ({', '.join(changed)} differ)")
-    if Path(out).resolve() in {Path(f).resolve() for f in folders}:
-        raise PkvError("--out must be a new folder, not one of the inputs")
-    merged: dict[tuple, dict[str, Any]] = {}
+        records.append(read_run_record(folder / RUN))
+
+    def unsharded(options: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in comparable_options(options).items() if k != "shard"}
+
+    base = unsharded(records[0]["options"])
+    for folder, record in zip(sources, records):
+        changed = differing_keys(base, unsharded(record["options"]))
+        if changed:
+            raise PkvError(f"{folder} was run with other options than {sources[0]} ({', '.join(changed)} differ)")
+    merged: dict[tuple, Row] = {}
     duplicates = 0
-    for folder in folders:
+    for folder in sources:
         for row in read_rows(folder):
             key = row_key(row)
             if key in merged:
-                if merged[key]["pred"] != row["pred"]:
+                if merged[key].get("pred") != row.get("pred"):
                     raise PkvError(f"{folder}: row {key} disagrees with an earlier folder's; not merging")
                 duplicates += 1
                 continue
             merged[key] = row
-    store = ResultStore(out)
-    info = {**infos[0], "options": base, "merged_from": [str(f) for f in folders]}
-    store.open(info, overwrite=True)
-    store.extend(list(merged.values()))
-    store.write_summary()
+    options = {k: v for k, v in records[0]["options"].items() if k != "shard"}
+    with ResultStore(out).claim(options) as store:
+        try:
+            store.record({**records[0], "options": options, "merged_from": [str(f) for f in sources]})
+            store.extend(list(merged.values()))
+            store.write_summary()
+        except BaseException:
+            store.discard()
+            raise
     return len(merged), duplicates

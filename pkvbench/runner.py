@@ -20,7 +20,7 @@ from pkvbench.metrics import METRICS, prepare_prediction
 from pkvbench.policies.base import Policy
 from pkvbench.results import ResultStore, row_key
 from pkvbench.tasks.base import Question, Sample, TaskOptions, TaskSpec
-from pkvbench.tasks.registry import build_samples
+from pkvbench.tasks.registry import build_samples, check_selection
 
 
 @dataclass
@@ -61,7 +61,11 @@ def work_items(
     tasks: list[TaskSpec], tokenizer, options: TaskOptions, shard: Shard | None = None
 ) -> list[tuple[TaskSpec, Sample]]:
     """Every (task, sample) of the run in a fixed order; a shard keeps every n-th one."""
-    items = [(task, sample) for task in tasks for sample in build_samples(task, tokenizer, options)]
+    samples = {task.name: build_samples(task, tokenizer, options) for task in tasks}
+    check_selection(tasks, samples, options)
+    items = [(task, sample) for task in tasks for sample in samples[task.name]]
+    if shard is not None and shard.index > len(items):
+        raise PkvError(f"--shard {shard}: the run has {len(items)} sample(s), none of them for this shard")
     return [item for position, item in enumerate(items) if shard is None or shard.takes(position)]
 
 

@@ -55,9 +55,15 @@ def timed(fn):
 
 
 def row(measure, context, baseline, ours, goal, note="", ratio=None):
-    return {"measure": measure, "context": context, "baseline_s": None if baseline is None else round(baseline, 3),
-            "ours_s": None if ours is None else round(ours, 3),
-            "ratio": ratio if ratio is not None else round(baseline / ours, 2), "goal": goal, "note": note}
+    return {
+        "measure": measure,
+        "context": context,
+        "baseline_s": None if baseline is None else round(baseline, 3),
+        "ours_s": None if ours is None else round(ours, 3),
+        "ratio": ratio if ratio is not None else round(baseline / ours, 2),
+        "goal": goal,
+        "note": note,
+    }
 
 
 def cells(modes=("aware",)) -> list[Cell]:
@@ -74,10 +80,22 @@ def grid_speed(engine: Engine, length: int) -> list[dict]:
     differ_alone = sum(a["pred"] != b["pred"] for a, b in zip(batched, alone))
     note = f"{len(grid)} configs; rows that differ from batched: sequential {differ_sequential}, alone {differ_alone}"
     return [
-        row("grid: each configuration alone vs one prefill + batched decoding", length, alone_s, batched_s, ">= 10x",
-            note),
-        row("grid: one prefill + sequential decoding vs + batched decoding", length, sequential_s, batched_s,
-            ">= 2.5x", f"decode-batch 1 vs auto; {differ_sequential} rows differ"),
+        row(
+            "grid: each configuration alone vs one prefill + batched decoding",
+            length,
+            alone_s,
+            batched_s,
+            ">= 10x",
+            note,
+        ),
+        row(
+            "grid: one prefill + sequential decoding vs + batched decoding",
+            length,
+            sequential_s,
+            batched_s,
+            ">= 2.5x",
+            f"decode-batch 1 vs auto; {differ_sequential} rows differ",
+        ),
     ]
 
 
@@ -94,8 +112,17 @@ def statistics_overhead(engine: Engine, length: int, repeats: int = 2) -> list[d
             _, select_s = timed(lambda: engine.compress(prefill, policy, Budget(128)))
             best = min(best, prefill.seconds + prefill.extra_seconds + select_s)
         what = "repeat passes" if spec == "kvzip" else "statistics"
-        rows.append(row(f"prefill + {what} + selection vs plain prefill ({spec})", length, plain, best, goal,
-                        f"overhead {100 * (best / plain - 1):.0f}%", ratio=round(best / plain, 3)))
+        rows.append(
+            row(
+                f"prefill + {what} + selection vs plain prefill ({spec})",
+                length,
+                plain,
+                best,
+                goal,
+                f"overhead {100 * (best / plain - 1):.0f}%",
+                ratio=round(best / plain, 3),
+            )
+        )
     return rows
 
 
@@ -105,9 +132,14 @@ def query_modes(engine: Engine, length: int) -> list[dict]:
     for label, modes in (("aware", ("aware",)), ("agnostic", ("agnostic",)), ("both", ("aware", "agnostic"))):
         _, times[label] = timed(lambda m=modes: list(run_sample(engine, task, sample, cells(m), RunSettings())))
     return [
-        row("query modes: aware + agnostic run apart vs both from one prefill", length,
-            times["aware"] + times["agnostic"], times["both"], "> 1x",
-            f"aware {times['aware']:.1f} s, agnostic {times['agnostic']:.1f} s, both {times['both']:.1f} s"),
+        row(
+            "query modes: aware + agnostic run apart vs both from one prefill",
+            length,
+            times["aware"] + times["agnostic"],
+            times["both"],
+            "> 1x",
+            f"aware {times['aware']:.1f} s, agnostic {times['agnostic']:.1f} s, both {times['both']:.1f} s",
+        ),
     ]
 
 
@@ -115,14 +147,26 @@ def memory(length: int, python: str) -> list[dict]:
     """Peak memory growth while the grid decodes, per decode-batch cap, each in a fresh process."""
     growth = {}
     for cap in ("1", "2", "4", "8", "auto"):
-        out = subprocess.run([python, __file__, "--memory-probe", cap, "--lengths", str(length)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [python, __file__, "--memory-probe", cap, "--lengths", str(length)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         growth[cap] = json.loads(out.stdout.strip().splitlines()[-1])["growth_mb"]
     within = [cap for cap in ("auto", "8", "4", "2") if growth[cap] <= 1.5 * growth["1"]]
     notes = ", ".join(f"cap {cap}: {growth[cap]:.0f} MB" for cap in growth)
-    return [row("peak memory growth while decoding: batched (auto) vs one at a time", length, None, None, "<= 1.5x",
-                f"{notes}; largest cap within 1.5x: {within[0] if within else 'none'}",
-                ratio=round(growth["auto"] / max(growth["1"], 1e-9), 2))]
+    return [
+        row(
+            "peak memory growth while decoding: batched (auto) vs one at a time",
+            length,
+            None,
+            None,
+            "<= 1.5x",
+            f"{notes}; largest cap within 1.5x: {within[0] if within else 'none'}",
+            ratio=round(growth["auto"] / max(growth["1"], 1e-9), 2),
+        )
+    ]
 
 
 def decode_memory(engine: Engine, length: int, cap: str) -> dict:
@@ -162,8 +206,17 @@ def kv_bytes(engine: Engine, length: int) -> list[dict]:
     for policy in policies:
         cache = engine.compress(prefill, policy, Budget(128))
         nominal = loaded.num_layers * 128 * entry_bytes
-        rows.append(row(f"KV bytes kept vs nominal ({policy.label})", length, None, None, "= 1",
-                        f"{cache.nbytes} B kept, nominal {nominal} B", ratio=round(cache.nbytes / nominal, 4)))
+        rows.append(
+            row(
+                f"KV bytes kept vs nominal ({policy.label})",
+                length,
+                None,
+                None,
+                "= 1",
+                f"{cache.nbytes} B kept, nominal {nominal} B",
+                ratio=round(cache.nbytes / nominal, 4),
+            )
+        )
     return rows
 
 
@@ -176,18 +229,37 @@ def decode_speed(engine: Engine, length: int, new_tokens: int = 32) -> list[dict
         cache = engine.compress(prefill, pol, Budget(128))
         decoded = min((engine.decode(prefill, cache, new_tokens) for _ in range(2)), key=lambda d: d.seconds)
         per_token[label] = decoded.seconds / max(1, len(decoded.tokens) - 1)
-    return [row("decode per token (full cache vs budget 128)", length, per_token["full"], per_token["128"], ">= 2x",
-                "seconds per token")]
+    return [
+        row(
+            "decode per token (full cache vs budget 128)",
+            length,
+            per_token["full"],
+            per_token["128"],
+            ">= 2x",
+            "seconds per token",
+        )
+    ]
 
 
 def kvpress(python: str, length: int) -> list[dict]:
     """kvpress on the same prompt and a 9-configuration grid, one pipeline call per configuration."""
-    out = subprocess.run([python, str(Path(__file__).with_name("kvpress_grid.py")), "--length", str(length)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [python, str(Path(__file__).with_name("kvpress_grid.py")), "--length", str(length)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    return [row("grid of 9 configurations: kvpress (a pipeline call each) vs pkvbench (one prefill, batched)", length,
-                result["kvpress_s"], result["pkvbench_s"], "",
-                f"kvpress {result['kvpress_version']}; {result['configs']} configs")]
+    return [
+        row(
+            "grid of 9 configurations: kvpress (a pipeline call each) vs pkvbench (one prefill, batched)",
+            length,
+            result["kvpress_s"],
+            result["pkvbench_s"],
+            "",
+            f"kvpress {result['kvpress_version']}; {result['configs']} configs",
+        )
+    ]
 
 
 @click.command()

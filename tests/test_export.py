@@ -9,9 +9,20 @@ from pkvbench.cli import main
 
 
 def row(task, sample, policy, budget, mode, score, kept=3000, length=4000):
-    return {"task": task, "sample_id": sample, "policy": policy, "budget": budget, "query_mode": mode,
-            "score": score, "pred": f"answer {sample}", "answers": ["1234567"], "budget_tokens": kept,
-            "context_tokens": length, "length": length, "model": "smollm2-135m"}
+    return {
+        "task": task,
+        "sample_id": sample,
+        "policy": policy,
+        "budget": budget,
+        "query_mode": mode,
+        "score": score,
+        "pred": f"answer {sample}",
+        "answers": ["1234567"],
+        "budget_tokens": kept,
+        "context_tokens": length,
+        "length": length,
+        "model": "smollm2-135m",
+    }
 
 
 def test_export_writes_kvpress_folders(tmp_path, capsys):

@@ -42,9 +42,11 @@ def test_accumulated_attention_from_the_kernels_logsumexp():
     gen = torch.Generator().manual_seed(2)
     query, key, value = (torch.randn(1, h, 300, 64, generator=gen) for h in (9, 3, 3))
     output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), 0.0, True, scale=0.125)[:2]
-    reference = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=0.125,
-                                                                 enable_gqa=True)
+        query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), 0.0, True, scale=0.125
+    )[:2]
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=0.125, enable_gqa=True
+    )
     assert torch.equal(output, reference)  # the same output as the sdpa call transformers makes
     sums = accumulated_from_logsumexp(query[0], key[0], logsumexp[0], 0.125)
     torch.testing.assert_close(sums, naive_attention(query[0], key[0], 0.125).sum(dim=1), rtol=1e-5, atol=1e-5)
@@ -57,8 +59,9 @@ def test_bidirectional_sums_leave_only_the_window_block_causal():
     query, key = torch.randn(4, 20, 8, generator=gen), torch.randn(2, 20, 8, generator=gen)
     logits = query @ key.repeat_interleave(2, 0).transpose(1, 2) * 0.3
     logits[:, -5:, -5:] = logits[:, -5:, -5:].masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
-    torch.testing.assert_close(bidirectional_attention_sums(query, key, 0.3, 5, chunk_bytes=64),
-                               logits.softmax(-1).sum(1))
+    torch.testing.assert_close(
+        bidirectional_attention_sums(query, key, 0.3, 5, chunk_bytes=64), logits.softmax(-1).sum(1)
+    )
 
 
 def test_future_query_statistics_rotate_the_mean_and_covariance():

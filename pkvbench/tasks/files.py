@@ -6,6 +6,8 @@ import hashlib
 from functools import cache
 from pathlib import Path
 
+from pkvbench.io import os_error
+
 
 @cache
 def _sha256(path: str, size: int, mtime_ns: int) -> str:  # size and mtime key the cache: a changed file is rehashed
@@ -17,5 +19,8 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:  # size and mtime key t
 
 
 def file_sha256(path: Path) -> str:
-    stat = path.stat()
-    return _sha256(str(path), stat.st_size, stat.st_mtime_ns)
+    try:
+        stat = path.stat()
+        return _sha256(str(path), stat.st_size, stat.st_mtime_ns)
+    except OSError as exc:  # unreadable (permissions), or gone since it was found
+        raise os_error(path, exc, "read") from None

@@ -29,6 +29,11 @@ DATA_HINT = (
 REQUIRED_FIELDS = ("input", "context", "answers", "_id")
 
 
+def is_string_list(value: Any) -> bool:
+    """A list of strings, or nothing (null): LongBench's ``all_classes`` and ``answers``."""
+    return value is None or (isinstance(value, list) and all(isinstance(item, str) for item in value))
+
+
 def _note(message: str) -> None:
     print(f"pkvbench: note: {message}", file=sys.stderr)
 
@@ -66,6 +71,8 @@ def check_row(row: Any, where: str) -> None:
         )
     if not isinstance(row["answers"], list):
         raise PkvError(f"{where}: 'answers' must be a list of strings")
+    if not is_string_list(row.get("all_classes")):
+        raise PkvError(f"{where}: 'all_classes' must be a list of strings (or null)")
 
 
 def local_rows(spec: TaskSpec, data_dir: str, verify: bool) -> list[dict[str, Any]]:

@@ -100,7 +100,13 @@ class NeedlePrompts:
 
         # The prompt is not exactly context + overhead tokens (merges at the seams), so correct the context size
         # until the prompt length is right, or as close as token merges allow.
-        context_tokens = max(0, length - prompt_tokens(0))
+        overhead = prompt_tokens(0)
+        if overhead > length:
+            raise PkvError(
+                f"{self.spec.name}: --lengths {length} is too short; the prompt without any haystack (instructions, "
+                f"needles, question) already takes {overhead} tokens, so ask for at least {overhead}"
+            )
+        context_tokens = length - overhead
         for _ in range(4):
             size = prompt_tokens(context_tokens)
             if size == length or context_tokens == 0:
@@ -126,38 +132,33 @@ class NeedlePrompts:
 
 def needle_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]:
     """One needle at each length × depth; or, for a task with several needles (``needles`` and their depth
-    ``slots``), at each length every rotation of the needles over the slots, each needle asked in its own question."""
+    ``slots``), at each length every rotation of the needles over the slots, each needle asked in its own question.
+    ``--sample-id`` and ``--limit`` choose among them before any prompt is built."""
     config = spec.config
     lengths = options.lengths or tuple(config["defaults"]["lengths"])
-    haystack = haystack_text(config["haystack"]["distribution"], config["haystack"]["folder"])
-    # A few characters per token suffice; tokenize only the head of the haystack we can use.
-    needed_chars = max(lengths) * 8
-    if len(haystack) < needed_chars:
-        haystack = haystack * (needed_chars // len(haystack) + 1)
-    prompts = NeedlePrompts(tokenizer, spec, tokenizer(haystack[:needed_chars], add_special_tokens=False)["input_ids"])
     needles = needles_of(config)
+    plans = []  # (sample id, length, [(needle, depth)], extras)
     if len(needles) == 1:
-        depths = options.depths or tuple(config["defaults"]["depths"])
-        grid = [(length, depth) for length in lengths for depth in depths]
-        samples = [
-            prompts.sample(
-                f"len{length}_depth{depth:g}", length, [(needles[0], depth)], {"length": length, "depth": depth}
-            )
-            for length, depth in grid
-        ]
+        for length in lengths:
+            for depth in options.depths or tuple(config["defaults"]["depths"]):
+                plans.append(
+                    (f"len{length}_depth{depth:g}", length, [(needles[0], depth)], {"length": length, "depth": depth})
+                )
     else:
         slots = [float(d) for d in options.depths or config["slots"]]
         if len(slots) != len(needles):
             raise PkvError(f"{spec.name} hides {len(needles)} needles: give as many depths (--depths), one per needle")
-        samples = []
         for length in lengths:
             for rotation in range(len(needles)):
                 placed = [(needle, slots[(index + rotation) % len(slots)]) for index, needle in enumerate(needles)]
-                samples.append(
-                    prompts.sample(
-                        f"len{length}_rot{rotation}", length, placed, {"length": length, "rotation": rotation}
-                    )
-                )
-    if options.sample_ids is not None:
-        samples = [s for s in samples if s.sample_id in set(options.sample_ids)]
-    return samples[: options.limit] if options.limit else samples
+                plans.append((f"len{length}_rot{rotation}", length, placed, {"length": length, "rotation": rotation}))
+    plans = [plan for plan in plans if options.sample_ids is None or plan[0] in options.sample_ids][: options.limit]
+    if not plans:
+        return []
+    haystack = haystack_text(config["haystack"]["distribution"], config["haystack"]["folder"])
+    # A few characters per token suffice; tokenize only the head of the haystack we can use.
+    needed_chars = max(length for _, length, _, _ in plans) * 8
+    if len(haystack) < needed_chars:
+        haystack = haystack * (needed_chars // len(haystack) + 1)
+    prompts = NeedlePrompts(tokenizer, spec, tokenizer(haystack[:needed_chars], add_special_tokens=False)["input_ids"])
+    return [prompts.sample(*plan) for plan in plans]

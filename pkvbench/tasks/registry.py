@@ -34,26 +34,44 @@ ENV_VAR = "PKVBENCH_TASKS"
 
 @dataclass(frozen=True)
 class Generator:
-    """How a task's samples are made, and the keys its YAML must have for that."""
+    """How a task's samples are made, the keys its YAML must have for that, the sample options that shape its
+    prompts (``TaskOptions`` fields: ``lengths`` and ``depths`` for generated prompts, ``max_length`` for data whose
+    prompts are cut to fit) and what its sample ids look like."""
 
     build: Callable[[Any, TaskSpec, TaskOptions], list[Sample]]
     keys: tuple[str | tuple[str, ...], ...]  # a tuple entry: one of these keys
+    shaped_by: tuple[str, ...]
+    ids: str
 
 
 _RULER = ("template", "answer_prefix", "defaults")
+_NUMBERED = "len<length>_<n>"
 GENERATORS: dict[str, Generator] = {
-    "needle": Generator(needle_samples, ("haystack", ("needle", "needles"), "prompt", "defaults")),
-    "longbench": Generator(longbench_samples, ("dataset", "prompt")),
-    "ruler_niah": Generator(
-        niah_samples, (*_RULER, "haystack", "key_type", "value_type", "num_keys", "num_values", "num_queries", "needle")
+    "needle": Generator(
+        needle_samples,
+        ("haystack", ("needle", "needles"), "prompt", "defaults"),
+        ("lengths", "depths"),
+        "len<length>_depth<depth> (several needles: len<length>_rot<rotation>)",
     ),
-    "ruler_vt": Generator(vt_samples, (*_RULER, "noise", "num_chains", "num_hops")),
-    "ruler_cwe": Generator(cwe_samples, (*_RULER, "num_cw", "short", "long")),
-    "ruler_fwe": Generator(fwe_samples, (*_RULER, "alpha", "coded_wordlen")),
+    "longbench": Generator(longbench_samples, ("dataset", "prompt"), ("max_length",), "the _id of a data row"),
+    "ruler_niah": Generator(
+        niah_samples,
+        (*_RULER, "haystack", "key_type", "value_type", "num_keys", "num_values", "num_queries", "needle"),
+        ("lengths",),
+        _NUMBERED,
+    ),
+    "ruler_vt": Generator(vt_samples, (*_RULER, "noise", "num_chains", "num_hops"), ("lengths",), _NUMBERED),
+    "ruler_cwe": Generator(cwe_samples, (*_RULER, "num_cw", "short", "long"), ("lengths",), _NUMBERED),
+    "ruler_fwe": Generator(fwe_samples, (*_RULER, "alpha", "coded_wordlen"), ("lengths",), _NUMBERED),
     "trec_fewshot": Generator(
-        trec_samples, ("train_file", "test_file", "prompt", "example", "input", "classes", "defaults")
+        trec_samples,
+        ("train_file", "test_file", "prompt", "example", "input", "classes", "defaults"),
+        ("lengths",),
+        _NUMBERED,
     ),
 }
+# The command-line flag of each sample option a generator can be shaped by.
+SAMPLE_OPTION_FLAGS = {"lengths": "--lengths", "depths": "--depths", "max_length": "--max-length"}
 
 # key: (accepted types, required)
 _COMMON_KEYS: dict[str, tuple[tuple[type, ...], bool]] = {
@@ -113,6 +131,7 @@ def validate(raw: Any, where: str) -> TaskSpec:
         raise PkvError(f"task file {where}: max_new_tokens must be at least 1 and min_new_tokens not negative")
     if not all(isinstance(s, str) for s in raw.get("stop_strings") or ()):
         raise PkvError(f"task file {where}: stop_strings must be a list of strings")
+    _check_defaults(raw, generator, where)
     return TaskSpec(
         name=raw["name"],
         description=raw["description"],
@@ -128,6 +147,29 @@ def validate(raw: Any, where: str) -> TaskSpec:
         prompt_hash=prompt_hash(raw),
         source=where,
     )
+
+
+def _check_defaults(raw: dict[str, Any], generator: Generator, where: str) -> None:
+    """The default lengths (prompt tokens) and depths (percent) of a generator shaped by them."""
+    defaults = raw.get("defaults")
+    if "lengths" not in generator.shaped_by:
+        return
+    if not isinstance(defaults, dict):
+        raise PkvError(f"task file {where}: 'defaults' must be a mapping (lengths: [...], ...)")
+    lengths = defaults.get("lengths")
+    if not isinstance(lengths, list) or not lengths or not all(type(n) is int and n > 0 for n in lengths):
+        raise PkvError(f"task file {where}: defaults.lengths must be a list of positive integers (prompt tokens)")
+    if "depths" in generator.shaped_by:
+        # One needle: the default depths; several: one depth (slot) per needle.
+        name, depths = ("slots", raw.get("slots")) if "needles" in raw else ("defaults.depths", defaults.get("depths"))
+        if (
+            not isinstance(depths, list)
+            or not depths
+            or not all(type(d) in (int, float) and 0 <= d <= 100 for d in depths)
+            or ("needles" in raw and len(depths) != len(raw["needles"]))
+        ):
+            what = "one per needle" if "needles" in raw else "a list"
+            raise PkvError(f"task file {where}: {name} must be {what} of numbers from 0 to 100 (percent)")
 
 
 def _yaml_files(root) -> Iterator:
@@ -229,3 +271,44 @@ def expand_tasks(names: list[str], include_paths: tuple[str, ...] = ()) -> list[
 
 def build_samples(spec: TaskSpec, tokenizer, options: TaskOptions) -> list[Sample]:
     return GENERATORS[spec.generator].build(tokenizer, spec, options)
+
+
+def check_sample_options(tasks: list[TaskSpec], options: TaskOptions) -> None:
+    """A sample option that none of the tasks is shaped by would be ignored without a word: refuse it."""
+    taken = {option for task in tasks for option in GENERATORS[task.generator].shaped_by}
+    for option, flag in SAMPLE_OPTION_FLAGS.items():
+        if getattr(options, option) is not None and option not in taken:
+            users = [name for name, g in GENERATORS.items() if option in g.shaped_by]
+            raise PkvError(
+                f"{flag} shapes none of the tasks asked for ({', '.join(t.name for t in tasks)}); it shapes the "
+                f"tasks made by the generators {', '.join(users)} (see `pkvbench list`)"
+            )
+
+
+def requested_prompt_tokens(spec: TaskSpec, options: TaskOptions) -> list[tuple[int, str]]:
+    """The prompt sizes a task's samples are asked for, each with how it was asked: ``--lengths`` (or the task's
+    default lengths) for generated prompts, ``--max-length`` for data cut to fit. Data a task reads at its own
+    length (LongBench without --max-length) is cut to the model's window by the task itself."""
+    shaped_by = GENERATORS[spec.generator].shaped_by
+    asked = []
+    if "lengths" in shaped_by:
+        how = "--lengths" if options.lengths else f"{spec.name}'s default length"
+        asked += [(length, how) for length in options.lengths or spec.config["defaults"]["lengths"]]
+    if "max_length" in shaped_by and options.max_length is not None:
+        asked.append((options.max_length, "--max-length"))
+    return asked
+
+
+def check_selection(tasks: list[TaskSpec], samples: dict[str, list[Sample]], options: TaskOptions) -> None:
+    """Every ``--sample-id`` names a sample of one of the tasks, and a task with no sample selection has samples
+    (an empty data file runs nothing, which should not pass for a result)."""
+    if options.sample_ids is None:
+        for task in tasks:
+            if not samples[task.name]:
+                raise PkvError(f"{task.name} has no samples to run (is its data file empty?)")
+        return
+    known = {sample.sample_id for found in samples.values() for sample in found}
+    unknown = [sample_id for sample_id in options.sample_ids if sample_id not in known]
+    if unknown:
+        forms = "; ".join(f"{task.name}: {GENERATORS[task.generator].ids}" for task in tasks)
+        raise PkvError(f"--sample-id {', '.join(unknown)}: no such sample (sample ids are {forms})")

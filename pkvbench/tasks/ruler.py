@@ -147,9 +147,9 @@ def fit_length(build: Callable[[int], list[int]], length: int, low: int, high: i
             memo[n] = build(n)
         return memo[n]
 
-    if len(at(low)) >= length:
+    if len(at(low)) >= length or low >= high:
         return low, at(low)
-    lo, hi = low, max(low + 1, 2 * low, 8)
+    lo, hi = low, min(max(low + 1, 2 * low, 8), high)
     while len(at(hi)) <= length:
         if hi >= high:
             return hi, at(hi)
@@ -196,6 +196,11 @@ def fit_drawn(
             if len(at(center)) > (1 + TOLERANCE) * length and center == low:
                 raise PkvError(
                     f"{what}: --lengths {length} is too short; the prompt needs at least {len(at(low))} tokens"
+                )
+            if len(at(center)) < (1 - TOLERANCE) * length and center == high:
+                raise PkvError(
+                    f"{what}: --lengths {length} is more than its material can fill; all of it makes a prompt of "
+                    f"{len(at(high))} tokens"
                 )
         for n in (center, center - 1, center + 1):
             if low <= n <= high:

@@ -7,7 +7,21 @@ from typing import Any
 
 from pkvbench.errors import PkvError
 from pkvbench.metrics import LENGTH_BUCKETS, METRICS, dataset_score, length_bucket, prepare_prediction
+from pkvbench.tasks.longbench import is_string_list
 from pkvbench.tasks.registry import all_tasks
+
+
+def _check_fields(row: dict[str, Any], where: str) -> None:
+    """The fields scoring reads, of the types it reads them as."""
+    if not isinstance(row.get("pred"), str) or row.get("answers") is None or not is_string_list(row["answers"]):
+        raise PkvError(f"{where}: needs 'pred' (a string) and 'answers' (a list of strings)")
+    if not is_string_list(row.get("all_classes")):
+        raise PkvError(f"{where}: 'all_classes' must be a list of strings, got {row['all_classes']!r}")
+    if not isinstance(row.get("policy", ""), str):
+        raise PkvError(f"{where}: 'policy' must be a string, got {row['policy']!r}")
+    budget = row.get("budget", 0)
+    if not isinstance(budget, (int, float, str)) or isinstance(budget, bool):
+        raise PkvError(f"{where}: 'budget' must be a number or a label, got {budget!r}")
 
 
 def score_rows(
@@ -26,11 +40,12 @@ def score_rows(
         name = row.get("dataset") or row.get("task") or default_dataset
         if not name:
             raise PkvError(f"{where}, line {number}: no dataset (give each line a 'dataset' field, or pass --dataset)")
+        if not isinstance(name, str):
+            raise PkvError(f"{where}, line {number}: the dataset must be a name (a string), got {name!r}")
         spec = tasks.get(name)
         if spec is None:
             raise PkvError(f"{where}, line {number}: unknown dataset {name!r}; valid: {', '.join(tasks)}")
-        if not isinstance(row.get("pred"), str) or not isinstance(row.get("answers"), list):
-            raise PkvError(f"{where}, line {number}: needs 'pred' (a string) and 'answers' (a list of strings)")
+        _check_fields(row, f"{where}, line {number}")
         meta = {"all_classes": list(row.get("all_classes") or [])}
         score = METRICS[spec.metric](prepare_prediction(row["pred"], spec.postprocess), row["answers"], meta)
         scored.append({**row, "score": score})

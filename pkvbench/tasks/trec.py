@@ -15,6 +15,7 @@ from functools import cache
 from pathlib import Path
 
 from pkvbench.errors import PkvError
+from pkvbench.io import os_error
 from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec, context_length, format_at_context
 from pkvbench.tasks.files import file_sha256
 from pkvbench.tasks.ruler import fit_drawn
@@ -23,8 +24,12 @@ from pkvbench.tasks.ruler import fit_drawn
 @cache
 def read_trec(path: str) -> tuple[tuple[str, str], ...]:
     """(fine label, question) pairs of a TREC ``.label`` file."""
+    try:
+        text = Path(path).read_text(encoding="latin-1")  # every byte is a Latin-1 character: no decoding error
+    except OSError as exc:
+        raise os_error(path, exc, "read") from None
     pairs = []
-    for number, line in enumerate(Path(path).read_text(encoding="latin-1").splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         label, _, question = line.strip().partition(" ")
@@ -90,7 +95,9 @@ def trec_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample
                 text, context_end = format_at_context(template, context=context, input=query.format(question=question))
                 return list(tokenizer(text)["input_ids"]), (text, context_end)
 
-            ids, (text, context_end) = fit_drawn(build, length, 0, len(train), spec.name)
+            ids, (text, context_end) = fit_drawn(
+                build, length, 0, len(train), f"{spec.name} ({len(train)} training questions)"
+            )
             context_len = context_length(tokenizer, ids, None, text, context_end)
             samples.append(
                 Sample.one_question(
