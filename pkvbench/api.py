@@ -294,29 +294,43 @@ class ResolvedRun:
     def recorded_options(self) -> dict[str, Any]:
         """``run.json``'s ``options``: what makes two runs the same run (resuming under others is refused). The
         executor and its settings are not among them: another executor may resume a run."""
-        c, o = self.config, self.options
-        recorded = {
-            "model": c.model,
-            "device": c.device,
-            "dtype": c.dtype,
-            "attn_implementation": c.attn_implementation,
-            "tasks": [t.name for t in self.tasks],
-            "policies": [p.label for p in self.policies],
-            "budgets": [b.recorded for b in self.budgets],
-            "lengths": o.lengths,
-            "depths": o.depths,
-            "limit": o.limit,
-            "seed": o.seed,
-            "max_new_tokens": c.max_new_tokens,
-            "data_dir": o.data_dir,
-            "max_length": o.max_length,
-            "sample_ids": o.sample_ids,
-            "shard": str(self.shard) if self.shard else None,
-            "task_versions": {t.name: t.identity for t in self.tasks},
-            "protocol": c.protocol,
-            "query_modes": self.query_modes,
-        }
-        return json.loads(json.dumps(recorded))  # tuples → lists, as they read back from run.json
+        c = self.config
+        return recorded(
+            c,
+            self.tasks,
+            self.options,
+            {
+                "policies": [p.label for p in self.policies],
+                "budgets": [b.recorded for b in self.budgets],
+                "max_new_tokens": c.max_new_tokens,
+                "shard": str(self.shard) if self.shard else None,
+                "protocol": c.protocol,
+                "query_modes": self.query_modes,
+            },
+        )
+
+
+def recorded(
+    config: RunConfig | FunnelConfig, tasks: list[TaskSpec], options: TaskOptions, own: dict[str, Any]
+) -> dict[str, Any]:
+    """What ``run.json`` / ``funnel.json`` record as the options: the model, tasks and samples, and the command's
+    ``own`` options. As JSON reads them back (tuples are lists)."""
+    common = {
+        "model": config.model,
+        "device": config.device,
+        "dtype": config.dtype,
+        "attn_implementation": config.attn_implementation,
+        "tasks": [t.name for t in tasks],
+        "lengths": options.lengths,
+        "depths": options.depths,
+        "limit": options.limit,
+        "seed": options.seed,
+        "data_dir": options.data_dir,
+        "max_length": options.max_length,
+        "sample_ids": options.sample_ids,
+        "task_versions": {t.name: t.identity for t in tasks},
+    }
+    return json.loads(json.dumps({**common, **own}))
 
 
 def task_options(config: RunConfig | FunnelConfig) -> TaskOptions:
@@ -521,35 +535,14 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
     check_model_name(config.model)
     options = fit_to_model(config.model, tasks, options, None, decodes=False)
     out = Path(config.out) if config.out is not None else default_out("funnel", config.model, tasks)
-    recorded = json.loads(
-        json.dumps(
-            {
-                "model": config.model,
-                "device": config.device,
-                "dtype": config.dtype,
-                "attn_implementation": config.attn_implementation,
-                "tasks": [t.name for t in tasks],
-                "lengths": options.lengths,
-                "depths": options.depths,
-                "limit": options.limit,
-                "seed": options.seed,
-                "data_dir": options.data_dir,
-                "max_length": options.max_length,
-                "sample_ids": options.sample_ids,
-                "window": config.window,
-                "sink": config.sink,
-                "top_k": config.top_k,
-                "task_versions": {t.name: t.identity for t in tasks},
-            }
-        )
-    )
+    record = recorded(config, tasks, options, {"window": config.window, "sink": config.sink, "top_k": config.top_k})
     store = funnel.funnel_store(out)
-    with store.claim(recorded, overwrite=config.overwrite):  # as evaluate: checked now, changed after the load
+    with store.claim(record, overwrite=config.overwrite):  # as evaluate: checked now, changed after the load
         make_deterministic(config.seed)
         loaded = load_model(
             config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation
         )
-        store.record({"options": recorded, "model": loaded.describe(), **provenance(config.seed)})
+        store.record({"options": record, "model": loaded.describe(), **provenance(config.seed)})
         engine = Engine(loaded)
         items = work_items(tasks, engine.tokenizer, options)
         stats = funnel.run_funnel(engine, items, store, config.window, config.sink, config.top_k, quiet=config.quiet)

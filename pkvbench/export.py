@@ -60,20 +60,10 @@ def compression_ratio(budget: str, rows: pd.DataFrame) -> float:
 
 
 def dataset_name(tasks: list[str]) -> str:
-    ruler = {
-        "niah_single_1",
-        "niah_single_2",
-        "niah_single_3",
-        "niah_multikey_1",
-        "niah_multikey_2",
-        "niah_multikey_3",
-        "niah_multivalue",
-        "niah_multiquery",
-        "vt",
-        "cwe",
-        "fwe",
-    }
-    return "ruler" if set(tasks) <= ruler else "+".join(sorted(set(tasks)))
+    """kvpress's dataset name: ``ruler`` for RULER tasks (the task group), else the tasks joined."""
+    from pkvbench.tasks.registry import task_groups
+
+    return "ruler" if set(tasks) <= set(task_groups()["ruler"]) else "+".join(sorted(set(tasks)))
 
 
 def export_kvpress(runs: Runs, out: str | Path) -> list[Path]:

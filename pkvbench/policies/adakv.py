@@ -18,25 +18,12 @@ Heads keep different numbers of entries: ``select`` returns a keep mask ``[heads
 padded to its fullest head, masked (``kv_bytes`` counts the padding, ``kv_entries`` what is kept).
 """
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass
 
 import torch
 
-from pkvbench.policies.base import LayerStats, Needs, Policy, ScoringPolicy, keep_all
-
-
-def full_scores(policy: ScoringPolicy, stats: LayerStats) -> torch.Tensor:
-    """``[heads, T]`` scores of a scoring policy with what it always keeps (its recent window) at +inf."""
-    scores = policy.score(stats).float()
-    length = stats.context_len
-    if scores.shape[1] < length:  # the policy left out the window's scores
-        scores = torch.cat([scores, scores.new_zeros(scores.shape[0], length - scores.shape[1])], dim=1)
-    else:
-        scores = scores.clone()
-    if policy.keeps_recent:
-        scores[:, length - policy.keeps_recent :] = float("inf")
-    return scores
+from pkvbench.policies.base import LayerStats, keep_all, top_mask
+from pkvbench.policies.wrapper import Wrapper, full_scores
 
 
 def value_output_norms(stats: LayerStats) -> torch.Tensor:
@@ -52,11 +39,9 @@ def value_output_norms(stats: LayerStats) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class AdaKV(Policy):
+class AdaKV(Wrapper):
     name = "adakv"
     summary = "head-wise budgets: the layer's top H·k scores of the inner policy over all heads (floor alpha·k)"
-    wraps: ClassVar[bool] = True
-    inner: ScoringPolicy | None = field(default=None, compare=True)
     alpha: float = 0.2
     critical: bool = False
     epsilon: float = 1e-4
@@ -64,25 +49,8 @@ class AdaKV(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.inner, ScoringPolicy):
-            raise ValueError("adakv wraps a scoring policy: write adakv(snapkv), adakv(pyramidkv:window=32), …")
-        if getattr(self.inner, "gqa", None) == "query":
-            raise ValueError(
-                "adakv shares a budget among KV heads: its inner policy cannot keep one set per query head"
-            )
         if not 0 <= self.alpha <= 1 or not 0 <= self.first_stage_ratio <= 1:
             raise ValueError("adakv: alpha and first_stage_ratio are fractions (0..1)")
-
-    @property
-    def needs(self) -> Needs:
-        return self.inner.needs
-
-    @property
-    def min_budget(self) -> int:
-        return self.inner.min_budget
-
-    def layer_budgets(self, k: int, context_len: int, num_layers: int) -> list[int]:
-        return self.inner.layer_budgets(k, context_len, num_layers)
 
     def select(self, stats: LayerStats, k: int) -> torch.Tensor:
         length, heads = stats.context_len, stats.num_kv_heads
@@ -93,9 +61,9 @@ class AdaKV(Policy):
         if floor:
             top = torch.topk(scores, floor, dim=-1).indices
             scores.scatter_(1, top, float("inf"))
-        shares = _top_mask(scores, heads * k).sum(dim=1)  # the layer's top H·k: how many fall in each head
+        shares = top_mask(scores, heads * k).sum(dim=1)  # the layer's top H·k: how many fall in each head
         if not self.critical:
-            return _top_mask(scores, heads * k)
+            return top_mask(scores, heads * k)
         norms = value_output_norms(stats)
         weighted = (scores.clamp(max=torch.finfo(torch.float32).max) + self.epsilon) * norms
         keep = torch.zeros_like(scores, dtype=torch.bool)
@@ -106,28 +74,3 @@ class AdaKV(Policy):
             rest = weighted[head].masked_fill(keep[head], float("-inf"))
             keep[head, torch.sort(rest, descending=True, stable=True).indices[: int(shares[head]) - first]] = True
         return keep
-
-    @property
-    def label(self) -> str:
-        return wrapper_label(self)
-
-
-def _top_mask(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """The ``count`` highest of all heads' scores together, as a keep mask (ties to the earlier head, position)."""
-    flat = torch.sort(scores.flatten(), descending=True, stable=True).indices[:count]
-    mask = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
-    mask[flat] = True
-    return mask.view_as(scores)
-
-
-def wrapper_label(policy: Policy) -> str:
-    """``name(inner label)`` plus the wrapper's own options that differ from their defaults."""
-    import dataclasses
-
-    own = [f for f in dataclasses.fields(policy) if f.name not in ("inner", "ties")]
-    changed = [
-        f"{f.name}={str(getattr(policy, f.name)).lower() if isinstance(getattr(policy, f.name), bool) else getattr(policy, f.name)}"
-        for f in own
-        if getattr(policy, f.name) != f.default
-    ]
-    return ":".join([f"{policy.name}({policy.inner.label})", *changed])

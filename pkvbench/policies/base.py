@@ -151,6 +151,14 @@ def top_positions(scores: torch.Tensor, count: int, ties: str = "stable") -> tor
     return best_positions(scores, count, ties).sort(dim=-1).values
 
 
+def top_mask(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` highest of all heads' scores together, as a keep mask (ties to the earlier head, position)."""
+    flat = torch.sort(scores.flatten(), descending=True, stable=True).indices[:count]
+    mask = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
+    mask[flat] = True
+    return mask.view_as(scores)
+
+
 def keep_all(length: int, heads: int, device: torch.device | None = None) -> torch.Tensor:
     return torch.arange(length, device=device).expand(heads, length)
 

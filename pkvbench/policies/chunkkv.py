@@ -8,42 +8,26 @@ the best chunks are kept whole, the same positions for every head. This is kvpre
 while they fit, so a layer keeps between k − chunk_length + 1 and k entries per head (``kv_kept`` records it).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from pkvbench.policies.adakv import full_scores, wrapper_label
-from pkvbench.policies.base import LayerStats, Needs, Policy, ScoringPolicy, keep_all
+from pkvbench.policies.base import LayerStats, keep_all
+from pkvbench.policies.wrapper import Wrapper, full_scores
 
 
 @dataclass(frozen=True)
-class ChunkKV(Policy):
+class ChunkKV(Wrapper):
     name = "chunkkv"
     summary = "whole chunks of chunk_length tokens, ranked by the inner policy's mean score summed over heads"
-    wraps: ClassVar[bool] = True
     exact_count: ClassVar[bool] = False  # whole chunks: up to chunk_length - 1 fewer than k
     positive = ("chunk_length",)
-    inner: ScoringPolicy | None = field(default=None, compare=True)
     chunk_length: int = 20
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.inner, ScoringPolicy):
-            raise ValueError("chunkkv wraps a scoring policy: write chunkkv(snapkv), …")
-        if getattr(self.inner, "gqa", None) == "query":
-            raise ValueError("chunkkv keeps the same chunks in every head: its inner policy cannot use gqa=query")
-
-    @property
-    def needs(self) -> Needs:
-        return self.inner.needs
 
     @property
     def min_budget(self) -> int:
         return max(self.inner.min_budget, self.chunk_length)
-
-    def layer_budgets(self, k: int, context_len: int, num_layers: int) -> list[int]:
-        return self.inner.layer_budgets(k, context_len, num_layers)
 
     def select(self, stats: LayerStats, k: int) -> torch.Tensor:
         length, heads = stats.context_len, stats.num_kv_heads
@@ -66,7 +50,3 @@ class ChunkKV(Policy):
             return best.sort().values.expand(heads, -1)
         positions = torch.cat([torch.arange(int(starts[c]), int(starts[c] + sizes[c])) for c in sorted(kept)])
         return positions.expand(heads, -1)
-
-    @property
-    def label(self) -> str:
-        return wrapper_label(self)

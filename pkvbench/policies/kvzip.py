@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pkvbench.policies.adakv import _top_mask
-from pkvbench.policies.base import LayerStats, Needs, Policy, keep_all
+from pkvbench.policies.base import LayerStats, Needs, Policy, keep_all, top_mask
 
 
 @dataclass(frozen=True)
@@ -31,11 +30,11 @@ class KVzip(Policy):
     def select(self, stats: LayerStats, k: int) -> torch.Tensor:
         if k >= stats.context_len:
             return keep_all(stats.context_len, stats.num_kv_heads)
-        return _top_mask(stats.reconstruction_scores(self.chunk).float(), stats.num_kv_heads * k)
+        return top_mask(stats.reconstruction_scores(self.chunk).float(), stats.num_kv_heads * k)
 
     def select_layers(self, stats: list[LayerStats], budgets: list[int]) -> list[torch.Tensor]:
         if self.layerwise or not stats:
             return super().select_layers(stats, budgets)
         scores = torch.stack([s.reconstruction_scores(self.chunk).float() for s in stats])  # [L, H, T]
-        kept = _top_mask(scores.flatten(0, 1), sum(s.num_kv_heads * k for s, k in zip(stats, budgets)))
+        kept = top_mask(scores.flatten(0, 1), sum(s.num_kv_heads * k for s, k in zip(stats, budgets)))
         return list(kept.view_as(scores))

@@ -1,0 +1,62 @@
+"""What policies built on another policy's scores share (``adakv(snapkv)``, ``chunkkv(snapkv)``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from pkvbench.policies.base import LayerStats, Needs, Policy, ScoringPolicy
+
+
+def full_scores(policy: ScoringPolicy, stats: LayerStats) -> torch.Tensor:
+    """``[heads, T]`` scores of a scoring policy with what it always keeps (its recent window) at +inf."""
+    scores = policy.score(stats).float()
+    length = stats.context_len
+    if scores.shape[1] < length:  # the policy left out the window's scores
+        scores = torch.cat([scores, scores.new_zeros(scores.shape[0], length - scores.shape[1])], dim=1)
+    else:
+        scores = scores.clone()
+    if policy.keeps_recent:
+        scores[:, length - policy.keeps_recent :] = float("inf")
+    return scores
+
+
+@dataclass(frozen=True)
+class Wrapper(Policy):
+    """A policy built on a scoring policy's scores (``name(inner)``): it records what the inner policy needs and
+    takes its per-layer budgets and floor; it chooses per KV head, so the inner policy cannot keep query heads."""
+
+    wraps: ClassVar[bool] = True
+    inner: ScoringPolicy | None = field(default=None, compare=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.inner, ScoringPolicy):
+            raise ValueError(f"{self.name} wraps a scoring policy: write {self.name}(snapkv), {self.name}(knorm), …")
+        if getattr(self.inner, "gqa", None) == "query":
+            raise ValueError(f"{self.name} chooses per KV head: its inner policy cannot keep one set per query head")
+
+    @property
+    def needs(self) -> Needs:
+        return self.inner.needs
+
+    @property
+    def min_budget(self) -> int:
+        return self.inner.min_budget
+
+    def layer_budgets(self, k: int, context_len: int, num_layers: int) -> list[int]:
+        return self.inner.layer_budgets(k, context_len, num_layers)
+
+    @property
+    def label(self) -> str:
+        """``name(inner label)`` plus the wrapper's own options that differ from their defaults."""
+        own = [f for f in dataclasses.fields(self) if f.name != "inner"]
+        changed = [f"{f.name}={_text(getattr(self, f.name))}" for f in own if getattr(self, f.name) != f.default]
+        return ":".join([f"{self.name}({self.inner.label})", *changed])
+
+
+def _text(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
