@@ -167,6 +167,29 @@ def _default_policies() -> str:
     metavar="NAME=VALUE",
     help="Option for every policy that has it (window, sink, kernel, pooling, beta, gqa, scores, normalize). Repeatable.",
 )
+@click.option(
+    "--protocol",
+    type=click.Choice(["exact", "reference"]),
+    default="exact",
+    show_default=True,
+    help="exact: every policy keeps exactly L·k entries per KV head; reference: select as the PyramidKV paper's code "
+    "did (one set per query head, its PyramidKV budgets, topk ties; docs/protocol.md).",
+)
+@click.option(
+    "--query-mode",
+    "query_modes",
+    default="aware",
+    show_default=True,
+    help="Where the question is: aware (inside the compressed prompt, the paper's protocol), agnostic (added after "
+    "the context is compressed; one compressed context answers every question), or aware,agnostic.",
+)
+@click.option(
+    "--task-arg",
+    "task_args",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Task setting for every task (chat_template=false, min_new_tokens=1, stop_strings=[]). Repeatable.",
+)
 @sample_options
 @model_options
 @click.option("--max-new-tokens", type=int, help="Override the task's answer length.")
