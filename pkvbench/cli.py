@@ -213,6 +213,12 @@ def _default_policies() -> str:
 )
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option(
+    "--html",
+    "html_file",
+    type=click.Path(dir_okay=False),
+    help="At the end, also write the run's report as one self-contained HTML page (as `report --html`).",
+)
+@click.option(
     "--executor",
     type=click.Choice(["local", "ray"]),
     default="local",
@@ -248,6 +254,11 @@ def run(**options) -> None:
     """
     from pkvbench.api import RunConfig, evaluate
 
+    html_file = options.pop("html_file")
+    if html_file:
+        from pkvbench.html_report import check_html_target
+
+        check_html_target(html_file)  # before the run: a bad path must not cost the run
     result = evaluate(RunConfig(**options))
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
@@ -260,6 +271,8 @@ def run(**options) -> None:
         f"{stats.written} rows written, {stats.skipped} already done, {stats.prefills} prefills{lost}, "
         f"{stats.seconds:.1f} s → {out}/samples.jsonl, {out}/summary.csv"
     )
+    if html_file:
+        _write_html_report([out], html_file)
 
 
 @cli.command()
@@ -336,15 +349,46 @@ def budgets(policy, budget, policy_args, layers, context, protocol, as_json, plo
 @click.option(
     "--out", "out_file", type=click.Path(dir_okay=False), help="Write the table to this file instead of stdout."
 )
-def report(folders, fmt, out_file) -> None:
-    """One table from run folders: rows model × policy × budget, a column per task (score × 100), LongBench-E
-    length buckets, avg (mean over tasks; missing if a task is), tasks filled and n samples. Missing cells stay
-    missing. A folder above run folders is searched for them."""
+@click.option(
+    "--intervals/--no-intervals",
+    default=True,
+    show_default=True,
+    help="Each score with its 95%% bootstrap interval over samples (Markdown/LaTeX: in the cell; CSV: columns).",
+)
+@click.option(
+    "--power",
+    type=float,
+    metavar="POINTS",
+    help="Also say, for every pair of policies, how many samples would resolve a difference of POINTS.",
+)
+@click.option(
+    "--html",
+    "html_file",
+    type=click.Path(dir_okay=False),
+    help="Write one self-contained HTML page instead of the table (tables, figures, every sample's predictions, "
+    "run metadata; opens offline). With --out the table is written too.",
+)
+def report(folders, fmt, out_file, html_file, intervals, power) -> None:
+    """One table from run folders: rows model × policy × budget (× query mode), a column per task (score × 100,
+    with its 95% interval), LongBench-E length buckets, avg (mean over tasks, its interval resampled within tasks;
+    missing if a task is), tasks filled and n samples. Missing cells stay missing. A folder above run folders is
+    searched for them."""
     from pkvbench.report import load_runs, render, report_table, uneven_counts
 
+    if html_file:
+        _write_html_report(list(folders), html_file)
+        if out_file is None:
+            return
     runs = load_runs(list(folders))
     _refuse_overwriting_inputs(out_file, runs.folders)
-    _write_or_echo(render(report_table(runs.rows), fmt), out_file)
+    text = render(report_table(runs.rows, intervals=intervals), fmt)
+    if power is not None:
+        from pkvbench.paired import pairwise, power_table
+
+        needed = power_table(pairwise(runs.rows), power)
+        heading = f"\nSamples needed to resolve {power:g} points (paired, alpha 0.05, power 0.8):\n\n"
+        text += (heading if fmt == "markdown" else "\n") + render(needed, fmt)
+    _write_or_echo(text, out_file)
     for note in runs.notes + uneven_counts(runs.rows):
         click.echo(f"note: {note}", err=True)
 
@@ -409,6 +453,40 @@ def compare(folders, reference, paper_model, fmt) -> None:
     click.echo(render(result.table, fmt), nl=False)
 
 
+@cli.command()
+@click.argument("folders", nargs=-1, required=True, type=click.Path())
+@click.option("--policy", "policies", help="Compare only these policies (comma list; default: every policy).")
+@click.option("--against", help="Compare every policy with this one only (e.g. full) instead of every pair.")
+@click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "latex"]), default="markdown", show_default=True)
+@click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Write to this file instead of stdout.")
+def diff(folders, policies, against, fmt, out_file) -> None:
+    """Paired policy comparisons on the same samples: per budget, per task and over all tasks, A − B in points with
+    its 95% paired-bootstrap interval, a sign-flip p-value and Holm's adjustment over every comparison shown.
+    Markdown shows one matrix per budget and task (row − column); CSV and LaTeX the long table. A pair is called
+    only where its interval excludes 0 and the adjusted p is below 0.05."""
+    from pkvbench.api import as_list
+    from pkvbench.paired import matrix_markdown, pairwise
+    from pkvbench.report import load_runs, render
+
+    runs = load_runs(list(folders))
+    _refuse_overwriting_inputs(out_file, runs.folders)
+    chosen = as_list(policies, "--policy") if policies is not None else None
+    table = pairwise(runs.rows, chosen, against)
+    _write_or_echo(matrix_markdown(table) if fmt == "markdown" else render(table, fmt), out_file)
+    for note in runs.notes:
+        click.echo(f"note: {note}", err=True)
+
+
+def _write_html_report(folders: list, html_file: str) -> None:
+    from pkvbench.html_report import write_html_report
+    from pkvbench.report import uneven_counts
+
+    page = write_html_report(folders, html_file)
+    for note in page.runs.notes + uneven_counts(page.runs.rows):
+        click.echo(f"note: {note}", err=True)
+    click.echo(f"html report → {page.path} ({page.bytes / 1e6:.1f} MB, opens offline)", err=True)
+
+
 def _refuse_overwriting_inputs(out_file: str | None, inputs: list[Path]) -> None:
     """An output may go beside the inputs (a report in a run folder), never over pkvbench's own files there."""
     from pkvbench.results import RUN_FOLDER_FILES
@@ -470,7 +548,8 @@ def score(file, out_file, dataset) -> None:
     "--baseline",
     required=True,
     type=click.Path(dir_okay=False),
-    help="Baseline CSV (model,task,policy,budget,n,score).",
+    help="Baseline CSV (model,task,policy,budget,query_mode,n,score,ci_low,ci_high); its per-sample scores, for the "
+    "paired tests, are read from NAME.samples.csv beside it.",
 )
 @click.option(
     "--results",
@@ -482,37 +561,34 @@ def score(file, out_file, dataset) -> None:
 )
 @click.option(
     "--tolerance",
-    type=click.FloatRange(min=0),
+    type=float,
     default=2.0,
     show_default=True,
-    help="Allowed fall in score points (× 100 scale) before a cell fails.",
+    help="Allowed fall in score points (× 100 scale) before a cell may fail.",
 )
 @click.option("--per-cell", type=click.Path(exists=True, dir_okay=False), help="YAML of task: tolerance overrides.")
-@click.option("--update", is_flag=True, help="Write the run's cells as the new baseline instead of checking.")
+@click.option("--update", is_flag=True, help="Write the run's cells (and samples) as the new baseline instead.")
 def check(baseline, results, tolerance, per_cell, update) -> None:
-    """Fail (exit 1) if accuracy at any budget fell below the baseline: a CI gate.
+    """Fail (exit 1) if accuracy at any budget fell for real: a CI gate.
 
-    Every model × task × policy × budget cell of the baseline must be in the run with the same sample count and a
-    score no more than the tolerance below the baseline's. Improvements and new cells are reported, not failed.
+    Every cell of the baseline must be in the run with the same sample count. A cell fails when its score fell by
+    more than the tolerance and below the baseline's 95% interval, or when a paired test on the same samples (per
+    cell, and per policy over all its cells; Holm-adjusted) says it fell. Improvements and new cells pass.
     """
-    from pkvbench.check import check_run, format_failures, write_baseline
+    from pkvbench.check import check_run, format_failures, samples_path, write_baseline
 
     if update:
         cells = write_baseline(list(results), baseline)
-        click.echo(f"baseline {baseline} written: {len(cells)} cells from {', '.join(results)}")
+        click.echo(
+            f"baseline {baseline} written: {len(cells)} cells from {', '.join(results)} "
+            f"(per-sample scores in {samples_path(baseline)})"
+        )
         return
     result = check_run(list(results), baseline, tolerance, per_cell)
-    counts = result.table["status"].value_counts().to_dict()
-    summary = ", ".join(
-        f"{counts[s]} {s.lower()}" for s in ("ok", "improved", "new", "REGRESSED", "MISSING", "COUNT") if s in counts
-    )
     if result.passed:
-        click.echo(f"check passed: {len(result.table)} cells ({summary}); tolerance {tolerance:g} points")
+        click.echo(f"check passed: {result.describe()}")
         return
-    click.echo(
-        f"check FAILED: {len(result.failures)} of {len(result.table)} cells ({summary}); tolerance {tolerance:g} points",
-        err=True,
-    )
+    click.echo(f"check FAILED: {len(result.failures)} failing; {result.describe()}", err=True)
     click.echo(format_failures(result), err=True)
     raise SystemExit(1)
 

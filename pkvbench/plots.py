@@ -31,6 +31,7 @@ from pkvbench.report import (
     policy_sort_key,
     task_order,
 )
+from pkvbench.stats import group_interval, mean_interval
 
 # Red → yellow → green, the colours of Kamradt's needle plots that the paper reuses.
 NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
@@ -73,23 +74,33 @@ def needle_rows(rows: pd.DataFrame) -> pd.DataFrame:
     return grid[grid["task"].isin(tasks)].copy()
 
 
-def _grid(cell: pd.DataFrame) -> pd.DataFrame:
-    grid = cell.groupby(["depth", "length"])["score"].mean().unstack("length")
+def _grid(cell: pd.DataFrame, stat: str = "mean") -> pd.DataFrame:
+    grid = cell.groupby(["depth", "length"])["score"].agg(stat).unstack("length")
     grid = grid.sort_index().reindex(columns=sorted(grid.columns))
     grid.index = [f"{d:g}" for d in grid.index]
     grid.columns = [f"{int(c)}" for c in grid.columns]
     return grid
 
 
-def _heatmap(ax, grid: pd.DataFrame, cbar: bool, cbar_ax=None) -> None:
+def _annotations(cell: pd.DataFrame) -> pd.DataFrame:
+    """Each square's mean, and its sample count where the counts differ across the grid (so a square of 1 sample
+    is not read as one of 5)."""
+    means, counts = _grid(cell), _grid(cell, "count")
+    text = means.map(lambda m: "" if pd.isna(m) else f"{m:.2f}")
+    if counts.stack().nunique() > 1:
+        text = text + counts.map(lambda n: "" if pd.isna(n) else f"\nn={int(n)}")
+    return text
+
+
+def _heatmap(ax, cell: pd.DataFrame, cbar: bool, cbar_ax=None) -> None:
     sns.heatmap(
-        grid,
+        _grid(cell),
         ax=ax,
         cmap=NEEDLE_CMAP,
         vmin=0,
         vmax=1,
-        annot=True,
-        fmt=".2f",
+        annot=_annotations(cell).to_numpy(),
+        fmt="",
         annot_kws={"size": 9},
         linewidths=0.5,
         linecolor="white",
@@ -118,7 +129,7 @@ def plot_needle_heatmaps(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
                     continue
                 grid = _grid(cell)
                 fig, ax = plt.subplots(figsize=(1.0 * grid.shape[1] + 3.2, 0.45 * grid.shape[0] + 2.2))
-                _heatmap(ax, grid, cbar=True)
+                _heatmap(ax, cell, cbar=True)
                 ax.set_title(
                     f"{task} · {name}\n{policy} · {budget_title(budget)} · mean {cell['score'].mean():.2f}", fontsize=10
                 )
@@ -141,7 +152,7 @@ def plot_needle_heatmaps(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
                     ax.set_yticks([])
                     ax.set_title(f"{policy} · {budget_title(budget)}", fontsize=9)
                     continue
-                _heatmap(ax, _grid(cell), cbar=False)
+                _heatmap(ax, cell, cbar=False)
                 ax.set_title(f"{policy} · {budget_title(budget)}\nmean {cell['score'].mean():.2f}", fontsize=9)
                 if i < n_rows - 1:
                     ax.set_xlabel("")
@@ -159,19 +170,22 @@ def plot_needle_heatmaps(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
 
 
 def curve_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """model, policy, budget, task, score (× 100): one point per cell, plus task ``avg`` (mean over the model's
-    tasks, only where every task has the cell)."""
-    cells = rows.groupby(["model", "policy", "budget", "task"], sort=False)["score"].mean().mul(100).reset_index()
-    parts = [cells]
-    for _model, per_model in cells.groupby("model", sort=False):
-        tasks = per_model["task"].nunique()
-        if tasks < 2:
-            continue
-        avg = per_model.groupby(["model", "policy", "budget"], sort=False)["score"].agg(["mean", "count"]).reset_index()
-        avg = avg[avg["count"] == tasks].drop(columns="count").rename(columns={"mean": "score"})
-        avg["task"] = "avg"
-        parts.append(avg)
-    return pd.concat(parts, ignore_index=True)
+    """model, policy, budget, task, score (× 100) with its 95% interval (ci_low, ci_high): one point per cell, plus
+    task ``avg`` (mean over the model's tasks, only where every task has the cell; resampled within tasks)."""
+    axes = ["model", "policy", "budget"]
+    points = []
+    for _, per_model in rows.groupby("model", sort=False):
+        tasks = list(per_model["task"].unique())
+        for key, cell in per_model.groupby(axes, sort=False):
+            by_task = {task: part["score"] for task, part in cell.groupby("task", sort=False)}
+            for task, scores in by_task.items():
+                low, high = mean_interval(scores)
+                points.append([*key, task, scores.mean() * 100, low * 100, high * 100])
+            if len(tasks) > 1 and len(by_task) == len(tasks):
+                low, high = group_interval(list(by_task.values()))
+                mean = sum(s.mean() for s in by_task.values()) / len(by_task)
+                points.append([*key, "avg", mean * 100, low * 100, high * 100])
+    return pd.DataFrame(points, columns=[*axes, "task", "score", "ci_low", "ci_high"])
 
 
 def _full_reference(rows: pd.DataFrame, model: str, task: str) -> float | None:
@@ -208,7 +222,8 @@ def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
             for k, pred in (("tokens", lambda b: float(b) >= 1), ("fraction", lambda b: float(b) < 1))
             if any(pred(b) for b in budgets)
         ]
-        policies = sorted((p for p in per_model["policy"].unique() if p != "full"), key=policy_sort_key)
+        # the full cache is the dashed reference line (in either query mode it decodes the same tokens)
+        policies = sorted((p for p in per_model["policy"].unique() if p.split(" ")[0] != "full"), key=policy_sort_key)
         colours = {p: palette[i % len(palette)] for i, p in enumerate(policies)}
         panels = [(task, kind) for task in tasks for kind in kinds]  # a task's kinds side by side
         n_cols = min(len(panels), 4)
@@ -228,9 +243,11 @@ def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
                     continue
                 line["x"] = line["budget"].astype(float)
                 line = line.sort_values("x")
+                style = ":" if policy.endswith(AGNOSTIC_SUFFIX) else "-"
                 (handle,) = ax.plot(
-                    line["x"], line["score"], marker="o", color=colours[policy], label=policy, linewidth=1.8
+                    line["x"], line["score"], marker="o", color=colours[policy], label=policy, linewidth=1.8, ls=style
                 )
+                ax.fill_between(line["x"], line["ci_low"], line["ci_high"], color=colours[policy], alpha=0.12, lw=0)
                 handles.setdefault(policy, handle)
             if full_score is not None:
                 handle = ax.axhline(full_score, color="black", linestyle="--", linewidth=1.2, label="full cache")
@@ -263,10 +280,23 @@ def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     return paths
 
 
+AGNOSTIC_SUFFIX = " (agnostic)"
+
+
+def with_query_modes(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows whose question came after compression drawn as a policy of their own, ``snapkv (agnostic)``: each
+    figure then shows both query modes side by side."""
+    if "query_mode" not in rows.columns or not (rows["query_mode"] == "agnostic").any():
+        return rows
+    agnostic = rows["query_mode"] == "agnostic"
+    return rows.assign(policy=[p + AGNOSTIC_SUFFIX if a else p for p, a in zip(rows["policy"], agnostic)])
+
+
 def plot_runs(runs: Runs, out_dir: str | Path) -> list[Path]:
     rows = runs.rows[runs.rows["score"].notna()]
     if rows.empty:
         raise PkvError("no scored rows to plot")
+    rows = with_query_modes(rows)
     return plot_needle_heatmaps(rows, out_dir) + plot_budget_curves(rows, out_dir)
 
 

@@ -22,6 +22,7 @@ from pkvbench.budgets import budget_label
 from pkvbench.errors import PkvError
 from pkvbench.policies.registry import policy_order
 from pkvbench.results import ROWS, RUN, read_rows, repeated_rows_note, unique_rows
+from pkvbench.stats import group_interval, mean_interval
 
 # LongBench v1's 21 tasks in the order of its own tables (the paper's 16 English tasks keep their Table 1 order).
 LONGBENCH_ORDER = (
@@ -136,7 +137,9 @@ def load_runs(paths: list[str | os.PathLike]) -> Runs:
     merged["budget"] = [budget_label(b) for b in merged["budget"]]
     merged["sample_id"] = merged["sample_id"].astype(str)
     merged["score"] = pd.to_numeric(merged["score"], errors="coerce")
-    keys = ["model", "task", "sample_id", "policy", "budget"]
+    # rows written before the query mode was recorded are query-aware
+    merged["query_mode"] = merged["query_mode"].fillna("aware") if "query_mode" in merged else "aware"
+    keys = ["model", "task", "sample_id", "policy", "budget", "query_mode"]
     duplicated = merged.duplicated(keys, keep="first")
     if duplicated.any():
         notes.append(
@@ -159,16 +162,24 @@ def _run_model(folder: Path) -> str:
 def budget_sort_key(label: str) -> tuple[int, float]:
     """Token budgets first (ascending), then fractions kept (ascending), then kvpress compression ratios (the
     fraction removed; largest first, so that the kept share ascends as in the others)."""
-    if str(label).startswith("cr"):
-        return (2, -float(str(label)[2:]))
-    value = float(label)
+    try:
+        if str(label).startswith("cr"):
+            return (2, -float(str(label)[2:]))
+        value = float(label)
+    except ValueError:  # not a budget: a row over all budgets (the gate's pooled rows)
+        return (3, 0.0)
     return (0, value) if value >= 1 else (1, value)
 
 
 def policy_sort_key(label: str) -> tuple[int, str]:
     order = policy_order()
-    name = label.split(":")[0]
+    name = label.split(":")[0].split(" ")[0]  # "snapkv (agnostic)" sorts with snapkv
     return (order.index(name) if name in order else len(order), label)
+
+
+def query_mode_sort_key(mode: str) -> int:
+    """The paper's setting (question inside the compressed prompt) first."""
+    return {"aware": 0, "agnostic": 1}.get(mode, 2)
 
 
 def task_order(tasks) -> list[str]:
@@ -182,7 +193,7 @@ def task_order(tasks) -> list[str]:
 
 
 def sort_rows(frame: pd.DataFrame, columns=KEY) -> pd.DataFrame:
-    keys = {"policy": policy_sort_key, "budget": budget_sort_key}
+    keys = {"policy": policy_sort_key, "budget": budget_sort_key, "query_mode": query_mode_sort_key}
     order = sorted(
         range(len(frame)),
         key=lambda i: tuple(keys.get(c, lambda v: v)(frame.iloc[i][c]) for c in columns),
@@ -206,36 +217,43 @@ def length_bucket(length) -> str | None:
     return None
 
 
-def report_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Rows model × policy × budget; columns: each task, LongBench-E buckets (``task 0-4k`` ...) for ``*_e`` tasks
-    whose rows carry ``length``, ``avg`` (mean over the model's tasks, missing if any of them is), ``tasks`` (how
-    many task cells are filled) and ``n`` (samples behind the row)."""
+def row_axes(rows: pd.DataFrame) -> list[str]:
+    """A table row's key: model × policy × budget, and the query mode when any row's question came after
+    compression (``agnostic``; a query-aware-only table, the paper's protocol, keeps the paper's shape)."""
+    agnostic = "query_mode" in rows.columns and (rows["query_mode"] != "aware").any()
+    return [*KEY, "query_mode"] if agnostic else list(KEY)
+
+
+def interval_columns(column: str) -> tuple[str, str]:
+    return f"{column} ci_low", f"{column} ci_high"
+
+
+def report_table(rows: pd.DataFrame, intervals: bool = False) -> pd.DataFrame:
+    """Rows model × policy × budget (× query mode, ``row_axes``); columns: each task, LongBench-E buckets
+    (``task 0-4k`` ...) for ``*_e`` tasks whose rows carry ``length``, ``avg`` (mean over the model's tasks, missing
+    if any of them is), ``tasks`` (how many task cells are filled) and ``n`` (samples behind the row).
+
+    With ``intervals``, each score column is followed by ``<column> ci_low`` and ``<column> ci_high``: its 95%
+    bootstrap interval over samples (``stats``); ``avg``'s resamples within each task."""
+    key = row_axes(rows)
     tasks = task_order(rows["task"].unique())
-    cells = rows.groupby([*KEY, "task"], sort=False)["score"].mean().mul(100).unstack("task")
-    cells = cells.reindex(columns=tasks)
-    pieces = [cells]
+    frame = rows.assign(column=rows["task"])
     bucket_columns = []
     if "length" in rows.columns:
+        is_e = rows["task"].str.endswith("_e")
+        buckets = rows[is_e].assign(bucket=[length_bucket(v) for v in rows.loc[is_e, "length"]])
+        buckets = buckets[buckets["bucket"].notna()]
+        order = {name: i for i, (name, _, _) in enumerate(LENGTH_BUCKETS)}
         for task in tasks:
-            if not task.endswith("_e"):
-                continue
-            sub = rows[rows["task"] == task].copy()
-            sub["bucket"] = [length_bucket(v) for v in sub["length"]]
-            sub = sub[sub["bucket"].notna()]
-            if sub.empty:
-                continue
-            by_bucket = sub.groupby([*KEY, "bucket"], sort=False)["score"].mean().mul(100).unstack("bucket")
-            names = [name for name, _, _ in LENGTH_BUCKETS if name in by_bucket.columns]
-            by_bucket = by_bucket[names].rename(columns=lambda b, t=task: f"{t} {b}")
-            bucket_columns += list(by_bucket.columns)
-            pieces.append(by_bucket)
-    table = pd.concat(pieces, axis=1)
-    # Put each task's buckets right after the task.
+            present = sorted(set(buckets.loc[buckets["task"] == task, "bucket"]), key=order.get)
+            bucket_columns += [f"{task} {b}" for b in present]
+        named = [f"{task} {bucket}" for task, bucket in zip(buckets["task"], buckets["bucket"])]
+        frame = pd.concat([frame, buckets.assign(column=named)])
     ordered = []
-    for task in tasks:
-        ordered.append(task)
-        ordered += [c for c in bucket_columns if c.startswith(f"{task} ")]
-    table = table[ordered]
+    for task in tasks:  # each task's buckets right after the task
+        ordered += [task, *(c for c in bucket_columns if c.startswith(f"{task} "))]
+    scores = frame.groupby([*key, "column"], sort=False)["score"]
+    table = scores.mean().mul(100).unstack("column").reindex(columns=ordered)
     # The average runs over the tasks of the row's model (those any of its rows has): merging a needle run of one
     # model with a LongBench run of another must not blank both averages; a task missing in one row of a model does.
     model_tasks = {
@@ -244,21 +262,50 @@ def report_table(rows: pd.DataFrame) -> pd.DataFrame:
     }
     table["avg"] = [table.loc[index, model_tasks[index[0]]].mean(skipna=False) for index in table.index]
     table["tasks"] = table[tasks].notna().sum(axis=1)
-    table["n"] = rows.groupby(KEY, sort=False).size()
+    table["n"] = rows.groupby(key, sort=False).size()
+    numeric = [*ordered, "avg"]
+    if intervals:
+        table = _with_intervals(table, scores, rows, key, model_tasks)
+        numeric = [c for c in table.columns if c not in ("tasks", "n")]
     table = table.reset_index()
-    table[ordered + ["avg"]] = table[ordered + ["avg"]].astype(float).round(2)
-    return sort_rows(table)
+    table[numeric] = table[numeric].astype(float).round(2)
+    return sort_rows(table, columns=key)
+
+
+def _with_intervals(table: pd.DataFrame, scores, rows: pd.DataFrame, key: list[str], model_tasks) -> pd.DataFrame:
+    """``table`` with each score column's interval columns after it (× 100, as the scores)."""
+    bounds: dict[tuple, tuple[float, float]] = {
+        index: mean_interval(values)
+        for index, values in scores  # index: (*key, column)
+    }
+    by_row = dict(iter(rows.groupby(key, sort=False)))
+    columns = []
+    for column in [c for c in table.columns if c not in ("avg", "tasks", "n")] + ["avg"]:
+        low_name, high_name = interval_columns(column)
+        if column == "avg":
+            ends = []
+            for index in table.index:
+                cell, wanted = by_row[index], model_tasks[index[0]]
+                groups = [cell.loc[cell["task"] == task, "score"] for task in wanted]
+                ends.append(group_interval(groups) if all(len(g) for g in groups) else (math.nan, math.nan))
+        else:
+            ends = [bounds.get((*index, column), (math.nan, math.nan)) for index in table.index]
+        table[low_name] = [low * 100 for low, _ in ends]
+        table[high_name] = [high * 100 for _, high in ends]
+        columns += [column, low_name, high_name]
+    return table[[*columns, "tasks", "n"]]
 
 
 def uneven_counts(rows: pd.DataFrame) -> list[str]:
     """Cells with fewer samples than the fullest cell of their task (a run stopped early, a --limit): worth a note."""
-    counts = rows.groupby(["task", *KEY]).size()
+    counts = rows.groupby(["task", *row_axes(rows)]).size()
     notes = []
     for task, per_task in counts.groupby(level="task"):
         most = per_task.max()
-        for (_, model, policy, budget), n in per_task.items():
+        for (_, model, policy, budget, *mode), n in per_task.items():
             if n < most:
-                notes.append(f"{task}: {model} {policy} @ {budget} has {n} samples, others up to {most}")
+                where = f"{policy} @ {budget}" + (f" ({mode[0]})" if mode else "")
+                notes.append(f"{task}: {model} {where} has {n} samples, others up to {most}")
     return notes
 
 
@@ -273,10 +320,27 @@ def _cell(value, missing: str) -> str:
     return str(value)
 
 
+def _display(table: pd.DataFrame, missing: str) -> tuple[list[str], list[list[str]], list[bool]]:
+    """Header, body and which columns are numeric, as a reader sees them: a score's interval columns folded into
+    the score's cell, ``48.00 [36.10, 59.90]``."""
+    folded = {name for column in table.columns for name in interval_columns(str(column)) if name in table.columns}
+    header = [str(c) for c in table.columns if c not in folded]
+    numeric = [pd.api.types.is_numeric_dtype(table[c]) for c in table.columns if c not in folded]
+    body = []
+    for row in table.to_dict("records"):  # keeps each column's type (iterrows would make counts floats)
+        cells = []
+        for column in header:
+            text = _cell(row[column], missing)
+            low, high = interval_columns(column)
+            if low in folded and text != missing and not pd.isna(row[low]):
+                text += f" [{row[low]:.2f}, {row[high]:.2f}]"
+            cells.append(text)
+        body.append(cells)
+    return header, body, numeric
+
+
 def to_markdown(table: pd.DataFrame, missing: str = "—") -> str:
-    header = [str(c) for c in table.columns]
-    body = [[_cell(v, missing) for v in row] for row in table.itertuples(index=False)]
-    numeric = [pd.api.types.is_numeric_dtype(table[c]) for c in table.columns]
+    header, body, numeric = _display(table, missing)
     lines = [
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---:" if num else "---" for num in numeric) + "|",
@@ -307,15 +371,14 @@ def _latex_escape(text: str) -> str:
 
 
 def to_latex(table: pd.DataFrame, missing: str = "--") -> str:
-    numeric = [pd.api.types.is_numeric_dtype(table[c]) for c in table.columns]
+    header, body, numeric = _display(table, missing)
     lines = [
         r"\begin{tabular}{" + "".join("r" if num else "l" for num in numeric) + "}",
         r"\toprule",
-        " & ".join(_latex_escape(str(c)) for c in table.columns) + r" \\",
+        " & ".join(_latex_escape(c) for c in header) + r" \\",
         r"\midrule",
     ]
-    for row in table.itertuples(index=False):
-        lines.append(" & ".join(_latex_escape(_cell(v, missing)) for v in row) + r" \\")
+    lines += [" & ".join(_latex_escape(c) for c in row) + r" \\" for row in body]
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines) + "\n"
 
@@ -381,7 +444,8 @@ def load_reference(name_or_path: str) -> Reference:
 
 @dataclass
 class Comparison:
-    table: pd.DataFrame  # model, policy, budget, task, measured, paper, delta, n
+    # model, paper_model, policy, budget, task, measured (with ci_low, ci_high), paper, delta, paper_in_ci, n
+    table: pd.DataFrame
     statements: list[str]
 
 
@@ -456,6 +520,10 @@ def compare(runs: Runs, reference: Reference, paper_model: str | None = None) ->
             .reset_index()
         )
         measured["measured"] *= 100
+        samples = {key: cell["score"] for key, cell in per_model.groupby(["policy", "budget", "task"], sort=False)}
+        ends = [mean_interval(samples[key]) for key in zip(measured["policy"], measured["budget"], measured["task"])]
+        measured["ci_low"] = [low * 100 for low, _ in ends]
+        measured["ci_high"] = [high * 100 for _, high in ends]
         merged = measured.merge(
             ref.rename(columns={"policy": "paper_policy", "score": "paper"})[
                 ["paper_policy", "budget", "task", "paper"]
@@ -474,6 +542,8 @@ def compare(runs: Runs, reference: Reference, paper_model: str | None = None) ->
                         "budget": budget,
                         "task": task,
                         "measured": r["measured"],
+                        "ci_low": r["ci_low"],
+                        "ci_high": r["ci_high"],
                         "paper": r["paper"],
                         "n": int(r["n"]),
                     }
@@ -490,6 +560,15 @@ def compare(runs: Runs, reference: Reference, paper_model: str | None = None) ->
                     "budget": budget,
                     "task": avg_label,
                     "measured": cell["measured"].mean(),
+                    **dict(
+                        zip(
+                            ("ci_low", "ci_high"),
+                            (
+                                100 * end
+                                for end in group_interval([samples[policy, budget, task] for task in cell.index])
+                            ),
+                        )
+                    ),
                     "paper": cell["paper"].mean(),
                     "n": int(cell["n"].sum()),
                 }
@@ -503,7 +582,12 @@ def compare(runs: Runs, reference: Reference, paper_model: str | None = None) ->
                 statements.append(f"{policy}: {'; '.join(differ)}: not the paper's setting.")
     table = pd.DataFrame(out)
     table["delta"] = table["measured"] - table["paper"]
-    for column in ("measured", "paper", "delta"):
+    # Is the paper's number one our samples could have given? "outside" when it lies beyond our 95% interval.
+    table["paper_in_ci"] = [
+        "inside" if low <= paper <= high else "outside"
+        for paper, low, high in zip(table["paper"], table["ci_low"], table["ci_high"])
+    ]
+    for column in ("measured", "ci_low", "ci_high", "paper", "delta"):
         table[column] = table[column].astype(float).round(2)
     table = _sort_comparison(table)
     mismatches = reference.average_mismatches()
@@ -514,7 +598,23 @@ def compare(runs: Runs, reference: Reference, paper_model: str | None = None) ->
                 f"scores average {r.row_mean:.2f}; the paper column uses the row mean."
             )
     return Comparison(
-        table[["model", "paper_model", "policy", "budget", "task", "measured", "paper", "delta", "n"]], statements
+        table[
+            [
+                "model",
+                "paper_model",
+                "policy",
+                "budget",
+                "task",
+                "measured",
+                "ci_low",
+                "ci_high",
+                "paper",
+                "delta",
+                "paper_in_ci",
+                "n",
+            ]
+        ],
+        statements,
     )
 
 

@@ -329,19 +329,27 @@ class ResultStore:
 
 
 def summarize(rows: list[Row]) -> pd.DataFrame:
-    """``task, policy, budget, [query_mode,] n, score`` with score the mean × 100, two decimals (LongBench's
-    convention); ``query_mode`` when the rows record it."""
+    """``task, policy, budget, [query_mode,] n, score, ci_low, ci_high``: score the mean × 100, two decimals
+    (LongBench's convention), with its 95% bootstrap interval over samples (``stats.mean_interval``);
+    ``query_mode`` when the rows record it."""
+    from pkvbench.stats import mean_interval
+
     axes = ["task", "policy", "budget"] + (["query_mode"] if any("query_mode" in row for row in rows) else [])
-    columns = [*axes, "n", "score"]
+    columns = [*axes, "n", "score", "ci_low", "ci_high"]
     if not rows:
         return pd.DataFrame(columns=columns)
     frame = pd.DataFrame(rows)
     frame["budget"] = [budget_label(row["budget"]) for row in rows]
     if "query_mode" in axes:
         frame["query_mode"] = frame["query_mode"].fillna("aware")
-    table = frame.groupby(axes, sort=False)["score"].agg(n="count", score="mean").reset_index()
-    table["score"] = (table["score"] * 100).round(2)
-    return table[columns]
+    frame["score"] = pd.to_numeric(frame["score"], errors="coerce")
+    cells = []
+    for key, cell in frame.groupby(axes, sort=False)["score"]:
+        low, high = mean_interval(cell)
+        cells.append([*key, int(cell.count()), cell.mean() * 100, low * 100, high * 100])
+    table = pd.DataFrame(cells, columns=columns)
+    table[["score", "ci_low", "ci_high"]] = table[["score", "ci_low", "ci_high"]].round(2)
+    return table
 
 
 # --- merging ---------------------------------------------------------------------------------------------------------

@@ -203,8 +203,29 @@ def _row(engine: Engine, task: TaskSpec, sample: Sample, job: _Job, answer, sett
         "selection_s": round(job.selection_s, 4),
         "decode_s": round(answer.seconds, 4),
         "decode_batch": answer.batch,
+        **sample_texts(engine.tokenizer, sample, question),
         **sample.extras,
         **question.extras,
+    }
+
+
+EXCERPT_TOKENS = 96  # of the context's start and end, for a person reading the rows (the HTML report's sample view)
+
+
+def sample_texts(tokenizer, sample: Sample, question: Question) -> dict[str, str]:
+    """What a reader needs to judge a prediction: the question's text (the tokens after the context, special
+    tokens left out) and the first and last tokens of the context. Decoding a few hundred tokens costs
+    microseconds; the whole context would make every row as long as the prompt."""
+
+    def text(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    context = sample.context_ids
+    whole = len(context) <= 2 * EXCERPT_TOKENS
+    return {
+        "question_text": text(question.ids),
+        "context_head": text(context if whole else context[:EXCERPT_TOKENS]),
+        "context_tail": "" if whole else text(context[-EXCERPT_TOKENS:]),
     }
 
 

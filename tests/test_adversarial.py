@@ -388,7 +388,8 @@ CASES = [
          lambda ctx: (two_shards_and_a_user_folder(ctx), (ctx.tmp / "empty").mkdir())),
     # past the model load: the model is real, the failure still one line
     Case("needle-sample-id-nosuch", f"{NEEDLE} --sample-id nosuch --out {{tmp}}/o", 2,
-         "--sample-id nosuch: no such sample (sample ids are needle: len<length>_depth<depth>)", model=True),
+         "--sample-id nosuch: no such sample (sample ids are needle: len<length>_depth<depth> (several needles: "
+         "len<length>_rot<rotation>))", model=True),
     Case("needle-too-short", "run --policy full --lengths 5 --depths 50 --quiet --out {tmp}/o", 2,
          "--lengths 5 is too short; the prompt without any haystack", model=True),
     Case("shard-without-samples", f"{NEEDLE} --shard 2/2 --out {{tmp}}/o", 2,

@@ -223,7 +223,8 @@ def test_compare_cli_prints_the_statement_first(tmp_path, capsys):
     assert out[0].startswith("note: The run's model (SmolLM2-135M-Instruct) is not the paper's")
     assert any(
         line.startswith(
-            "| SmolLM2-135M-Instruct | Llama-3-8B-Instruct | full | full | narrativeqa | 30.00 | 25.70 | 4.30 |"
+            "| SmolLM2-135M-Instruct | Llama-3-8B-Instruct | full | full | narrativeqa | 30.00 | 20.00 | 40.00 | 25.70 "
+            "| 4.30 | inside |"
         )
         for line in out
     )

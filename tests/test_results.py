@@ -25,10 +25,21 @@ def test_append_resume_and_summary(tmp_path):
     }
     table = again.write_summary()
     assert table.to_dict("records") == [
-        {"task": "needle", "policy": "snapkv", "budget": "128", "n": 2, "score": 75.0},
-        {"task": "needle", "policy": "full", "budget": "0.12", "n": 1, "score": 25.0},
+        # two samples: a resample's mean is one of 50, 75, 100, so the interval spans the two scores
+        {
+            "task": "needle",
+            "policy": "snapkv",
+            "budget": "128",
+            "n": 2,
+            "score": 75.0,
+            "ci_low": 50.0,
+            "ci_high": 100.0,
+        },
+        # one sample: nothing to resample, the interval is the point
+        {"task": "needle", "policy": "full", "budget": "0.12", "n": 1, "score": 25.0, "ci_low": 25.0, "ci_high": 25.0},
     ]
-    assert (tmp_path / "run" / "summary.csv").read_text().splitlines()[0] == "task,policy,budget,n,score"
+    header = (tmp_path / "run" / "summary.csv").read_text().splitlines()[0]
+    assert header == "task,policy,budget,n,score,ci_low,ci_high"
 
 
 def test_partial_last_line_is_dropped(tmp_path):
@@ -55,4 +66,4 @@ def test_other_options_are_refused_unless_overwrite(tmp_path):
 
 
 def test_summary_of_nothing_has_columns():
-    assert list(summarize([]).columns) == ["task", "policy", "budget", "n", "score"]
+    assert list(summarize([]).columns) == ["task", "policy", "budget", "n", "score", "ci_low", "ci_high"]

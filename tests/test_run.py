@@ -65,7 +65,9 @@ def test_needle_grid_writes_results_and_resumes(tmp_path, capsys, loaded):
     squeezed = [r for r in rows if r["policy"] == "pyramidkv" and r["budget"] == 0.1]
     assert all(r["budget_tokens"] == round(0.1 * r["context_tokens"]) for r in squeezed)
     summary = pd.read_csv(out / "summary.csv")
-    assert list(summary.columns) == ["task", "policy", "budget", "n", "score"] and len(summary) == 6
+    assert list(summary.columns) == ["task", "policy", "budget", "query_mode", "n", "score", "ci_low", "ci_high"]
+    assert len(summary) == 6 and (summary["ci_low"] <= summary["score"]).all()
+    assert (summary["score"] <= summary["ci_high"]).all()
     run_info = json.loads((out / "run.json").read_text())
     assert run_info["model"]["layers"] == 30 and run_info["options"]["policies"] == [
         "full",

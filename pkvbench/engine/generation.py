@@ -61,7 +61,7 @@ def ragged_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     length = mask.shape[1]
     counts = mask.sum(dim=1)
     positions = torch.where(mask, torch.arange(length, device=mask.device), length).sort(dim=1).values
-    positions = positions[:, : int(counts.max())]
+    positions = positions[:, : max(int(counts.max()), 1)]  # a layer may keep nothing (KVzip): one masked slot
     last = positions.gather(1, (counts - 1).clamp(min=0)[:, None]).clamp(max=length - 1)  # a head may keep none
     return torch.where(positions < length, positions, last), counts
 

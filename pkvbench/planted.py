@@ -1,0 +1,106 @@
+"""Bugs planted on purpose, to measure what the CI gate catches (``scripts/planted_bugs.py``, ``tests/test_gate``).
+
+Each bug is a context manager that patches one rule for the duration of a run, in this process only, and names
+the policies whose rows it changes. A gate worth having fails on every one of them against a baseline of the
+unchanged code, and passes on a rerun of the unchanged code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from unittest import mock
+
+from pkvbench import budgets as budget_rules
+from pkvbench.policies import base, snapkv, streamingllm
+from pkvbench.policies.base import Needs
+
+
+@dataclass(frozen=True)
+class PlantedBug:
+    name: str
+    what: str
+    policies: tuple[str, ...]  # the policies whose rows it changes (a run of only these shows it)
+    plant: Callable[[], contextlib.AbstractContextManager]
+
+
+@contextlib.contextmanager
+def _inverted() -> Iterator[None]:
+    """Every scoring policy keeps its *lowest*-scoring positions."""
+    original = base.best_positions
+    with mock.patch.object(base, "best_positions", lambda scores, count, ties="stable": original(-scores, count, ties)):
+        yield
+
+
+@contextlib.contextmanager
+def _window_off_by_one() -> Iterator[None]:
+    """SnapKV and PyramidKV vote with one query fewer than their window (a classic slicing slip)."""
+    original = snapkv.SnapKV.score
+
+    def needs(self) -> Needs:
+        return Needs(windows=frozenset({self.window, max(self.window - 1, 1)}))
+
+    def score(self, stats):
+        slipped = {**stats.window_scores, self.window: stats.window(max(self.window - 1, 1))}
+        return original(self, dataclasses.replace(stats, window_scores=slipped))
+
+    with mock.patch.object(snapkv.SnapKV, "needs", property(needs)), mock.patch.object(snapkv.SnapKV, "score", score):
+        yield
+
+
+@contextlib.contextmanager
+def _no_pooling() -> Iterator[None]:
+    """SnapKV and PyramidKV ignore their pooling kernel (scores used raw)."""
+    with mock.patch.object(snapkv, "pool_scores", lambda scores, kernel, pooling: scores):
+        yield
+
+
+@contextlib.contextmanager
+def _pyramid_reversed() -> Iterator[None]:
+    """PyramidKV's budgets upside down: the top layers get the most."""
+    original = budget_rules.pyramid
+    with mock.patch.object(budget_rules, "pyramid", lambda *a, **k: list(reversed(original(*a, **k)))):
+        yield
+
+
+@contextlib.contextmanager
+def _budget_halved() -> Iterator[None]:
+    """Every compressed policy keeps half its budget (a budget off by a factor of 2)."""
+    original = budget_rules.plan
+
+    def halved(policy, budget, context_len, num_layers):
+        layer_plan = original(policy, budget, context_len, num_layers)
+        if not layer_plan.compressed:
+            return layer_plan
+        return dataclasses.replace(layer_plan, per_layer=[max(1, k // 2) for k in layer_plan.per_layer])
+
+    with mock.patch.object(budget_rules, "plan", halved):
+        yield
+
+
+@contextlib.contextmanager
+def _no_sinks() -> Iterator[None]:
+    """StreamingLLM forgets its attention sinks: only the most recent entries are kept."""
+    original = streamingllm.StreamingLLM.score
+
+    def score(self, stats):
+        return original(dataclasses.replace(self, sink=0), stats)
+
+    with mock.patch.object(streamingllm.StreamingLLM, "score", score):
+        yield
+
+
+SCORING = ("streamingllm", "h2o", "snapkv", "pyramidkv")
+BUGS = (
+    PlantedBug("inverted", "scoring policies keep their lowest-scoring positions", SCORING, _inverted),
+    PlantedBug("budget-halved", "every compressed cache keeps half its budget", SCORING, _budget_halved),
+    PlantedBug("pyramid-reversed", "PyramidKV's per-layer budgets upside down", ("pyramidkv",), _pyramid_reversed),
+    PlantedBug("no-pooling", "SnapKV/PyramidKV ignore the pooling kernel", ("snapkv", "pyramidkv"), _no_pooling),
+    PlantedBug(
+        "window-off-by-one", "SnapKV/PyramidKV vote with w−1 queries", ("snapkv", "pyramidkv"), _window_off_by_one
+    ),
+    PlantedBug("no-sinks", "StreamingLLM keeps no attention sinks", ("streamingllm",), _no_sinks),
+)
+BUGS_BY_NAME = {bug.name: bug for bug in BUGS}
