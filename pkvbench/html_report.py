@@ -178,7 +178,7 @@ def page_data(runs: Runs) -> dict[str, Any]:
         "pkvbench": __version__,
         "notes": runs.notes + uneven_counts(rows),
         "runs": [run_metadata(folder) for folder in runs.folders],
-        "tables": {"summary": table_json(summary), "report": table_json(report_table(rows))},
+        "tables": {"summary": table_json(summary), "report": table_json(report_table(rows, intervals=True))},
         "comparison": paper_comparison(runs),
         "ranks": sort_ranks(rows),
         "figures": budget_curve_figures(summary) + needle_heatmap_figures(rows) + layer_budget_figures(rows),

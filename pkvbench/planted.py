@@ -11,7 +11,10 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from unittest import mock
+
+import pandas as pd
 
 from pkvbench import budgets as budget_rules
 from pkvbench.policies import base, snapkv, streamingllm
@@ -104,3 +107,27 @@ BUGS = (
     PlantedBug("no-sinks", "StreamingLLM keeps no attention sinks", ("streamingllm",), _no_sinks),
 )
 BUGS_BY_NAME = {bug.name: bug for bug in BUGS}
+
+
+def baseline_for(baseline: Path, policies: tuple[str, ...], folder: Path) -> Path:
+    """A baseline (cells and per-sample scores) cut to ``policies``, written into ``folder``: the gate then asks
+    only for the rows a run of those policies has."""
+    from pkvbench.check import samples_path
+
+    path = folder / "baseline.csv"
+    for source, target in ((baseline, path), (samples_path(baseline), samples_path(path))):
+        table = pd.read_csv(source, dtype=str)
+        table[table["policy"].isin(policies)].to_csv(target, index=False)
+    return path
+
+
+def check_with_bug(bug: PlantedBug, config: Path, baseline: Path, folder: Path, tolerance: float = 2.0):
+    """Run ``config``'s grid for the bug's policies with the bug planted, into ``folder``, and check it against
+    ``baseline``: the ``CheckResult`` of ``pkvbench check`` (``passed`` False: the gate caught it)."""
+    from pkvbench.api import RunConfig, evaluate
+    from pkvbench.check import check_run
+
+    out = folder / bug.name
+    with bug.plant():
+        evaluate(RunConfig.from_file(config, policies=list(bug.policies), out=str(out), quiet=True))
+    return check_run([str(out)], str(baseline_for(baseline, bug.policies, folder)), tolerance, None)

@@ -220,10 +220,14 @@ def sample_texts(tokenizer, sample: Sample, question: Question) -> dict[str, str
     def text(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True).strip()
 
+    # The question ends where the chat template's closing tokens begin (its end-of-turn token; the role name after
+    # the next turn's start token is plain text and would read as part of the question).
+    special = set(tokenizer.all_special_ids)
+    end = next((i for i, token in enumerate(question.ids) if token in special), len(question.ids))
     context = sample.context_ids
     whole = len(context) <= 2 * EXCERPT_TOKENS
     return {
-        "question_text": text(question.ids),
+        "question_text": text(question.ids[:end]),
         "context_head": text(context if whole else context[:EXCERPT_TOKENS]),
         "context_tail": "" if whole else text(context[-EXCERPT_TOKENS:]),
     }

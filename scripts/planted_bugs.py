@@ -21,32 +21,15 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pkvbench import RunConfig, evaluate  # noqa: E402
-from pkvbench.check import check_run, samples_path  # noqa: E402
-from pkvbench.planted import BUGS, BUGS_BY_NAME, PlantedBug  # noqa: E402
+from pkvbench.planted import BUGS, BUGS_BY_NAME, PlantedBug, check_with_bug  # noqa: E402
 
 CONFIG = ROOT / "configs" / "smoke.yaml"
 BASELINE = ROOT / "results" / "baselines" / "smollm2-smoke.csv"
 
 
-def baseline_for(policies: tuple[str, ...], folder: Path) -> Path:
-    """The committed baseline (cells and samples) cut to ``policies``: the gate then asks only for the rows the
-    bug's run has."""
-    cells = pd.read_csv(BASELINE, dtype=str)
-    samples = pd.read_csv(samples_path(BASELINE), dtype=str)
-    path = folder / "baseline.csv"
-    cells[cells["policy"].isin(policies)].to_csv(path, index=False)
-    samples[samples["policy"].isin(policies)].to_csv(samples_path(path), index=False)
-    return path
-
-
 def try_bug(bug: PlantedBug, folder: Path, tolerance: float) -> dict:
     started = time.perf_counter()
-    out = folder / bug.name
-    with bug.plant():
-        evaluate(RunConfig.from_file(CONFIG, policies=list(bug.policies), out=str(out), quiet=True))
-    seconds = time.perf_counter() - started
-    result = check_run([str(out)], str(baseline_for(bug.policies, folder)), tolerance, None)
+    result = check_with_bug(bug, CONFIG, BASELINE, folder, tolerance)
     failing = result.failures
     return {
         "bug": bug.name,
@@ -56,7 +39,7 @@ def try_bug(bug: PlantedBug, folder: Path, tolerance: float) -> dict:
         "cells failed": f"{int((failing['task'] != '*').sum())} of {len(result.cells)}",
         "pooled policies failed": ", ".join(failing.loc[failing["task"] == "*", "policy"]) or "-",
         "worst cell Δ": f"{result.cells['delta'].min():+.2f}",
-        "run s": round(seconds),
+        "seconds": round(time.perf_counter() - started),
     }
 
 

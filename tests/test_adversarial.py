@@ -179,6 +179,21 @@ def with_row(row: dict) -> Callable[[Context], None]:
     return setup
 
 
+BASELINE_CSV = "model,task,policy,budget,n,score\nsmollm2-135m,needle,full,64,2,99.0\n"
+
+
+def baseline_and_run(baseline: str | bytes, tolerances: str | None = None) -> Callable[[Context], None]:
+    """A run folder, a baseline CSV ``b.csv`` beside it and, if given, a ``t.yaml`` of per-task tolerances."""
+
+    def setup(ctx: Context) -> None:
+        run_folder(ctx)
+        write(ctx.tmp / "b.csv", baseline)
+        if tolerances is not None:
+            write(ctx.tmp / "t.yaml", tolerances)
+
+    return setup
+
+
 def unreadable_rows(ctx: Context) -> None:
     make_run(ctx.tmp / "run")
     deny_reading(ctx, ctx.tmp / "run" / "samples.jsonl")
@@ -358,6 +373,31 @@ CASES = [
          disk_full_with_a_report),
     Case("merge-disk-full", "merge {tmp}/a {tmp}/b --out {tmp}/merged", 2, "No space left on device",
          disk_full_with_shards),
+    # 5 and 9: the gate cannot be switched off by a typo, nor pass over nothing
+    Case("check-tolerance-nan", "check --baseline {tmp}/b.csv --results {tmp}/run --tolerance nan", 2,
+         "--tolerance nan: give a finite, non-negative number of points", baseline_and_run(BASELINE_CSV)),
+    Case("check-tolerance-infinite", "check --baseline {tmp}/b.csv --results {tmp}/run --tolerance inf", 2,
+         "--tolerance inf: give a finite", baseline_and_run(BASELINE_CSV)),
+    Case("check-baseline-header-only", "check --baseline {tmp}/b.csv --results {tmp}/run", 2,
+         "has no cells: a gate over nothing would pass anything", baseline_and_run("model,task,policy,budget,n,score\n")),
+    Case("check-baseline-not-numeric", "check --baseline {tmp}/b.csv --results {tmp}/run", 2,
+         "score 'ninety-nine' is not a number",
+         baseline_and_run("model,task,policy,budget,n,score\nsmollm2-135m,needle,full,64,2,ninety-nine\n")),
+    Case("check-baseline-not-utf8", "check --baseline {tmp}/b.csv --results {tmp}/run", 2, "is not a readable CSV",
+         baseline_and_run(b"model,task\n\xff\xfe,1\n")),
+    Case("check-baseline-a-folder", "check --baseline {tmp}/run --results {tmp}/run", 2, "run' is a directory",
+         run_folder),
+    Case("check-per-cell-misspelled", "check --baseline {tmp}/b.csv --results {tmp}/run --per-cell {tmp}/t.yaml", 2,
+         "t.yaml: neddle is not a task of the baseline (needle)",
+         baseline_and_run(BASELINE_CSV, tolerances="neddle: 50\n")),
+    Case("check-per-cell-nan", "check --baseline {tmp}/b.csv --results {tmp}/run --per-cell {tmp}/t.yaml", 2,
+         "expected a mapping of task name to a finite, non-negative tolerance",
+         baseline_and_run(BASELINE_CSV, tolerances="needle: .nan\n")),
+    Case("check-budget-abc", "check --baseline {tmp}/b.csv --results {tmp}/run", 2,
+         "line 4: budget must be a number, got 'abc'",
+         lambda ctx: (baseline_and_run(BASELINE_CSV)(ctx), with_row(result_row("x", budget="abc"))(ctx))),
+    Case("check-update-below-a-file", "check --baseline {tmp}/file/b.csv --results {tmp}/run --update", 2,
+         "file", lambda ctx: (run_folder(ctx), a_file(ctx))),
     # silently accepted or misleading, before
     Case("budget-empty-item", "run --budget 128,,64 --out {tmp}/o", 2, "--budget '128,,64' has an empty item"),
     Case("budget-trailing-comma", "run --budget 128, --out {tmp}/o", 2, "has an empty item"),

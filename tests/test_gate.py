@@ -1,0 +1,24 @@
+"""The CI gate catches a planted bug on the smoke grid (issue 16). The unchanged code's rerun passing the same gate
+is ``.ci/run``'s last step; ``scripts/planted_bugs.py`` measures every planted bug (docs/ci-gate.md)."""
+
+from pathlib import Path
+
+import pytest
+
+from pkvbench.planted import BUGS_BY_NAME, check_with_bug
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.yaml"
+BASELINE = ROOT / "results" / "baselines" / "smollm2-smoke.csv"
+
+
+@pytest.mark.model
+def test_the_gate_fails_on_an_inverted_selection(tmp_path):
+    """SnapKV keeping its *lowest*-scoring positions, on the smoke grid's samples and budgets: the check fails."""
+    bug = BUGS_BY_NAME["inverted"]
+    only_snapkv = type(bug)(bug.name, bug.what, ("snapkv",), bug.plant)  # one policy's rows are enough, and quicker
+    result = check_with_bug(only_snapkv, SMOKE, BASELINE, tmp_path)
+    assert not result.passed
+    assert set(result.failures["policy"]) == {"snapkv"} and (result.failures["status"] == "REGRESSED").all()
+    pooled = result.pooled.set_index("policy")
+    assert pooled.loc["snapkv", "status"] == "REGRESSED" and pooled.loc["snapkv", "paired_high"] < 0
