@@ -28,7 +28,7 @@ import yaml
 from pkvbench.errors import PkvError
 from pkvbench.io import atomic_write
 from pkvbench.report import load_runs, sort_rows
-from pkvbench.stats import holm, mean_interval, paired_difference
+from pkvbench.stats import cell_scores, holm, paired_difference
 
 CELL = ["model", "task", "policy", "budget", "query_mode"]
 COLUMNS = [*CELL, "n", "score", "ci_low", "ci_high"]
@@ -52,13 +52,7 @@ def run_samples(results: list[str]) -> pd.DataFrame:
 
 def cell_table(samples: pd.DataFrame) -> pd.DataFrame:
     """One row per cell: ``n`` samples, ``score`` (mean × 100) and its bootstrap interval, two decimals."""
-    cells = []
-    for key, scores in samples.groupby(CELL, sort=False)["score"]:
-        low, high = mean_interval(scores)
-        cells.append([*key, int(scores.count()), scores.mean() * 100, low * 100, high * 100])
-    table = pd.DataFrame(cells, columns=COLUMNS)
-    table[["score", "ci_low", "ci_high"]] = table[["score", "ci_low", "ci_high"]].round(2)
-    return sort_rows(table, columns=CELL)
+    return sort_rows(cell_scores(samples, CELL), columns=CELL)
 
 
 def _read_csv(path: Path, what: str, required: list[str]) -> pd.DataFrame:

@@ -332,7 +332,7 @@ def summarize(rows: list[Row]) -> pd.DataFrame:
     """``task, policy, budget, [query_mode,] n, score, ci_low, ci_high``: score the mean × 100, two decimals
     (LongBench's convention), with its 95% bootstrap interval over samples (``stats.mean_interval``);
     ``query_mode`` when the rows record it."""
-    from pkvbench.stats import mean_interval
+    from pkvbench.stats import cell_scores
 
     axes = ["task", "policy", "budget"] + (["query_mode"] if any("query_mode" in row for row in rows) else [])
     columns = [*axes, "n", "score", "ci_low", "ci_high"]
@@ -343,13 +343,7 @@ def summarize(rows: list[Row]) -> pd.DataFrame:
     if "query_mode" in axes:
         frame["query_mode"] = frame["query_mode"].fillna("aware")
     frame["score"] = pd.to_numeric(frame["score"], errors="coerce")
-    cells = []
-    for key, cell in frame.groupby(axes, sort=False)["score"]:
-        low, high = mean_interval(cell)
-        cells.append([*key, int(cell.count()), cell.mean() * 100, low * 100, high * 100])
-    table = pd.DataFrame(cells, columns=columns)
-    table[["score", "ci_low", "ci_high"]] = table[["score", "ci_low", "ci_high"]].round(2)
-    return table
+    return cell_scores(frame, axes)
 
 
 # --- merging ---------------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 from scipy import stats as scipy_stats
 
 CONFIDENCE = 0.95
@@ -159,3 +160,15 @@ def samples_needed(sd_difference: float, effect: float, alpha: float = 0.05, pow
         return 1
     z = scipy_stats.norm.ppf(1 - alpha / 2) + scipy_stats.norm.ppf(power)
     return max(2, math.ceil((z * sd_difference / abs(effect)) ** 2))
+
+
+def cell_scores(frame: pd.DataFrame, axes: list[str]) -> pd.DataFrame:
+    """Per group of ``axes``: ``n`` scored samples, ``score`` (mean × 100) and its interval ``ci_low, ci_high``
+    (× 100), two decimals: the cells of ``summary.csv`` and of the CI gate."""
+    cells = []
+    for key, scores in frame.groupby(axes, sort=False)["score"]:
+        low, high = mean_interval(scores)
+        cells.append([*key, int(scores.count()), scores.mean() * 100, low * 100, high * 100])
+    table = pd.DataFrame(cells, columns=[*axes, "n", "score", "ci_low", "ci_high"])
+    table[["score", "ci_low", "ci_high"]] = table[["score", "ci_low", "ci_high"]].round(2)
+    return table
