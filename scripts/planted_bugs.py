@@ -38,7 +38,8 @@ def try_bug(bug: PlantedBug, folder: Path, tolerance: float) -> dict:
         "caught": "yes" if not result.passed else "no",
         "cells failed": f"{int((failing['task'] != '*').sum())} of {len(result.cells)}",
         "pooled policies failed": ", ".join(failing.loc[failing["task"] == "*", "policy"]) or "-",
-        "worst cell Δ": f"{result.cells['delta'].min():+.2f}",
+        "cells changed": int((result.cells["delta"] != 0).sum()),
+        "worst / best cell Δ": f"{result.cells['delta'].min():+.2f} / {result.cells['delta'].max():+.2f}",
         "seconds": round(time.perf_counter() - started),
     }
 
