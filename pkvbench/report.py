@@ -312,11 +312,15 @@ def uneven_counts(rows: pd.DataFrame) -> list[str]:
 # --- formats ---------------------------------------------------------------------------------------------------------
 
 
-def _cell(value, missing: str) -> str:
+# Columns whose small values matter: p-values print with three significant digits, not two decimals.
+PVALUE_COLUMNS = ("p", "p_holm")
+
+
+def _cell(value, missing: str, column: str = "") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return missing
     if isinstance(value, float):
-        return f"{value:.2f}"
+        return f"{value:.3g}" if column in PVALUE_COLUMNS else f"{value:.2f}"
     return str(value)
 
 
@@ -330,7 +334,7 @@ def _display(table: pd.DataFrame, missing: str) -> tuple[list[str], list[list[st
     for row in table.to_dict("records"):  # keeps each column's type (iterrows would make counts floats)
         cells = []
         for column in header:
-            text = _cell(row[column], missing)
+            text = _cell(row[column], missing, column)
             low, high = interval_columns(column)
             if low in folded and text != missing and not pd.isna(row[low]):
                 text += f" [{row[low]:.2f}, {row[high]:.2f}]"
@@ -350,7 +354,8 @@ def to_markdown(table: pd.DataFrame, missing: str = "—") -> str:
 
 
 def to_csv(table: pd.DataFrame) -> str:
-    return table.to_csv(index=False, float_format="%.2f", na_rep="")
+    precise = {c: [_cell(v, "", c) for v in table[c]] for c in PVALUE_COLUMNS if c in table.columns}
+    return table.assign(**precise).to_csv(index=False, float_format="%.2f", na_rep="")
 
 
 def _latex_escape(text: str) -> str:
