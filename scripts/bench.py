@@ -15,8 +15,11 @@ Run it alone: timings taken while other model jobs share the cores mean nothing.
 4. memory: the growth of peak resident memory while the grid decodes (the peak reset after the prefill), batched vs.
    one at a time, and with decode-batch caps; the cap that keeps it within 1.5×.
 5. KV bytes kept vs. the nominal budget; decode time per token at a long context, budget 128 vs. full cache.
-6. optional: NVIDIA kvpress on the same prompt and grid, when ``--kvpress-python`` names an interpreter with kvpress
-   installed (``scripts/kvpress_env.sh`` builds one).
+6. optional: NVIDIA kvpress on the same prompt, when ``--kvpress-python`` names an interpreter with kvpress installed
+   (``bash scripts/kvpress_env.sh`` builds one in .venv-kvpress): 9 configurations (full; SnapKV and StreamingLLM at
+   the 4 budgets), one kvpress pipeline call each (``scripts/kvpress_grid.py``, in kvpress's environment), vs the same
+   9 cells in pkvbench from one prefill, batched — query-agnostic on both sides, as kvpress compresses the context
+   alone. The note says whether kvpress's tokens are pkvbench's prompt, and how many kept counts and answers agree.
 """
 
 from __future__ import annotations
@@ -241,23 +244,96 @@ def decode_speed(engine: Engine, length: int, new_tokens: int = 32) -> list[dict
     ]
 
 
-def kvpress(python: str, length: int) -> list[dict]:
-    """kvpress on the same prompt and a 9-configuration grid, one pipeline call per configuration."""
-    out = subprocess.run(
-        [python, str(Path(__file__).with_name("kvpress_grid.py")), "--length", str(length)],
-        capture_output=True,
-        text=True,
-        check=True,
+def kvpress_prompt(engine: Engine, length: int) -> dict:
+    """The needle prompt as kvpress's pipeline takes it (scripts/kvpress_grid.py's ``--prompt`` file): the context
+    as text without the chat template (kvpress applies it), the question as the text after the context in the user
+    message (up to the template's closing tokens, leading blank line kept), the system prompt, and pkvbench's token
+    ids of the whole prompt, which kvpress's tokens are checked against."""
+    task, sample = needle_sample(engine, length)
+    tokenizer, question = engine.tokenizer, sample.questions[0]
+    marker = "\u2063"  # where the user's message starts in the rendered template
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "system", "content": task.config["system"]}, {"role": "user", "content": marker}],
+        add_generation_prompt=True,
+        tokenize=False,
     )
+    header = rendered[: rendered.index(marker)]
+    context = tokenizer.decode(sample.context_ids)
+    if not context.startswith(header):
+        raise RuntimeError(f"the needle context does not start with the chat template's header {header!r}")
+    special = set(tokenizer.all_special_ids)
+    end = next((i for i, token in enumerate(question.ids) if token in special), len(question.ids))
+    snapkv, streamingllm = parse_policy("snapkv"), parse_policy("streamingllm")
+    return {
+        "context": context[len(header) :],
+        "question": tokenizer.decode(question.ids[:end]),
+        "system": task.config["system"],
+        "prompt_ids": sample.input_ids,
+        "max_new_tokens": task.max_new_tokens,
+        "budgets": [int(b) for b in BUDGETS],
+        # pkvbench's SnapKV window and pooling kernel (kvpress's defaults are 64 and 5); kvpress pools by average,
+        # pkvbench by max. StreamingLLM: the same 4 sinks.
+        "snapkv": {"window_size": snapkv.window, "kernel_size": snapkv.kernel},
+        "streamingllm": {"n_sink": streamingllm.sink},
+    }
+
+
+def kvpress(python: str, length: int, engine: Engine | None = None) -> list[dict]:
+    """kvpress on the same prompt and a 9-configuration grid (full; SnapKV and StreamingLLM at the 4 budgets), one
+    pipeline call per configuration, vs pkvbench's grid of the same 9 cells from one prefill, decoded batched.
+
+    kvpress compresses the context alone and puts the question on top, so pkvbench's cells run query-agnostic.
+    Both sides exclude model loading; each does one untimed warm-up first.
+    """
+    import tempfile
+
+    from pkvbench.engine.models import model_path
+
+    engine = engine or Engine(load_model())
+    prompt = kvpress_prompt(engine, length)
+    with tempfile.TemporaryDirectory() as folder:
+        prompt_file = Path(folder) / "prompt.json"
+        prompt_file.write_text(json.dumps(prompt))
+        out = subprocess.run(
+            [
+                python,
+                str(Path(__file__).with_name("kvpress_grid.py")),
+                "--prompt",
+                str(prompt_file),
+                "--model",
+                model_path(engine.loaded.name)[0],
+            ],
+            capture_output=True,
+            text=True,
+        )
+    if out.returncode != 0:  # a row that says why, rather than losing the rows measured before it
+        error = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        note = f"skipped: scripts/kvpress_grid.py under {python} exited {out.returncode}: {error}"
+        return [row("grid of 9 configurations: kvpress vs pkvbench", length, None, None, "", note, ratio="")]
     result = json.loads(out.stdout.strip().splitlines()[-1])
+
+    task, sample = needle_sample(engine, length)
+    grid = [Cell(parse_policy("full"), Budget.parse(BUDGETS[0]), "agnostic")] + [
+        Cell(parse_policy(p), Budget.parse(b), "agnostic") for p in ("snapkv", "streamingllm") for b in BUDGETS
+    ]
+    list(run_sample(engine, task, sample, grid[:1], RunSettings()))  # warm-up
+    ours, pkvbench_s = timed(lambda: list(run_sample(engine, task, sample, grid, RunSettings())))
+    theirs = result["results"]
+    differ = [b["config"] for a, b in zip(ours, theirs) if a["pred"].strip() != b["answer"].strip()]
+    same_kept = sum(set(a["kv_kept"]) == {b["kept"]} for a, b in zip(ours, theirs))
+    per_config = ", ".join(f"{r['config']} {r['seconds']:.2f}" for r in theirs)
     return [
         row(
             "grid of 9 configurations: kvpress (a pipeline call each) vs pkvbench (one prefill, batched)",
             length,
             result["kvpress_s"],
-            result["pkvbench_s"],
+            pkvbench_s,
             "",
-            f"kvpress {result['kvpress_version']}; {result['configs']} configs",
+            f"kvpress {result['kvpress_version']} (transformers {result['transformers_version']}); "
+            f"{result['configs']} configs, query-agnostic; kvpress prompt == pkvbench's: {result['prompt_matches']}; "
+            f"entries kept equal: {same_kept}/{len(grid)}; answers equal: {len(grid) - len(differ)}/{len(grid)}"
+            f"{' (differ: ' + ', '.join(differ) + ')' if differ else ''}; "
+            f"kvpress s per config: {per_config}",
         )
     ]
 
