@@ -227,3 +227,13 @@ def test_fraction_budgets_round_half_to_even_under_the_reference_protocol():
 
     assert parse_budgets("0.125", "half-even")[0].entries(100) == 12  # round(12.5) = 12, as Python's round
     assert parse_budgets("0.125")[0].entries(100) == 13  # pkvbench: half up
+
+
+def test_wrappers_run_under_the_reference_protocol_as_pkvbench_selects():
+    """AdaKV and ChunkKV are not the paper's rules: under --protocol reference they (and their inner policy) keep
+    pkvbench's defaults, instead of failing on the reference's one set per query head."""
+    from pkvbench.policies.spec import parse_policy
+
+    for spec in ("adakv(snapkv)", "chunkkv(pyramidkv)"):
+        assert parse_policy(spec, protocol="reference") == parse_policy(spec)
+    assert parse_policy("snapkv", protocol="reference").gqa == "query"  # the paper's own rules still change

@@ -59,7 +59,8 @@ def parse_policy(spec: str, shared_options: dict[str, str] | None = None, protoc
 
     ``shared_options`` (from ``--policy-arg``) apply to every policy that has such an option; options in the spec
     itself win over them. Under the ``reference`` protocol a policy starts from its ``reference_options`` (how the
-    PyramidKV paper's code selects) instead of its defaults; options the user gives still win.
+    PyramidKV paper's code selects) instead of its defaults; options the user gives still win. Wrappers have no
+    reference options, and their inner policy keeps its own defaults.
     """
     if protocol not in PROTOCOLS:
         raise PkvError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
@@ -86,7 +87,10 @@ def parse_policy(spec: str, shared_options: dict[str, str] | None = None, protoc
     if protocol == "reference":
         kwargs = {**cls.reference_options, **kwargs}
     if wraps:
-        kwargs["inner"] = parse_policy(inner_spec, shared_options, protocol)
+        # A wrapper (AdaKV, ChunkKV) is no rule of the paper's code: it and its inner policy select as pkvbench
+        # does under either protocol (the reference's one set per query head would contradict the wrapper's own
+        # per-KV-head choice).
+        kwargs["inner"] = parse_policy(inner_spec, shared_options, "exact")
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
