@@ -247,7 +247,11 @@ def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
                 (handle,) = ax.plot(
                     line["x"], line["score"], marker="o", color=colours[policy], label=policy, linewidth=1.8, ls=style
                 )
-                ax.fill_between(line["x"], line["ci_low"], line["ci_high"], color=colours[policy], alpha=0.12, lw=0)
+                if len(line) > 1:  # the interval as a band along the line
+                    ax.fill_between(line["x"], line["ci_low"], line["ci_high"], color=colours[policy], alpha=0.12, lw=0)
+                else:  # a lone point has no band to draw: an error bar
+                    spread = [line["score"] - line["ci_low"], line["ci_high"] - line["score"]]
+                    ax.errorbar(line["x"], line["score"], yerr=spread, fmt="none", ecolor=colours[policy], capsize=3)
                 handles.setdefault(policy, handle)
             if full_score is not None:
                 handle = ax.axhline(full_score, color="black", linestyle="--", linewidth=1.2, label="full cache")
