@@ -250,7 +250,11 @@ def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
                 if len(line) > 1:  # the interval as a band along the line
                     ax.fill_between(line["x"], line["ci_low"], line["ci_high"], color=colours[policy], alpha=0.12, lw=0)
                 else:  # a lone point has no band to draw: an error bar
-                    spread = [line["score"] - line["ci_low"], line["ci_high"] - line["score"]]
+                    # (clipped: float noise can put a bound a hair beyond the mean it was resampled around)
+                    spread = [
+                        (line["score"] - line["ci_low"]).clip(lower=0),
+                        (line["ci_high"] - line["score"]).clip(lower=0),
+                    ]
                     ax.errorbar(line["x"], line["score"], yerr=spread, fmt="none", ecolor=colours[policy], capsize=3)
                 handles.setdefault(policy, handle)
             if full_score is not None:
