@@ -588,9 +588,10 @@ def compare(runs: Runs, reference: Reference, paper_model: str | None = None) ->
     table = pd.DataFrame(out)
     table["delta"] = table["measured"] - table["paper"]
     # Is the paper's number one our samples could have given? "outside" when it lies beyond our 95% interval.
+    # One sample has no interval to speak of ("-").
     table["paper_in_ci"] = [
-        "inside" if low <= paper <= high else "outside"
-        for paper, low, high in zip(table["paper"], table["ci_low"], table["ci_high"])
+        "-" if n < 2 else "inside" if low <= paper <= high else "outside"
+        for paper, low, high, n in zip(table["paper"], table["ci_low"], table["ci_high"], table["n"])
     ]
     for column in ("measured", "ci_low", "ci_high", "paper", "delta"):
         table[column] = table[column].astype(float).round(2)
