@@ -28,13 +28,12 @@ import yaml
 from pkvbench.errors import PkvError
 from pkvbench.io import atomic_write
 from pkvbench.report import load_runs, sort_rows
-from pkvbench.stats import cell_scores, holm, paired_difference
+from pkvbench.stats import ALPHA, cell_scores, holm, paired_difference
 
 CELL = ["model", "task", "policy", "budget", "query_mode"]
 COLUMNS = [*CELL, "n", "score", "ci_low", "ci_high"]
 SAMPLE_COLUMNS = [*CELL, "sample_id", "score"]
 ALL = "*"  # the task and budget of a policy's pooled row
-ALPHA = 0.05
 FAILING = ("REGRESSED", "MISSING", "COUNT")
 
 

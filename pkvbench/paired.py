@@ -17,10 +17,9 @@ import pandas as pd
 
 from pkvbench.errors import PkvError
 from pkvbench.report import policy_sort_key, row_axes, sort_rows, task_order
-from pkvbench.stats import holm, paired_difference, samples_needed
+from pkvbench.stats import ALPHA, holm, paired_difference, samples_needed
 
 ALL_TASKS = "all tasks"  # the group row: every task of the model, each weighted equally
-ALPHA = 0.05
 COLUMNS = [
     "model",
     "task",

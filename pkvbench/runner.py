@@ -125,6 +125,8 @@ def run_sample(
     question is part of what is compressed).
     """
     settings = settings or RunSettings()
+    # The texts every row of a question carries, decoded once per question rather than once per row.
+    texts = {q.question_id: sample_texts(engine.tokenizer, sample, q) for q in sample.questions}
     modes = {cell.query_mode for cell in cells}
     first, context_len = sample.questions[0], len(sample.context_ids)
     aware_len = len(sample.prompt(first))
@@ -164,7 +166,7 @@ def run_sample(
         for question in sample.questions if cell.query_mode == "agnostic" else [first]:
             add(cell, question, prefill, cache, selection_s)
     decoded = engine.decode_many(requests, settings.decode_batch)
-    yield from (_row(engine, task, sample, job, decoded[job.request], settings) for job in jobs)
+    yield from (_row(engine, task, sample, job, decoded[job.request], settings, texts) for job in jobs)
 
     aware_cells = [cell for cell in cells if cell.query_mode == "aware"]
     for question in sample.questions[1:] if aware_cells else []:
@@ -175,10 +177,12 @@ def run_sample(
             cache = engine.compress(own, cell.policy, cell.budget)
             add(cell, question, own, cache, time.perf_counter() - started)
         decoded = engine.decode_many(requests, settings.decode_batch)
-        yield from (_row(engine, task, sample, job, decoded[job.request], settings) for job in jobs)
+        yield from (_row(engine, task, sample, job, decoded[job.request], settings, texts) for job in jobs)
 
 
-def _row(engine: Engine, task: TaskSpec, sample: Sample, job: _Job, answer, settings: RunSettings) -> dict:
+def _row(
+    engine: Engine, task: TaskSpec, sample: Sample, job: _Job, answer, settings: RunSettings, texts: dict[str, dict]
+) -> dict:
     cache, question = job.cache, job.question
     metric = METRICS[task.metric]
     return {
@@ -203,7 +207,7 @@ def _row(engine: Engine, task: TaskSpec, sample: Sample, job: _Job, answer, sett
         "selection_s": round(job.selection_s, 4),
         "decode_s": round(answer.seconds, 4),
         "decode_batch": answer.batch,
-        **sample_texts(engine.tokenizer, sample, question),
+        **texts[question.question_id],
         **sample.extras,
         **question.extras,
     }

@@ -26,6 +26,7 @@ import pandas as pd
 from scipy import stats as scipy_stats
 
 CONFIDENCE = 0.95
+ALPHA = 0.05  # the level at which a paired difference counts as decided (after Holm), in `diff` and the gate
 RESAMPLES = 2000  # bootstrap resamples: the interval's ends move by well under a point between seeds at this count
 PERMUTATIONS = 9999  # sign flips; every one of the 2^n is enumerated when 2^n is fewer
 SEED = 0
@@ -150,7 +151,7 @@ def holm(pvalues: Sequence[float]) -> np.ndarray:
     return adjusted
 
 
-def samples_needed(sd_difference: float, effect: float, alpha: float = 0.05, power: float = 0.8) -> float:
+def samples_needed(sd_difference: float, effect: float, alpha: float = ALPHA, power: float = 0.8) -> float:
     """Paired samples for a two-sided test at ``alpha`` to detect a mean difference of ``effect`` with ``power``,
     when per-sample differences spread by ``sd_difference`` (same units as ``effect``): ((z₁₋α/₂ + z_power) σ / δ)²,
     rounded up. Infinite when the effect is 0; 1 when the differences never vary (one sample shows them)."""
