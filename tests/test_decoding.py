@@ -65,9 +65,9 @@ def test_rows_leave_the_batch():
     assert layer.lengths.tolist() == [[3], [2]] and layer.keys.shape[0] == 2
 
 
-def request(entries, heads=3, feed=()):
+def request(entries, heads=3, feed=(), position=1000):
     keys = [torch.zeros(heads, n, 4) for n in entries]
-    return DecodeRequest(KeptEntries(keys, keys), position=100, max_new_tokens=4, feed=feed)
+    return DecodeRequest(KeptEntries(keys, keys), position=position, max_new_tokens=4, feed=feed)
 
 
 def test_batches_group_alike_rows_and_cap_padding_and_size():
@@ -81,6 +81,14 @@ def test_batches_group_alike_rows_and_cap_padding_and_size():
     batches = plan_batches(requests, max_rows=None)
     assert sorted(map(sorted, batches)) == [[0, 1], [2], [3], [4]]  # the full-length row would pad the small ones
     assert all(len(b) == 1 for b in plan_batches(requests, max_rows=1))
+
+
+def test_a_grid_of_budgets_shares_a_batch_up_to_one_full_cache_of_padding():
+    grid = [request([n, n], position=2000) for n in (64, 128, 256, 512) for _ in range(4)]
+    # 64…256 padded to 256 add 7,680 entries, below one full cache (2 layers × 3 heads × 2000 = 12,000); adding a 512
+    # row would add 26,112, more than the full cache and than half the 13,824 kept.
+    assert [len(b) for b in plan_batches(grid, max_rows=None)] == [12, 4]
+    assert [len(b) for b in plan_batches(grid, max_rows=5)] == [5, 5, 5, 1]
 
 
 POLICIES = ["full", "streamingllm", "h2o", "snapkv", "pyramidkv", "h2o:scores=window", "snapkv:window=32"]

@@ -113,6 +113,18 @@ def test_recorded_statistics_match_eager_attention(engine, loaded):
         )
 
 
+def test_h2o_statistics_come_from_the_kernels_logsumexp(engine, loaded, monkeypatch):
+    """The fast path of H2O's statistics (``accumulated_from_logsumexp``) is taken in every layer of the model's own
+    prefill: a new keyword argument from transformers once sent it silently to the slower chunked path."""
+    import pkvbench.engine.attention as attention
+
+    calls = []
+    fused = attention.accumulated_from_logsumexp
+    monkeypatch.setattr(attention, "accumulated_from_logsumexp", lambda *a: calls.append(1) or fused(*a))
+    engine.prefill(torch.tensor([list(range(100, 164))]), [parse_policy("h2o")])
+    assert len(calls) == loaded.num_layers
+
+
 def test_cache_really_shrinks_to_the_nominal_budget(engine, loaded, prefill):
     per_entry = loaded.num_kv_heads * loaded.head_dim * 2 * 4  # keys and values, float32
     for spec in POLICIES[1:]:

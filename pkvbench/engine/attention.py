@@ -279,8 +279,10 @@ def _decoding_attention(kernel, base: str, layer, module, query, key, value, **k
     return kernel(module, query, key, value, mask, **kwargs)
 
 
-# Keyword arguments of an attention call that the plain causal prefill kernel below ignores safely.
-_PLAIN_PREFILL_KWARGS = {"dropout", "scaling", "position_ids", "is_causal", "output_attentions"}
+# Keyword arguments of an attention call that the plain causal prefill kernel below ignores safely (transformers 5.2x
+# passes ``use_cache`` too; an unknown one falls back to the model's kernel and the chunked statistics, slower:
+# ``tests/test_engine.py`` checks that the model's own prefill takes this path).
+_PLAIN_PREFILL_KWARGS = {"dropout", "scaling", "position_ids", "is_causal", "output_attentions", "use_cache"}
 
 
 def _attention_with_logsumexp(base: str, module, query, key, value, attention_mask, kwargs):

@@ -8,8 +8,11 @@ limit) and leaves the batch. A batch of one is the plain one-configuration-at-a-
 
 Which rows share a batch (``plan_batches``): rows whose caches have the same number of heads and that feed the same
 tokens first (query-agnostic rows feed their question on top of the compressed context), at most ``max_rows`` rows,
-and no more padding than ``PADDING_ALLOWANCE`` times what the rows hold themselves (so a full-cache row never pads
-a batch of small caches to its length).
+and no more padding than one full cache of the prompt or ``PADDING_ALLOWANCE`` times what the rows keep themselves,
+whichever is more. So a full-cache row never pads a batch of small caches to its length, while a grid's budgets
+(64 to 512 entries of a 2000-token prompt) share one or two batches: on 2 CPU cores a decode step of 12 rows costs
+2.6 times one of 1 (``scripts/profile_decode.py``, ``docs/benchmark.md``), so splitting a grid by budget, as the
+first rule (padding at most half the kept entries) did, cost more steps than its padding saved.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import torch
 from pkvbench.engine.attention import decoding
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
 
-# A batch may store at most this many times the entries its rows keep (padding included); a limit on memory.
-PADDING_ALLOWANCE = 1.5
+# A batch may pad by this fraction of the entries its rows keep, or by one full cache of the prompt if more.
+PADDING_ALLOWANCE = 0.5
 
 
 @dataclass
@@ -92,10 +95,7 @@ def plan_batches(requests: list[DecodeRequest], max_rows: int | None) -> list[li
         batch: list[int] = []
         for index in members:
             candidate = [*batch, index]
-            if batch and (
-                (max_rows and len(candidate) > max_rows)
-                or _padded(requests, candidate) > PADDING_ALLOWANCE * sum(requests[i].kept.entries for i in candidate)
-            ):
+            if batch and ((max_rows and len(candidate) > max_rows) or _too_padded(requests, candidate)):
                 batches.append(batch)
                 candidate = [index]
             batch = candidate
@@ -103,11 +103,14 @@ def plan_batches(requests: list[DecodeRequest], max_rows: int | None) -> list[li
     return batches
 
 
-def _padded(requests: list[DecodeRequest], batch: list[int]) -> int:
-    """Entries a batch stores, padding included."""
+def _too_padded(requests: list[DecodeRequest], batch: list[int]) -> bool:
+    """Whether the batch's padding exceeds both one full cache of the prompt and the allowance on what it keeps."""
     kept = [requests[i].kept for i in batch]
     heads = kept[0].heads
-    return sum(len(kept) * heads[layer] * max(k.stored(layer) for k in kept) for layer in range(len(heads)))
+    stored = sum(len(kept) * heads[layer] * max(k.stored(layer) for k in kept) for layer in range(len(heads)))
+    entries = sum(k.entries for k in kept)
+    full_cache = sum(heads) * requests[batch[0]].position
+    return stored - entries > max(PADDING_ALLOWANCE * entries, full_cache)
 
 
 class BatchDecoder:
