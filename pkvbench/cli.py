@@ -423,14 +423,16 @@ def plot(folders, out_dir) -> None:
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write into.")
 def export(folders, fmt, out_dir) -> None:
     """Results in another harness's layout, from run folders alone."""
-    from pkvbench.export import export_kvpress
-    from pkvbench.report import load_runs
+    from pkvbench.export import export_kvpress, write_ranking
+    from pkvbench.report import load_runs, to_markdown
 
     runs = load_runs(list(folders))
     written = export_kvpress(runs, out_dir)
+    ranking = write_ranking(runs, out_dir)
     for note in runs.notes:
         click.echo(f"note: {note}", err=True)
-    click.echo(f"{len(written)} kvpress result folders → {out_dir}/")
+    click.echo(to_markdown(ranking))
+    click.echo(f"{len(written)} kvpress result folders, ranking.md and ranking.csv → {out_dir}/")
 
 
 @cli.command()

@@ -15,6 +15,11 @@ run, so kvpress users' scripts read it:
   columns are absent;
 - ``metrics.json`` holds each task's mean score × 100 under ``string_match`` (RULER's string match, the same
   definition as kvpress's), whatever the task's metric.
+
+Beside the folders, ``ranking.md`` and ``ranking.csv`` (``leaderboard_ranking``): kvpress's leaderboard as a table —
+per query mode, each policy's score at each compression ratio (the mean of the task means, as the leaderboard
+averages RULER's tasks) and over all ratios, with 95% intervals (bootstrap within each task × ratio), policies ranked
+by that average; the full cache is the line they are read against (rank 0).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import pandas as pd
 import yaml
 
 from pkvbench.io import atomic_write
-from pkvbench.report import Runs, model_display_name
+from pkvbench.report import Runs, budget_sort_key, interval_columns, model_display_name, to_csv, to_markdown
+from pkvbench.stats import group_interval
 
 KVPRESS_NAMES = {
     "full": "no_press",
@@ -117,3 +123,45 @@ def export_kvpress(runs: Runs, out: str | Path) -> list[Path]:
         atomic_write(folder / "config.yaml", yaml.safe_dump(config, sort_keys=False))
         written.append(folder)
     return written
+
+
+def leaderboard_ranking(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows model × query mode × policy, ranked within model and mode by ``avg`` (see the module docstring): columns
+    ``rank``, each budget (the compression ratio's label, ``cr0.5``) and ``avg``, each with its interval columns,
+    and ``n`` (samples behind the row)."""
+    rows = rows.assign(query_mode=rows.get("query_mode", pd.Series("aware", index=rows.index)).fillna("aware"))
+    budgets = sorted(rows["budget"].astype(str).unique(), key=budget_sort_key)
+    if all(b.startswith("cr") for b in budgets):  # compression ratios read from the least removed, as kvpress's plots
+        budgets = sorted(budgets, key=lambda b: float(b[2:]))
+    records = []
+    for (model, mode, policy), group in rows.groupby(["model", "query_mode", "policy"], sort=False):
+        record = {"model": model_display_name(model), "query_mode": mode, "policy": policy}
+        for column, cells in [(b, group[group["budget"].astype(str) == b]) for b in budgets] + [("avg", group)]:
+            strata = [scores for _, scores in cells.groupby(["task", "budget"], sort=False)["score"]]
+            low, high = group_interval(strata) if strata else (float("nan"),) * 2
+            record[column] = 100 * float(pd.Series([s.mean() for s in strata]).mean()) if strata else float("nan")
+            low_name, high_name = interval_columns(column)
+            record[low_name], record[high_name] = 100 * low, 100 * high
+        record["n"] = int(len(group))
+        records.append(record)
+    table = pd.DataFrame(records)
+    full = table["policy"] == "full"
+    table["rank"] = 0
+    for _, index in table[~full].groupby(["model", "query_mode"], sort=False).groups.items():
+        order = table.loc[index, "avg"].rank(ascending=False, method="min").astype(int)
+        table.loc[index, "rank"] = order
+    table = table.sort_values(["model", "query_mode", "rank", "policy"], kind="stable").reset_index(drop=True)
+    columns = ["model", "query_mode", "rank", "policy"]
+    for column in [*budgets, "avg"]:
+        columns += [column, *interval_columns(column)]
+    table[columns[4:]] = table[columns[4:]].round(2)
+    return table[[*columns, "n"]]
+
+
+def write_ranking(runs: Runs, out: str | Path) -> pd.DataFrame:
+    """``ranking.md`` and ``ranking.csv`` in ``out``; returns the table."""
+    table = leaderboard_ranking(runs.rows)
+    out = Path(out)
+    atomic_write(out / "ranking.md", to_markdown(table))
+    atomic_write(out / "ranking.csv", to_csv(table))
+    return table

@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from pkvbench.budgets import Budget
 from pkvbench.engine.attention import decoding
+from pkvbench.engine.decoding import plan_batches
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import load_model
 from pkvbench.policies import parse_policy
@@ -36,7 +37,7 @@ from pkvbench.tasks.registry import build_samples, get_task
 
 POLICIES = ["full", "streamingllm", "h2o", "snapkv", "pyramidkv"]
 BUDGETS = ["64", "128", "256", "512"]
-BATCH_SIZES = [1, 2, 4, 8, 12, 16, 20]
+BATCH_SIZES = [1, 2, 4, 8, 12, 16]  # the grid has 16 compressed configurations
 
 
 def needle(engine: Engine, length: int):
@@ -106,8 +107,10 @@ def profile_step(engine: Engine, requests) -> tuple[dict, list]:
     return {k: round(v / 4, 2) for k, v in op_table(prof).items()}, top_ops(prof)
 
 
-def replay(rows: list[dict], t: dict[int, float]) -> dict:
-    """Decode time predicted from step times: sequential Σ tokens × t(1); batched Σ over steps of t(live rows)."""
+def replay(rows: list[dict], t: dict[int, float], planned: list[list[int]]) -> dict:
+    """Decode time predicted from step times (of the smallest caches first: an upper bound on padding's cost is not
+    modelled): sequential Σ tokens × t(1); one batch Σ over steps of t(live rows); as ``plan_batches`` plans, the
+    same per planned batch."""
     compressed = [r for r in rows if r["policy"] != "full"]
     tokens = [r["new_tokens"] for r in compressed]
     sequential = sum(tokens) * t[1]
@@ -120,7 +123,12 @@ def replay(rows: list[dict], t: dict[int, float]) -> dict:
             return t[lower]
         return t[lower] + (t[upper] - t[lower]) * (b - lower) / (upper - lower)
 
-    batched = sum(at(sum(n > step for n in tokens)) for step in range(max(tokens)))
+    def batch_seconds(members):
+        counts = [tokens[i] for i in members]
+        return sum(at(sum(n > step for n in counts)) for step in range(max(counts)))
+
+    batched = batch_seconds(range(len(tokens)))
+    as_planned = sum(batch_seconds(members) for members in planned)
     return {
         "rows": len(tokens),
         "tokens": sum(tokens),
@@ -129,6 +137,9 @@ def replay(rows: list[dict], t: dict[int, float]) -> dict:
         "sequential_s": round(sequential, 2),
         "batched_s": round(batched, 2),
         "ratio": round(sequential / batched, 2),
+        "planned_batches": [len(m) for m in planned],
+        "planned_s": round(as_planned, 2),
+        "planned_ratio": round(sequential / as_planned, 2),
     }
 
 
@@ -169,11 +180,12 @@ def main(lengths, out):
     report = {"threads": torch.get_num_threads(), "lengths": {}}
     for length in [int(x) for x in lengths.split(",")]:
         task, sample = needle(engine, length)
-        requests = grid_requests(engine, sample)
-        requests.sort(key=lambda r: r.kept.entries)
+        in_grid_order = grid_requests(engine, sample)
+        planned = plan_batches(in_grid_order, None)
+        requests = sorted(in_grid_order, key=lambda r: r.kept.entries)
         steps = {b: step_seconds(engine, requests[:b]) for b in BATCH_SIZES}
         full = step_seconds(engine, [engine.request(*_full(engine, sample), max_new_tokens=64)])
-        ops = {b: profile_step(engine, requests[:b]) for b in (1, 20)}
+        ops = {b: profile_step(engine, requests[:b]) for b in (1, 16)}
         grid = [Cell(parse_policy(p), Budget.parse(b), "aware") for p in POLICIES for b in BUDGETS]
         rows = list(run_sample(engine, task, sample, grid, RunSettings()))
         report["lengths"][length] = {
@@ -181,14 +193,73 @@ def main(lengths, out):
             "full_cache_step_ms": round(1000 * full, 2),
             "ops_ms_per_step": {b: o[0] for b, o in ops.items()},
             "top_ops": {b: o[1] for b, o in ops.items()},
-            "replay": replay(rows, steps),
+            "replay": replay(rows, steps, planned),
             "h2o": h2o_profile(engine, sample),
         }
         print(json.dumps(report["lengths"][length], indent=1), flush=True)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out.with_suffix('.json')}")
+    out.with_suffix(".md").write_text(markdown(report))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+
+
+def markdown(report: dict) -> str:
+    """The profile as the tables docs/benchmark.md quotes."""
+    lengths = report["lengths"]
+    lines = [
+        "# Profile of a decode step and of H2O's statistics",
+        "",
+        f"`python scripts/profile_decode.py` (CPU, float32, {report['threads']} threads; `profile.json` has all).",
+        "",
+        "## One decode step against the batch size (the grid's compressed caches, 64–512 entries)",
+        "",
+        "| rows | " + " | ".join(f"{n} tokens: ms per step | ×(1 row)" for n in lengths) + " |",
+        "|---:|" + "---:|---:|" * len(lengths),
+    ]
+    for b in BATCH_SIZES:
+        cells = []
+        for data in lengths.values():
+            steps = data["step_ms"]
+            cells += [f"{_at(steps, b):.1f}", f"{_at(steps, b) / _at(steps, 1):.2f}"]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    lines += ["", "Time per step by operator family (torch.profiler, self CPU time, ms):", ""]
+    lines += ["| context | rows | " + " | ".join(FAMILIES) + " |", "|---:|---:|" + "---:|" * len(FAMILIES)]
+    for n, data in lengths.items():
+        for b, ops in data["ops_ms_per_step"].items():
+            lines.append(f"| {n} | {b} | " + " | ".join(f"{ops.get(f, 0):.1f}" for f in FAMILIES) + " |")
+    lines += ["", "The grid's decoding replayed from its rows' token counts and the step times above:", ""]
+    lines += [
+        "| context | rows | tokens | longest | sequential s | one batch s | ratio | as planned: batches | s | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for n, data in lengths.items():
+        r = data["replay"]
+        lines.append(
+            f"| {n} | {r['rows']} | {r['tokens']} | {r['longest']} | {r['sequential_s']} | {r['batched_s']} |"
+            f" {r['ratio']} | {r['planned_batches']} | {r['planned_s']} | {r['planned_ratio']} |"
+        )
+    lines += ["", "## H2O's statistics against a plain prefill", ""]
+    lines += [
+        "| context | plain s | with H2O's statistics s | ratio | flash-attention calls' time, plain → H2O (ms) |"
+        + " matmul ms, plain → H2O | other ms, plain → H2O |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, data in lengths.items():
+        h = data["h2o"]
+        lines.append(
+            f"| {n} | {h['plain_s']} | {h['h2o_s']} | {h['ratio']} | {h['flash_ms_plain']} → {h['flash_ms_h2o']} |"
+            f" {h['plain_ops_ms'].get('matmul', 0)} → {h['h2o_ops_ms'].get('matmul', 0)} |"
+            f" {h['plain_ops_ms'].get('other', 0)} → {h['h2o_ops_ms'].get('other', 0)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+FAMILIES = ["matmul", "attention", "cache writes, masks, copies", "other"]
+
+
+def _at(steps: dict, b: int) -> float:
+    return steps[str(b)] if str(b) in steps else steps[b]
 
 
 def _full(engine: Engine, sample):

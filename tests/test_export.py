@@ -41,7 +41,7 @@ def test_export_writes_kvpress_folders(tmp_path, capsys):
         main(["export", str(run), "--format", "kvpress", "--out", str(tmp_path / "kv")])
     except SystemExit as exit_info:
         assert exit_info.code == 0, capsys.readouterr().err
-    folders = sorted(p.name for p in (tmp_path / "kv").iterdir())
+    folders = sorted(p.name for p in (tmp_path / "kv").iterdir() if p.is_dir())
     assert folders == [
         "ruler__4000__SmolLM2-135M-Instruct__expected_attention__0.25",
         "ruler__4000__SmolLM2-135M-Instruct__no_press__0.00__query_aware",
@@ -55,3 +55,34 @@ def test_export_writes_kvpress_folders(tmp_path, capsys):
     assert len(predictions) == 3 and set(predictions["compression_ratio"]) == {0.25}
     config = yaml.safe_load((folder / "config.yaml").read_text())
     assert config["press"] == "expected_attention" and config["query_aware"] is False
+
+
+def test_ranking_averages_task_means_per_ratio_and_ranks_against_the_full_cache(tmp_path):
+    from pkvbench.export import leaderboard_ranking
+
+    rows = pd.DataFrame(
+        [
+            # tova: niah 1.0 and 0.0 at cr0.5 (mean 0.5), vt 1.0 → 75.0 at cr0.5; 0.0 everywhere at cr0.75 → avg 37.5
+            row("niah_single_1", "len4000_0", "tova", "cr0.5", "agnostic", 1.0),
+            row("niah_single_1", "len4000_1", "tova", "cr0.5", "agnostic", 0.0),
+            row("vt", "len4000_0", "tova", "cr0.5", "agnostic", 1.0),
+            row("niah_single_1", "len4000_0", "tova", "cr0.75", "agnostic", 0.0),
+            row("vt", "len4000_0", "tova", "cr0.75", "agnostic", 0.0),
+            # knorm: 1.0 everywhere → avg 100, rank 1 above tova
+            *(
+                row(t, "len4000_0", "knorm", b, "agnostic", 1.0)
+                for t in ("niah_single_1", "vt")
+                for b in ("cr0.5", "cr0.75")
+            ),
+            row("niah_single_1", "len4000_0", "full", "cr0.5", "agnostic", 1.0, kept=4000),
+        ]
+    )
+    table = leaderboard_ranking(rows).set_index("policy")
+    assert list(table.index) == ["full", "knorm", "tova"]
+    assert table.loc["full", "rank"] == 0 and table.loc["knorm", "rank"] == 1 and table.loc["tova", "rank"] == 2
+    assert (
+        table.loc["tova", "cr0.5"] == 75.0 and table.loc["tova", "cr0.75"] == 0.0 and table.loc["tova", "avg"] == 37.5
+    )
+    assert table.loc["knorm", "avg ci_low"] == table.loc["knorm", "avg ci_high"] == 100.0  # nothing varies
+    assert table.loc["tova", "cr0.5 ci_low"] <= 75.0 <= table.loc["tova", "cr0.5 ci_high"]
+    assert table.loc["tova", "n"] == 5
