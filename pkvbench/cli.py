@@ -196,8 +196,8 @@ def _default_policies() -> str:
 @click.option(
     "--decode-batch",
     type=click.IntRange(min=1),
-    help="At most this many configurations of a sample decode together (default: as many as fit in "
-    "1.5x the memory their caches need alone); 1 decodes one configuration at a time.",
+    help="At most this many configurations of a sample decode together (default: no cap; a batch pads its caches "
+    "by at most one full cache of the prompt, or half what they keep if more); 1 decodes one configuration at a time.",
 )
 @click.option("--out", type=click.Path(file_okay=False), help="Result folder (default: results/runs/<model>/<tasks>).")
 @click.option(

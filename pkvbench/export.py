@@ -10,9 +10,9 @@ run, so kvpress users' scripts read it:
   ``expected_attention`` for ``adakv(expected_attention…)``, ``adakv_snapkv``, ``chunkkv``, …), else pkvbench's label;
 - the ratio is the budget's compression ratio (``cr0.5`` → 0.50), or for other budgets 1 − the share of the prompt the
   rows kept on average; ``__query_aware`` marks query-aware rows (kvpress's default is agnostic);
-- ``predictions.csv`` has ``task, sample_id, answer, predicted_answer, compression_ratio, query_mode,
-  context_tokens`` — pkvbench keeps no question text in its rows, so kvpress's ``question`` and ``answer_prefix``
-  columns are absent;
+- ``predictions.csv`` has ``task, sample_id, question, answer, predicted_answer, compression_ratio, query_mode,
+  context_tokens`` (``question`` from the rows' ``question_text``, empty for runs older than that column); kvpress's
+  ``context`` and ``answer_prefix`` columns are absent (rows keep only the context's head and tail);
 - ``metrics.json`` holds each task's mean score × 100 under ``string_match`` (RULER's string match, the same
   definition as kvpress's), whatever the task's metric.
 
@@ -98,6 +98,7 @@ def export_kvpress(runs: Runs, out: str | Path) -> list[Path]:
             {
                 "task": group["task"],
                 "sample_id": group["sample_id"],
+                "question": group["question_text"] if "question_text" in group else "",
                 "answer": [json.dumps(a, ensure_ascii=False) for a in group["answers"]],
                 "predicted_answer": group["pred"],
                 "compression_ratio": ratio,

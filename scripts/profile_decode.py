@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import click
+import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -205,54 +206,51 @@ def main(lengths, out):
 
 
 def markdown(report: dict) -> str:
-    """The profile as the tables docs/benchmark.md quotes."""
+    """The profile as the tables docs/benchmark.md quotes (pandas' Markdown)."""
     lengths = report["lengths"]
-    lines = [
-        "# Profile of a decode step and of H2O's statistics",
-        "",
-        f"`python scripts/profile_decode.py` (CPU, float32, {report['threads']} threads; `profile.json` has all).",
-        "",
-        "## One decode step against the batch size (the grid's compressed caches, 64–512 entries)",
-        "",
-        "| rows | " + " | ".join(f"{n} tokens: ms per step | ×(1 row)" for n in lengths) + " |",
-        "|---:|" + "---:|---:|" * len(lengths),
-    ]
-    for b in BATCH_SIZES:
-        cells = []
-        for data in lengths.values():
-            steps = data["step_ms"]
-            cells += [f"{_at(steps, b):.1f}", f"{_at(steps, b) / _at(steps, 1):.2f}"]
-        lines.append(f"| {b} | " + " | ".join(cells) + " |")
-    lines += ["", "Time per step by operator family (torch.profiler, self CPU time, ms):", ""]
-    lines += ["| context | rows | " + " | ".join(FAMILIES) + " |", "|---:|---:|" + "---:|" * len(FAMILIES)]
-    for n, data in lengths.items():
-        for b, ops in data["ops_ms_per_step"].items():
-            lines.append(f"| {n} | {b} | " + " | ".join(f"{ops.get(f, 0):.1f}" for f in FAMILIES) + " |")
-    lines += ["", "The grid's decoding replayed from its rows' token counts and the step times above:", ""]
-    lines += [
-        "| context | rows | tokens | longest | sequential s | one batch s | ratio | as planned: batches | s | ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
-    ]
-    for n, data in lengths.items():
-        r = data["replay"]
-        lines.append(
-            f"| {n} | {r['rows']} | {r['tokens']} | {r['longest']} | {r['sequential_s']} | {r['batched_s']} |"
-            f" {r['ratio']} | {r['planned_batches']} | {r['planned_s']} | {r['planned_ratio']} |"
+    steps = pd.DataFrame(
+        {f"{n} tokens: ms per step": [_at(d["step_ms"], b) for b in BATCH_SIZES] for n, d in lengths.items()}
+        | {
+            f"{n} tokens: × one row": [_at(d["step_ms"], b) / _at(d["step_ms"], 1) for b in BATCH_SIZES]
+            for n, d in lengths.items()
+        },
+        index=pd.Index(BATCH_SIZES, name="rows"),
+    )
+    ops = pd.DataFrame(
+        [{"context": n, "rows": b, **o} for n, d in lengths.items() for b, o in d["ops_ms_per_step"].items()]
+    )
+    replays = pd.DataFrame([{"context": n, **d["replay"]} for n, d in lengths.items()])
+    h2o = pd.DataFrame(
+        [
+            {
+                "context": n,
+                "plain s": h["plain_s"],
+                "with H2O's statistics s": h["h2o_s"],
+                "ratio": h["ratio"],
+                **{f"{family} ms, plain": h["plain_ops_ms"].get(family, 0) for family in FAMILIES},
+                **{f"{family} ms, H2O": h["h2o_ops_ms"].get(family, 0) for family in FAMILIES},
+            }
+            for n, d in lengths.items()
+            for h in [d["h2o"]]
+        ]
+    )
+    return (
+        "\n\n".join(
+            [
+                "# Profile of a decode step and of H2O's statistics",
+                f"`python scripts/profile_decode.py` (CPU, float32, {report['threads']} threads; `profile.json` has all).",
+                "## One decode step against the batch size (the grid's compressed caches, smallest first)",
+                steps.to_markdown(floatfmt=".2f"),
+                "Time per step by operator family (torch.profiler, self CPU time, ms):",
+                ops.to_markdown(index=False, floatfmt=".1f"),
+                "The grid's decoding replayed from its rows' token counts and the step times above (seconds):",
+                replays.to_markdown(index=False),
+                "## H2O's statistics against a plain prefill (operator families' self CPU time)",
+                h2o.to_markdown(index=False, floatfmt=".2f"),
+            ]
         )
-    lines += ["", "## H2O's statistics against a plain prefill", ""]
-    lines += [
-        "| context | plain s | with H2O's statistics s | ratio | flash-attention calls' time, plain → H2O (ms) |"
-        + " matmul ms, plain → H2O | other ms, plain → H2O |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for n, data in lengths.items():
-        h = data["h2o"]
-        lines.append(
-            f"| {n} | {h['plain_s']} | {h['h2o_s']} | {h['ratio']} | {h['flash_ms_plain']} → {h['flash_ms_h2o']} |"
-            f" {h['plain_ops_ms'].get('matmul', 0)} → {h['h2o_ops_ms'].get('matmul', 0)} |"
-            f" {h['plain_ops_ms'].get('other', 0)} → {h['h2o_ops_ms'].get('other', 0)} |"
-        )
-    return "\n".join(lines) + "\n"
+        + "\n"
+    )
 
 
 FAMILIES = ["matmul", "attention", "cache writes, masks, copies", "other"]
