@@ -98,7 +98,7 @@ def export_kvpress(runs: Runs, out: str | Path) -> list[Path]:
             {
                 "task": group["task"],
                 "sample_id": group["sample_id"],
-                "question": group["question_text"] if "question_text" in group else "",
+                "question": group.get("question_text", ""),
                 "answer": [json.dumps(a, ensure_ascii=False) for a in group["answers"]],
                 "predicted_answer": group["pred"],
                 "compression_ratio": ratio,
