@@ -52,6 +52,25 @@ def test_accumulated_attention_from_the_kernels_logsumexp():
     torch.testing.assert_close(sums, naive_attention(query[0], key[0], 0.125).sum(dim=1), rtol=1e-5, atol=1e-5)
 
 
+def test_accumulated_attention_when_the_log_sum_exps_spread_too_wide_for_value_weights(monkeypatch):
+    """A head whose queries' log-sum-exps span more than ``WEIGHT_RANGE`` (exp(−lse) would underflow as a value
+    weight) takes the bias-dimension formulation, and the sums stay exact."""
+    from pkvbench.engine import attention
+
+    gen = torch.Generator().manual_seed(4)
+    query, key = torch.randn(6, 200, 64, generator=gen), torch.randn(2, 200, 64, generator=gen)
+    query[:, 100:] *= 40  # later queries' logits reach the hundreds: their lse spread from the first ones'
+    logits = query @ key.repeat_interleave(3, 0).transpose(1, 2) * 0.125
+    logsumexp = logits.masked_fill(torch.ones(200, 200, dtype=torch.bool).triu(1), float("-inf")).logsumexp(-1)
+    assert (logsumexp.amax(1) - logsumexp.amin(1)).max() > attention.WEIGHT_RANGE
+    sums = attention.accumulated_from_logsumexp(query, key, logsumexp, 0.125)
+    torch.testing.assert_close(sums, naive_attention(query, key, 0.125).sum(dim=1), rtol=1e-5, atol=1e-4)
+    # Forced through value weights, the same head loses the columns the spread-out queries attend to.
+    monkeypatch.setattr(attention, "WEIGHT_RANGE", float("inf"))
+    forced = attention.accumulated_from_logsumexp(query, key, logsumexp, 0.125)
+    assert not torch.allclose(forced, naive_attention(query, key, 0.125).sum(dim=1), rtol=1e-5, atol=1e-4)
+
+
 def test_bidirectional_sums_leave_only_the_window_block_causal():
     from pkvbench.engine.attention import bidirectional_attention_sums
 
