@@ -321,9 +321,9 @@ def accumulated_from_logsumexp(
     k_j over "keys" q_r·s, causal once both sequences are reversed. The kernel normalises by its own log-sum-exp L_j
     over r, so each q_r carries the weight exp(m − lse_r) as its value and the sum is out_j · exp(L_j − m), m being
     the head's smallest lse (weights ≤ 1). This keeps the head size the model's (the kernel wants Q, K and V of one
-    size): 10% faster at 4000 tokens than carrying −lse_r as an extra key dimension, which is kept for heads whose
-    log-sum-exps spread wider than ``WEIGHT_RANGE`` (the weights would underflow). PyTorch's flash kernel works in
-    blocks, without the T×T matrix.
+    size): 10% faster at 4000 tokens than carrying −lse_r as an extra key dimension, which is kept for a call where
+    any head's log-sum-exps spread wider than ``WEIGHT_RANGE`` (its weights would underflow). PyTorch's flash kernel
+    works in blocks, without the T×T matrix.
     """
     heads, length, dim = query.shape
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
