@@ -9,25 +9,35 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
-import yaml
 
 from pkvbench.budgets import Budget, parse_budgets
-from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, check_model_name, is_gguf_file, locate_gguf
+from pkvbench.config import MAX_LAYERS, SEED_MAX, option_name, parse_bool, parse_float, parse_int, shown
+from pkvbench.engine.models import (
+    ALIASES,
+    DEFAULT_MODEL,
+    check_architecture,
+    check_model_name,
+    is_gguf_file,
+    load_tokenizer,
+    locate_gguf,
+)
 from pkvbench.errors import PkvError
-from pkvbench.io import read_json
+from pkvbench.io import parse_yaml, read_json
 from pkvbench.policies.base import Policy
 from pkvbench.policies.registry import default_grid
 from pkvbench.policies.spec import check_shared_options, parse_option_pairs, parse_policy
-from pkvbench.provenance import make_deterministic, provenance
+from pkvbench.provenance import git_commit, make_deterministic, package_version, provenance, versions
 from pkvbench.results import ResultStore
-from pkvbench.runner import QUERY_MODES, Cell, RunSettings, RunStats, Shard
+from pkvbench.runner import QUERY_MODES, Cell, RunSettings, RunStats, Shard, work_items
 from pkvbench.tasks.base import TaskOptions, TaskSpec
 from pkvbench.tasks.registry import check_sample_options, expand_tasks, requested_prompt_tokens, validate
 
@@ -49,20 +59,14 @@ def as_list(value: Any, what: str) -> list[str]:
 
 
 def parse_numbers(value: Any, what: str, kind: type) -> tuple | None:
-    """``--lengths`` / ``--depths``: positive integers or non-negative numbers, each once, in the order given."""
+    """``--lengths`` / ``--depths``: positive integers or non-negative numbers, each once, in the order given (``-0``
+    and ``0`` are one depth)."""
     if value is None:
         return None
-    values = []
-    for item in as_list(value, what):
-        try:
-            number = kind(item)
-        except ValueError:
-            raise PkvError(f"{what}: {item!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if number != number or number in (float("inf"), float("-inf")):
-            raise PkvError(f"{what}: {item!r} is not a finite number")
-        if number < 0 or (kind is int and number == 0):
-            raise PkvError(f"{what}: {item!r} must be positive")
-        values.append(number)
+    if kind is int:
+        values = [parse_int(item, what, minimum=1) for item in as_list(value, what)]
+    else:
+        values = [parse_float(item, what, minimum=0) for item in as_list(value, what)]
     return tuple(dict.fromkeys(values))
 
 
@@ -94,7 +98,7 @@ TASK_ARGS = {"chat_template": bool, "min_new_tokens": int, "stop_strings": list}
 
 def parse_task_args(task_args: Mapping[str, Any] | Sequence[str]) -> dict[str, Any]:
     """``--task-arg chat_template=false`` (values read as YAML: ``stop_strings=[]``, ``stop_strings=["\\n"]``) or a
-    mapping → checked ``{setting: value}``."""
+    mapping → checked ``{setting: value}``; a setting given twice is refused."""
     if isinstance(task_args, Mapping):
         raw = dict(task_args)
     else:
@@ -103,10 +107,9 @@ def parse_task_args(task_args: Mapping[str, Any] | Sequence[str]) -> dict[str, A
             key, sep, text = str(pair).partition("=")
             if not sep or not key.strip():
                 raise PkvError(f"--task-arg {pair!r} is not of the form name=value (e.g. chat_template=false)")
-            try:
-                raw[key.strip()] = yaml.safe_load(text) if text.strip() else []
-            except yaml.YAMLError:
-                raise PkvError(f"--task-arg {pair!r}: the value is not valid YAML") from None
+            if key.strip() in raw:
+                raise PkvError(f"--task-arg {key.strip()} is given twice; give it once")
+            raw[key.strip()] = parse_yaml(text, f"--task-arg {pair!r}") if text.strip() else []
     for key, value in raw.items():
         kind = TASK_ARGS.get(key)
         if kind is None:
@@ -130,6 +133,115 @@ def with_task_args(task: TaskSpec, task_args: dict[str, Any]) -> TaskSpec:
 def default_out(kind: str, model: str, tasks: list[TaskSpec]) -> Path:
     """``results/<kind>/<model>/<task+task…>``: where a run goes when no folder is given."""
     return Path("results") / kind / model_slug(model) / "+".join(t.name for t in tasks)
+
+
+# --- checking a configuration's values ----------------------------------------------------------------------------
+# A ``RunConfig`` or ``FunnelConfig`` built in Python gets the checks the command line gives: every number through
+# the one parser (``config.parse_int`` / ``parse_float``), flags only true or false, paths and lists of the right
+# shape. A wrong type is one ``PkvError`` naming the option, never a TypeError from deep inside.
+
+Check = Callable[[Any, str], Any]
+
+
+def _whole(minimum: int | None = None, maximum: int | None = None) -> Check:
+    return lambda value, what: parse_int(value, what, minimum, maximum)
+
+
+def _optional(check: Check) -> Check:
+    return lambda value, what: None if value is None else check(value, what)
+
+
+def _name(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise PkvError(f"{what}: expected a name, got {shown(value)}")
+    return value
+
+
+def _path(value: Any, what: str) -> str | os.PathLike:
+    if not isinstance(value, (str, os.PathLike)):
+        raise PkvError(f"{what}: expected a path, got {shown(value)}")
+    if not os.fspath(value).strip():
+        raise PkvError(f"{what} '': an empty path would mean the current folder; give a name")
+    return value
+
+
+def _single(value: Any) -> bool:
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+
+
+def _listing(value: Any, what: str) -> Any:
+    """A list option: a comma string, one number, or a list of single values."""
+    if _single(value) or (isinstance(value, (list, tuple)) and all(_single(item) for item in value)):
+        return value
+    raise PkvError(f"{what}: expected a comma string or a list of values, got {shown(value)}")
+
+
+def _paths(value: Any, what: str) -> tuple[str, ...]:
+    """Folders: a list of paths, or one comma string (``"a,b"``; one path is one folder, not its characters)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise PkvError(f"{what}: expected a list of folders or a comma string, got {shown(value)}")
+    return tuple(os.fspath(_path(item.strip() if isinstance(item, str) else item, what)) for item in items)
+
+
+def _pairs(value: Any, what: str) -> Mapping[str, Any] | list[str]:
+    """Options as a mapping or a list of ``name=value`` (one string: one pair)."""
+    if isinstance(value, Mapping):
+        return value
+    items = [value] if isinstance(value, str) else value
+    if isinstance(items, (list, tuple)) and all(isinstance(item, str) for item in items):
+        return list(items)
+    raise PkvError(f"{what}: expected a mapping or a list of name=value, got {shown(value)}")
+
+
+_COMMON_CHECKS: dict[str, Check] = {
+    "model": _name,
+    "tasks": _listing,
+    "lengths": _optional(_listing),
+    "depths": _optional(_listing),
+    "limit": _optional(_whole(1)),
+    "seed": _whole(0, SEED_MAX),
+    "data_dir": _optional(_path),
+    "verify": parse_bool,
+    "max_length": _optional(_whole(1)),
+    "sample_ids": _optional(_listing),
+    "include_paths": _paths,
+    "device": _name,
+    "dtype": _name,
+    "attn_implementation": _name,
+    "out": _optional(_path),
+    "overwrite": parse_bool,
+    "quiet": parse_bool,
+}
+RUN_CHECKS: dict[str, Check] = {
+    **_COMMON_CHECKS,
+    "policies": _optional(_listing),
+    "budgets": _listing,
+    "policy_args": _pairs,
+    "protocol": _name,
+    "query_modes": _listing,
+    "task_args": _pairs,
+    "max_new_tokens": _optional(_whole(1)),
+    "decode_batch": _optional(_whole(1)),
+    "shard": _optional(_name),
+    "executor": _name,
+    "ray_address": _optional(_name),
+    "workers": _optional(_whole(1)),
+    "gpus_per_worker": _optional(lambda value, what: parse_float(value, what, minimum=0)),
+}
+FUNNEL_CHECKS: dict[str, Check] = {
+    **_COMMON_CHECKS,
+    "window": _whole(1),
+    "sink": _whole(0),
+    "top_k": _whole(1),
+    "budget": _listing,
+}
+
+
+def checked(config: RunConfig | FunnelConfig) -> Any:
+    """``config`` with every value checked and parsed as the command line parses it (``"5"`` → 5)."""
+    checks = RUN_CHECKS if isinstance(config, RunConfig) else FUNNEL_CHECKS
+    return replace(config, **{name: check(getattr(config, name), option_name(name)) for name, check in checks.items()})
 
 
 # --- what fits the model -------------------------------------------------------------------------------------------
@@ -175,6 +287,8 @@ def model_context_window(model: str) -> int | None:
         return _gguf_context_length(str(path), stat.st_size, stat.st_mtime_ns)
     path = _config_file(model)
     config = read_json(path, "model config") if path is not None else None
+    if isinstance(config, dict):  # an architecture pkvbench cannot run is refused before its tokenizer is used
+        check_architecture(SimpleNamespace(model_type=config.get("model_type")), model)
     window = config.get("max_position_embeddings") if isinstance(config, dict) else None
     return window if isinstance(window, int) and window > 0 else None
 
@@ -192,6 +306,12 @@ def fit_to_model(
         return options
     for task in tasks:
         answer = (max_new_tokens or task.max_new_tokens) if decodes else 0
+        if answer >= window:
+            asked = f"--max-new-tokens {max_new_tokens}" if max_new_tokens else f"{task.name}'s max_new_tokens"
+            raise PkvError(
+                f"{asked}: an answer of {answer} tokens leaves no room for a prompt in the context window of {model} "
+                f"({window} tokens)"
+            )
         for tokens, asked_by in requested_prompt_tokens(task, options):
             if tokens + answer > window:
                 room = f"its {answer}-token answer" if answer else "nothing else"
@@ -348,18 +468,14 @@ def task_options(config: RunConfig | FunnelConfig) -> TaskOptions:
 
 def resolve(config: RunConfig) -> ResolvedRun:
     """Check every option and parse it; nothing slow happens here."""
+    config = checked(config)
     tasks = expand_tasks(list(dict.fromkeys(as_list(config.tasks, "--task"))), tuple(config.include_paths))
     tasks = [with_task_args(task, parse_task_args(config.task_args)) for task in tasks]
     policies = parse_policies(config.policies, config.policy_args, config.protocol)
     rounding = "half-even" if config.protocol == "reference" else "half-up"
-    budget_texts = config.budgets if isinstance(config.budgets, str) else [str(b) for b in config.budgets]
-    budgets = parse_budgets(budget_texts, rounding)
+    budgets = parse_budgets(as_list(config.budgets, "--budget"), rounding)
     shard = Shard.parse(config.shard) if config.shard is not None else None
     options = task_options(config)
-    if config.max_new_tokens is not None and config.max_new_tokens < 1:
-        raise PkvError("--max-new-tokens must be at least 1")
-    if config.decode_batch is not None and config.decode_batch < 1:
-        raise PkvError("--decode-batch must be at least 1")
     if config.executor not in EXECUTORS:
         raise PkvError(f"unknown executor {config.executor!r}; valid: {', '.join(EXECUTORS)}")
     if config.executor != "ray" and (config.ray_address, config.workers, config.gpus_per_worker) != (None, None, None):
@@ -394,6 +510,7 @@ def evaluate(config: RunConfig, *, on_row: Callable[[dict], None] | None = None)
     options, data or models; ``on_row`` (if given) sees each row as it is written.
     """
     run = resolve(config)
+    config = run.config
     if config.executor == "ray":
         from pkvbench.ray_executor import check_ray
 
@@ -401,6 +518,7 @@ def evaluate(config: RunConfig, *, on_row: Callable[[dict], None] | None = None)
     run.options = fit_to_model(config.model, run.tasks, run.options, config.max_new_tokens)
     store = ResultStore(run.out)
     info: dict[str, Any] = {}
+    this_session = session(config.model)
 
     def record(model_info: dict) -> None:
         info.update(
@@ -410,16 +528,20 @@ def evaluate(config: RunConfig, *, on_row: Callable[[dict], None] | None = None)
                 "policies": {p.label: p.options for p in run.policies},
                 "executor": config.executor,
                 **provenance(config.seed),
+                **this_session,
             }
         )
         store.record(info)
 
     # The folder is checked and locked before the slow model load; it changes only once the model has loaded
     # (``record``), so a run that fails before that leaves it as it was.
-    with store.claim(run.recorded_options, overwrite=config.overwrite):
+    with store.claim(run.recorded_options, overwrite=config.overwrite, session=this_session):
         make_deterministic(config.seed)
+        # Every sample is built now, before the model loads and before --overwrite deletes anything: a --sample-id
+        # that names no sample, a length too short for a task's prompt, a shard without samples stop the run here.
+        items = samples_of(run.tasks, config.model, run.options, run.shard)
         try:
-            stats = _execute(run, store, record, on_row)
+            stats = _execute(run, store, record, on_row, items)
         except BaseException:
             if store.started:  # the finished rows still get their summary; the error is what is reported
                 with contextlib.suppress(PkvError):
@@ -427,12 +549,16 @@ def evaluate(config: RunConfig, *, on_row: Callable[[dict], None] | None = None)
             raise
         summary = store.write_summary()
         rows = store.rows()
-    notes = [note] if (note := store.duplicate_note()) else []
+    notes = [*store.notes, *([note] if (note := store.duplicate_note()) else [])]
     return EvalResult(run.out, pd.DataFrame(rows), summary, stats, info, notes)
 
 
 def _execute(
-    run: ResolvedRun, store: ResultStore, record: Callable[[dict], None], on_row: Callable[[dict], None] | None
+    run: ResolvedRun,
+    store: ResultStore,
+    record: Callable[[dict], None],
+    on_row: Callable[[dict], None] | None,
+    items: list,
 ) -> RunStats:
     config = run.config
     if config.executor == "ray":
@@ -450,6 +576,7 @@ def _execute(
             quiet=config.quiet,
             on_model=record,
             on_row=on_row,
+            items=items,
         )
     from pkvbench.engine.generation import Engine
     from pkvbench.engine.models import load_model
@@ -469,7 +596,30 @@ def _execute(
         settings=run.settings,
         quiet=config.quiet,
         on_row=on_row,
+        items=items,
     )
+
+
+def samples_of(tasks: list[TaskSpec], model: str, options: TaskOptions, shard: Shard | None = None) -> list:
+    """Every (task, sample) of a run, built with the model's tokenizer alone (before the model loads)."""
+    try:
+        return work_items(tasks, load_tokenizer(model), options, shard)
+    except ValueError as exc:
+        if "chat_template" not in str(exc) and "chat template" not in str(exc):
+            raise
+        raise PkvError(
+            f"the tokenizer of {model} has no chat template, which the tasks use; run them without it with "
+            "--task-arg chat_template=false"
+        ) from None
+
+
+def session(model: str) -> dict[str, Any]:
+    """What a run records of the software it runs under, and compares when it resumes a folder (``ResultStore.claim``):
+    package versions (with the model's own package, for an alias) and the git commit."""
+    found = {**versions()}
+    if model in ALIASES:
+        found["model_package"] = f"{ALIASES[model].distribution}=={package_version(ALIASES[model].distribution)}"
+    return {"versions": found, "commit": git_commit()}
 
 
 # --- the funnel ----------------------------------------------------------------------------------------------------
@@ -520,31 +670,28 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
     from pkvbench.engine.generation import Engine
     from pkvbench.engine.models import load_model
     from pkvbench.plots import plot_funnel
-    from pkvbench.runner import work_items
 
+    config = checked(config)
     tasks = expand_tasks(list(dict.fromkeys(as_list(config.tasks, "--task"))), tuple(config.include_paths))
     options = task_options(config)
-    overlay = parse_budgets([str(config.budget)] if not isinstance(config.budget, str) else config.budget)
+    overlay = parse_budgets(as_list(config.budget, "--budget"))
     if len(overlay) != 1:
         raise PkvError("--budget takes one budget here (the one drawn over the curves)")
-    for name in ("window", "top_k"):
-        if getattr(config, name) < 1:
-            raise PkvError(f"--{name.replace('_', '-')} must be at least 1")
-    if config.sink < 0:
-        raise PkvError("--sink must not be negative")
     check_model_name(config.model)
     options = fit_to_model(config.model, tasks, options, None, decodes=False)
     out = Path(config.out) if config.out is not None else default_out("funnel", config.model, tasks)
     record = recorded(config, tasks, options, {"window": config.window, "sink": config.sink, "top_k": config.top_k})
     store = funnel.funnel_store(out)
-    with store.claim(record, overwrite=config.overwrite):  # as evaluate: checked now, changed after the load
+    this_session = session(config.model)
+    # As evaluate: checked now, every sample built before the model loads, the folder changed only after the load.
+    with store.claim(record, overwrite=config.overwrite, session=this_session):
         make_deterministic(config.seed)
+        items = samples_of(tasks, config.model, options)
         loaded = load_model(
             config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation
         )
-        store.record({"options": record, "model": loaded.describe(), **provenance(config.seed)})
+        store.record({"options": record, "model": loaded.describe(), **provenance(config.seed), **this_session})
         engine = Engine(loaded)
-        items = work_items(tasks, engine.tokenizer, options)
         stats = funnel.run_funnel(engine, items, store, config.window, config.sink, config.top_k, quiet=config.quiet)
         report = funnel.write_reports(out, store.rows(), loaded.name, loaded.num_layers, overlay[0], config.sink)
         plot_funnel(report.per_layer, report.overlays, loaded.name, out / funnel.FIGURE)
@@ -564,10 +711,12 @@ def layer_budget_table(
     """``pkvbench budgets``: per policy × budget, the per-layer entries the engine would keep on a T-token prompt."""
     from pkvbench.budgets import plan
 
+    context = parse_int(context, "--context", minimum=1)
+    layers = parse_int(layers, "--layers", 1, MAX_LAYERS)
     entries = []
     rounding = "half-even" if protocol == "reference" else "half-up"
-    for policy in parse_policies(policies, policy_args, protocol):
-        for budget in parse_budgets(budgets, rounding):
+    for policy in parse_policies(_listing(policies, "--policy"), _pairs(policy_args, "--policy-arg"), protocol):
+        for budget in parse_budgets(as_list(_listing(budgets, "--budget"), "--budget"), rounding):
             layer_plan = plan(policy, budget, context, layers)
             entries.append(
                 {

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from pkvbench.errors import PkvError
-from pkvbench.io import atomic_write
-from pkvbench.report import load_runs, sort_rows
+from pkvbench.io import read_yaml
+from pkvbench.outputs import Kind, Outputs, csv_with_columns
+from pkvbench.report import load_runs, run_folders, sort_rows
 from pkvbench.stats import ALPHA, cell_scores, holm, paired_difference
 
 CELL = ["model", "task", "policy", "budget", "query_mode"]
@@ -35,6 +35,9 @@ COLUMNS = [*CELL, "n", "score", "ci_low", "ci_high"]
 SAMPLE_COLUMNS = [*CELL, "sample_id", "score"]
 ALL = "*"  # the task and budget of a policy's pooled row
 FAILING = ("REGRESSED", "MISSING", "COUNT")
+# What --update may overwrite: files known as baselines by their header (those of older versions too).
+BASELINE = Kind("baseline", csv_with_columns(["model", "task", "policy", "budget", "n", "score"]), True)
+BASELINE_SAMPLES = Kind("baseline", csv_with_columns(["model", "task", "policy", "budget", "sample_id", "score"]), True)
 
 
 def samples_path(baseline: str | os.PathLike) -> Path:
@@ -45,7 +48,7 @@ def samples_path(baseline: str | os.PathLike) -> Path:
 
 def run_samples(results: list[str]) -> pd.DataFrame:
     """The run's rows as the gate reads them: one per model × cell × sample, score in [0, 1]."""
-    rows = load_runs(results).rows
+    rows = load_runs(results, strict=True).rows  # no run still being written, no two rows of a key that disagree
     return rows[SAMPLE_COLUMNS].reset_index(drop=True)
 
 
@@ -106,10 +109,7 @@ def read_tolerances(path: str | os.PathLike | None, default: float, tasks: set[s
         raise PkvError(f"--tolerance {default}: give a finite, non-negative number of points")
     if path is None:
         return {"default": default}
-    try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise PkvError(f"--per-cell {path}: {exc}") from None
+    raw = read_yaml(path, "--per-cell") or {}  # one line for bad YAML; a task given twice is refused
     valid = isinstance(raw, dict) and all(
         isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in raw.values()
     )
@@ -227,8 +227,11 @@ def write_baseline(results: list[str], baseline_path: str) -> pd.DataFrame:
     samples = run_samples(results)
     cells = cell_table(samples)
     ordered = sort_rows(samples, columns=[*CELL, "sample_id"])
-    atomic_write(baseline_path, cells.to_csv(index=False))
-    atomic_write(samples_path(baseline_path), ordered.to_csv(index=False))
+    # Under the writing rule: only over a baseline (known by its header) and never inside the runs it is made from.
+    outputs = Outputs("--baseline", [*results, *run_folders(results)])
+    outputs.add(baseline_path, cells.to_csv(index=False), BASELINE)
+    outputs.add(samples_path(baseline_path), ordered.to_csv(index=False), BASELINE_SAMPLES)
+    outputs.commit()
     return cells
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import click
 
 from pkvbench._version import __version__
+from pkvbench.config import MAX_LAYERS, MIN_POWER, SEED_MAX
 from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, SUPPORTED_ARCHITECTURES
 from pkvbench.errors import PkvError
-from pkvbench.io import atomic_write, make_dir
 
 
 def _options(*options):
@@ -28,6 +28,69 @@ def _options(*options):
     return decorate
 
 
+class Number(click.ParamType):
+    """An integer or a number, parsed by the one parser configs and the Python API use (``config.parse_int`` /
+    ``parse_float``): 1.7 is no integer, true is no number, nan and inf are refused, bounds say the same words."""
+
+    def __init__(self, kind: type, minimum=None, maximum=None, above=None):
+        self.kind, self.minimum, self.maximum, self.above = kind, minimum, maximum, above
+        self.name = "integer" if kind is int else "number"
+
+    def convert(self, value, param, ctx):
+        from pkvbench.config import parse_float, parse_int
+
+        what = param.opts[0] if param is not None and param.opts else self.name
+        if self.kind is int:
+            return parse_int(value, what, self.minimum, self.maximum)
+        return parse_float(value, what, self.minimum, self.maximum, self.above)
+
+
+class PathType(click.Path):
+    """``click.Path`` that refuses an empty path: '' would mean the current folder, never what was meant."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            what = param.opts[0] if isinstance(param, click.Option) else f"{param.human_readable_name}"
+            raise PkvError(f"{what} '': an empty path would mean the current folder; give a name")
+        return super().convert(value, param, ctx)
+
+
+def _refuse_repeated_options(command: click.Command, ctx: click.Context, args: list[str]) -> None:
+    """An option given twice is refused, naming both values: Click keeps the last one without a word, and
+    ``check --tolerance 2 --tolerance 999`` would then gate at 999. Repeatable options (``multiple``) may repeat."""
+    options = {}
+    for param in command.get_params(ctx):
+        if isinstance(param, click.Option) and param.name != "help":
+            options.update(dict.fromkeys((*param.opts, *param.secondary_opts), param))
+    seen: dict[str, str] = {}
+    tokens = iter(args)
+    for token in tokens:
+        if token == "--":
+            break
+        name, equals, value = token.partition("=")
+        param = options.get(name)
+        if param is None:
+            continue
+        if not param.is_flag and not param.count and not equals:
+            value = next(tokens, "")
+        if param.multiple or param.count:
+            continue
+        given = name if param.is_flag else f"{name} {value}"
+        if param.name in seen:
+            raise PkvError(f"{seen[param.name]} and {given}: the option is given twice; give it once")
+        seen[param.name] = given
+
+
+class StrictCommand(click.Command):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        _refuse_repeated_options(self, ctx, args)
+        return super().parse_args(ctx, args)
+
+
+class StrictGroup(click.Group):
+    command_class = StrictCommand
+
+
 sample_options = _options(
     click.option(
         "--lengths", help="Context lengths in prompt tokens, comma-separated (needle, RULER default: 1000,2000,4000)."
@@ -35,13 +98,19 @@ sample_options = _options(
     click.option("--depths", help="Needle depths in percent, comma-separated (default: 0,25,50,75,100)."),
     click.option(
         "--limit",
-        type=click.IntRange(min=1),
+        type=Number(int, minimum=1),
         help="At most this many samples per task (RULER, trec-fewshot: per task and length).",
     ),
-    click.option("--seed", type=int, default=0, show_default=True, help="Seed for generated tasks and torch."),
+    click.option(
+        "--seed",
+        type=Number(int, 0, SEED_MAX),
+        default=0,
+        show_default=True,
+        help="Seed for generated tasks and torch.",
+    ),
     click.option(
         "--data-dir",
-        type=click.Path(file_okay=False),
+        type=PathType(file_okay=False),
         help="Folder with a task's data files (e.g. LongBench <name>.jsonl).",
     ),
     click.option(
@@ -53,14 +122,14 @@ sample_options = _options(
         help="Do not check data files against their known checksums.",
     ),
     click.option(
-        "--max-length", type=click.IntRange(min=1), help="Truncate longer prompts to this many tokens (tasks that do)."
+        "--max-length", type=Number(int, minimum=1), help="Truncate longer prompts to this many tokens (tasks that do)."
     ),
     click.option("--sample-id", "sample_ids", help="Only these sample ids, comma-separated."),
     click.option(
         "--include-path",
         "include_paths",
         multiple=True,
-        type=click.Path(file_okay=False),
+        type=PathType(file_okay=False),
         help="A folder of your own task YAML files (repeatable; $PKVBENCH_TASKS works too).",
     ),
 )
@@ -88,7 +157,7 @@ model_options = _options(
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(cls=StrictGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="pkvbench")
 def cli() -> None:
     """What KV-cache compression costs in accuracy, at what budget.
@@ -110,6 +179,13 @@ def _click_default(option: str, value):
     return value
 
 
+def _multiple_default(option: str, value) -> tuple:
+    """A repeatable option's config value: a list, a mapping of pairs, or a comma string as list options take."""
+    if isinstance(value, str):
+        return tuple(item.strip() for item in value.split(","))
+    return tuple(_click_default(option, value) if isinstance(value, dict) else value)
+
+
 def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """``--config FILE``: the file's options become this command's defaults, so flags on the line still win."""
     if value is not None:
@@ -118,11 +194,9 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
         from pkvbench.api import RunConfig
         from pkvbench.config import read_run_config
 
-        values = read_run_config(value, [f.name for f in fields(RunConfig)])
+        values = read_run_config(value, [*(f.name for f in fields(RunConfig)), "html_file"])
         multiple = {p.name for p in ctx.command.params if getattr(p, "multiple", False)}
-        defaults = {
-            k: (tuple(v) if k in multiple and isinstance(v, list) else _click_default(k, v)) for k, v in values.items()
-        }
+        defaults = {k: _multiple_default(k, v) if k in multiple else _click_default(k, v) for k, v in values.items()}
         ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
 
@@ -136,7 +210,7 @@ def _default_policies() -> str:
 @cli.command()
 @click.option(
     "--config",
-    type=click.Path(dir_okay=False),
+    type=PathType(dir_okay=False),
     is_eager=True,
     expose_value=False,
     callback=_load_config,
@@ -192,14 +266,14 @@ def _default_policies() -> str:
 )
 @sample_options
 @model_options
-@click.option("--max-new-tokens", type=int, help="Override the task's answer length.")
+@click.option("--max-new-tokens", type=Number(int, minimum=1), help="Override the task's answer length.")
 @click.option(
     "--decode-batch",
-    type=click.IntRange(min=1),
+    type=Number(int, minimum=1),
     help="At most this many configurations of a sample decode together (default: no cap; a batch pads its caches "
     "by at most one full cache of the prompt, or half what they keep if more); 1 decodes one configuration at a time.",
 )
-@click.option("--out", type=click.Path(file_okay=False), help="Result folder (default: results/runs/<model>/<tasks>).")
+@click.option("--out", type=PathType(file_okay=False), help="Result folder (default: results/runs/<model>/<tasks>).")
 @click.option(
     "--overwrite",
     is_flag=True,
@@ -215,7 +289,7 @@ def _default_policies() -> str:
 @click.option(
     "--html",
     "html_file",
-    type=click.Path(dir_okay=False),
+    type=PathType(dir_okay=False),
     help="At the end, also write the run's report as one self-contained HTML page (as `report --html`).",
 )
 @click.option(
@@ -233,12 +307,12 @@ def _default_policies() -> str:
 )
 @click.option(
     "--workers",
-    type=click.IntRange(min=1),
+    type=Number(int, minimum=1),
     help="With --executor ray: how many workers (default: as many as the cluster's CPUs and GPUs fit).",
 )
 @click.option(
     "--gpus-per-worker",
-    type=click.FloatRange(min=0),
+    type=Number(float, minimum=0),
     help="With --executor ray: GPUs each worker reserves (default: 1 if the cluster has GPUs, else 0; "
     "0.5 puts two workers on a GPU).",
 )
@@ -252,14 +326,15 @@ def run(**options) -> None:
     Example:
       pkvbench run --task needle --policy full,snapkv,pyramidkv --budget 128,0.12 --lengths 1000,2000 --depths 0,50,100
     """
-    from pkvbench.api import RunConfig, evaluate
+    from pkvbench.api import RunConfig, evaluate, resolve
 
     html_file = options.pop("html_file")
-    if html_file:
+    config = RunConfig(**options)
+    if html_file is not None:
         from pkvbench.html_report import check_html_target
 
-        check_html_target(html_file)  # before the run: a bad path must not cost the run
-    result = evaluate(RunConfig(**options))
+        check_html_target(html_file, [resolve(config).out])  # before the run: a bad path must not cost the run
+    result = evaluate(config)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if not options["quiet"]:
@@ -271,15 +346,13 @@ def run(**options) -> None:
         f"{stats.written} rows written, {stats.skipped} already done, {stats.prefills} prefills{lost}, "
         f"{stats.seconds:.1f} s → {out}/samples.jsonl, {out}/summary.csv"
     )
-    if html_file:
+    if html_file is not None:
         _write_html_report([out], html_file)
 
 
 @cli.command()
-@click.argument("folders", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option(
-    "--out", required=True, type=click.Path(file_okay=False), help="New (or empty) folder for the merged run."
-)
+@click.argument("folders", nargs=-1, required=True, type=PathType(exists=True, file_okay=False))
+@click.option("--out", required=True, type=PathType(file_okay=False), help="New (or empty) folder for the merged run.")
 def merge(folders, out) -> None:
     """Combine run folders (the shards of one run) into one, without duplicate rows."""
     from pkvbench.results import merge_runs
@@ -300,13 +373,13 @@ def merge(folders, out) -> None:
 )
 @click.option(
     "--layers",
-    type=click.IntRange(min=1),
+    type=Number(int, 1, MAX_LAYERS),
     default=30,
     show_default=True,
     help="Number of layers (30 = the embedded model).",
 )
 @click.option(
-    "--context", type=click.IntRange(min=1), default=8192, show_default=True, help="Prompt length T in tokens."
+    "--context", type=Number(int, minimum=1), default=8192, show_default=True, help="Prompt length T in tokens."
 )
 @click.option(
     "--protocol",
@@ -319,7 +392,7 @@ def merge(folders, out) -> None:
 @click.option(
     "--plot",
     "plot_file",
-    type=click.Path(dir_okay=False),
+    type=PathType(dir_okay=False),
     help="Also draw entries kept per layer (one panel per budget, uniform as a reference) to this PNG.",
 )
 def budgets(policy, budget, policy_args, layers, context, protocol, as_json, plot_file) -> None:
@@ -331,7 +404,7 @@ def budgets(policy, budget, policy_args, layers, context, protocol, as_json, plo
     if plot_file:
         from pkvbench.plots import plot_layer_budgets
 
-        plot_layer_budgets(entries, plot_file)
+        plot_layer_budgets(entries, plot_file)  # under the writing rule (outputs.py), as every file
     if as_json:
         click.echo(json.dumps(entries if len(entries) > 1 else entries[0], indent=2))
         return
@@ -344,10 +417,10 @@ def budgets(policy, budget, policy_args, layers, context, protocol, as_json, plo
 
 
 @cli.command()
-@click.argument("folders", nargs=-1, required=True, type=click.Path())
+@click.argument("folders", nargs=-1, required=True, type=PathType())
 @click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "latex"]), default="markdown", show_default=True)
 @click.option(
-    "--out", "out_file", type=click.Path(dir_okay=False), help="Write the table to this file instead of stdout."
+    "--out", "out_file", type=PathType(dir_okay=False), help="Write the table to this file instead of stdout."
 )
 @click.option(
     "--intervals/--no-intervals",
@@ -357,14 +430,14 @@ def budgets(policy, budget, policy_args, layers, context, protocol, as_json, plo
 )
 @click.option(
     "--power",
-    type=float,
+    type=Number(float, MIN_POWER, 100),
     metavar="POINTS",
     help="Also say, for every pair of policies, how many samples would resolve a difference of POINTS.",
 )
 @click.option(
     "--html",
     "html_file",
-    type=click.Path(dir_okay=False),
+    type=PathType(dir_okay=False),
     help="Write one self-contained HTML page instead of the table (tables, figures, every sample's predictions, "
     "run metadata; opens offline). With --out the table is written too.",
 )
@@ -375,12 +448,12 @@ def report(folders, fmt, out_file, html_file, intervals, power) -> None:
     searched for them."""
     from pkvbench.report import load_runs, render, report_table, uneven_counts
 
-    if html_file:
-        _write_html_report(list(folders), html_file)
+    runs = load_runs(list(folders))
+    outputs = _outputs_for(out_file, [*folders, *runs.folders])  # both paths checked before either is written
+    if html_file is not None:
+        _write_html_report(list(folders), html_file, runs)
         if out_file is None:
             return
-    runs = load_runs(list(folders))
-    _refuse_overwriting_inputs(out_file, runs.folders)
     text = render(report_table(runs.rows, intervals=intervals), fmt)
     if power is not None:
         from pkvbench.paired import pairwise, power_table
@@ -388,30 +461,33 @@ def report(folders, fmt, out_file, html_file, intervals, power) -> None:
         needed = power_table(pairwise(runs.rows), power)
         heading = f"\nSamples needed to resolve {power:g} points (paired, alpha 0.05, power 0.8):\n\n"
         text += (heading if fmt == "markdown" else "\n") + render(needed, fmt)
-    _write_or_echo(text, out_file)
+    _write_or_echo(text, out_file, outputs)
     for note in runs.notes + uneven_counts(runs.rows):
         click.echo(f"note: {note}", err=True)
 
 
 @cli.command()
-@click.argument("folders", nargs=-1, required=True, type=click.Path())
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for the PNG files.")
+@click.argument("folders", nargs=-1, required=True, type=PathType())
+@click.option("--out", "out_dir", required=True, type=PathType(file_okay=False), help="Folder for the PNG files.")
 def plot(folders, out_dir) -> None:
     """Figures from run folders: needle heatmaps (depth × length, one per model × policy × budget, and one grid of
     policies side by side per budget) and score-vs-budget curves (a panel per task and for the average)."""
+    from pkvbench.outputs import Outputs
     from pkvbench.plots import plot_runs
     from pkvbench.report import load_runs
 
     runs = load_runs(list(folders))
-    make_dir(out_dir, "--out")
-    paths = plot_runs(runs, out_dir)
+    outputs = Outputs("--out", [*folders, *runs.folders])
+    outputs.check_folder(out_dir)
+    paths = plot_runs(runs, out_dir, outputs)
+    outputs.commit()
     for note in runs.notes:
         click.echo(f"note: {note}", err=True)
     click.echo(f"{len(paths)} figures → {out_dir}/")
 
 
 @cli.command()
-@click.argument("folders", nargs=-1, required=True, type=click.Path())
+@click.argument("folders", nargs=-1, required=True, type=PathType())
 @click.option(
     "--format",
     "fmt",
@@ -420,15 +496,19 @@ def plot(folders, out_dir) -> None:
     show_default=True,
     help="kvpress: its evaluation folders (predictions.csv, metrics.json, config.yaml per press and ratio).",
 )
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write into.")
+@click.option("--out", "out_dir", required=True, type=PathType(file_okay=False), help="Folder to write into.")
 def export(folders, fmt, out_dir) -> None:
     """Results in another harness's layout, from run folders alone."""
     from pkvbench.export import export_kvpress, write_ranking
+    from pkvbench.outputs import Outputs
     from pkvbench.report import load_runs, to_markdown
 
     runs = load_runs(list(folders))
-    written = export_kvpress(runs, out_dir)
-    ranking = write_ranking(runs, out_dir)
+    outputs = Outputs("--out", [*folders, *runs.folders])
+    outputs.check_folder(out_dir)
+    written = export_kvpress(runs, out_dir, outputs)
+    ranking = write_ranking(runs, out_dir, outputs)
+    outputs.commit()
     for note in runs.notes:
         click.echo(f"note: {note}", err=True)
     click.echo(to_markdown(ranking))
@@ -436,7 +516,7 @@ def export(folders, fmt, out_dir) -> None:
 
 
 @cli.command()
-@click.argument("folders", nargs=-1, required=True, type=click.Path())
+@click.argument("folders", nargs=-1, required=True, type=PathType())
 @click.option("--reference", default="pyramidkv-table1", show_default=True, help="Reference name or CSV file.")
 @click.option(
     "--paper-model",
@@ -456,11 +536,11 @@ def compare(folders, reference, paper_model, fmt) -> None:
 
 
 @cli.command()
-@click.argument("folders", nargs=-1, required=True, type=click.Path())
+@click.argument("folders", nargs=-1, required=True, type=PathType())
 @click.option("--policy", "policies", help="Compare only these policies (comma list; default: every policy).")
 @click.option("--against", help="Compare every policy with this one only (e.g. full) instead of every pair.")
 @click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "latex"]), default="markdown", show_default=True)
-@click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Write to this file instead of stdout.")
+@click.option("--out", "out_file", type=PathType(dir_okay=False), help="Write to this file instead of stdout.")
 def diff(folders, policies, against, fmt, out_file) -> None:
     """Paired policy comparisons on the same samples: per budget, per task and over all tasks, A − B in points with
     its 95% paired-bootstrap interval, a sign-flip p-value and Holm's adjustment over every comparison shown.
@@ -471,50 +551,48 @@ def diff(folders, policies, against, fmt, out_file) -> None:
     from pkvbench.report import load_runs, render
 
     runs = load_runs(list(folders))
-    _refuse_overwriting_inputs(out_file, runs.folders)
+    outputs = _outputs_for(out_file, [*folders, *runs.folders])
     chosen = as_list(policies, "--policy") if policies is not None else None
     table = pairwise(runs.rows, chosen, against)
-    _write_or_echo(matrix_markdown(table) if fmt == "markdown" else render(table, fmt), out_file)
+    _write_or_echo(matrix_markdown(table) if fmt == "markdown" else render(table, fmt), out_file, outputs)
     for note in runs.notes:
         click.echo(f"note: {note}", err=True)
 
 
-def _write_html_report(folders: list, html_file: str) -> None:
+def _write_html_report(folders: list, html_file: str, runs=None) -> None:
     from pkvbench.html_report import write_html_report
     from pkvbench.report import uneven_counts
 
-    page = write_html_report(folders, html_file)
+    page = write_html_report(folders, html_file, runs)
     for note in page.runs.notes + uneven_counts(page.runs.rows):
         click.echo(f"note: {note}", err=True)
     click.echo(f"html report → {page.path} ({page.bytes / 1e6:.1f} MB, opens offline)", err=True)
 
 
-def _refuse_overwriting_inputs(out_file: str | None, inputs: list[Path]) -> None:
-    """An output may go beside the inputs (a report in a run folder), never over pkvbench's own files there."""
-    from pkvbench.results import RUN_FOLDER_FILES
+def _outputs_for(out_file: str | None, reads: list):
+    """The writing rule (``outputs.py``) for a command's ``--out FILE``, its path checked now, before any work."""
+    from pkvbench.outputs import Outputs
 
     if out_file is None:
-        return
-    target = Path(out_file).resolve()
-    for folder in inputs:
-        if target.parent == Path(folder).resolve() and target.name in RUN_FOLDER_FILES:
-            raise PkvError(f"--out {out_file} would overwrite the {target.name} of the input folder {folder}")
+        return None
+    outputs = Outputs("--out", reads)
+    outputs.check(out_file)
+    return outputs
 
 
-def _write_or_echo(text: str, out_file: str | None) -> None:
-    """Print ``text``, or write it to ``out_file`` (atomically: a failed write leaves the previous file)."""
+def _write_or_echo(text: str, out_file: str | None, outputs) -> None:
+    """Print ``text``, or write it to ``out_file`` under the writing rule (atomically)."""
     if out_file is None:
         click.echo(text, nl=False)
         return
-    atomic_write(out_file, text)
+    outputs.add(out_file, text)
+    outputs.commit()
     click.echo(f"table → {out_file}", err=True)
 
 
 @cli.command()
-@click.argument("file", type=click.Path(dir_okay=False))
-@click.option(
-    "--out", "out_file", type=click.Path(dir_okay=False), help="Write the scored lines here (default: stdout)."
-)
+@click.argument("file", type=PathType(dir_okay=False))
+@click.option("--out", "out_file", type=PathType(dir_okay=False), help="Write the scored lines here (default: stdout).")
 @click.option("--dataset", help="Dataset of lines that name none (an official pred/<model>/<dataset>.jsonl file).")
 def score(file, out_file, dataset) -> None:
     """Score LongBench predictions as the official eval.py does.
@@ -529,14 +607,14 @@ def score(file, out_file, dataset) -> None:
 
     if out_file is not None and Path(out_file).resolve() == Path(file).resolve():
         raise PkvError("--out must not be the input file")
-    _refuse_overwriting_inputs(out_file, [Path(file).parent])
+    outputs = _outputs_for(out_file, [Path(file).parent])
     rows = read_json_lines(file, "predictions file")
     if not rows:
         raise PkvError(f"{file} has no predictions")
     scored, summary = score_rows(rows, dataset, where=file)
     lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in scored)
     if out_file:
-        _write_or_echo(lines, out_file)
+        _write_or_echo(lines, out_file, outputs)
     else:
         click.echo(lines, nl=False)
     for entry in summary:
@@ -549,7 +627,7 @@ def score(file, out_file, dataset) -> None:
 @click.option(
     "--baseline",
     required=True,
-    type=click.Path(dir_okay=False),
+    type=PathType(dir_okay=False),
     help="Baseline CSV (model,task,policy,budget,query_mode,n,score,ci_low,ci_high); its per-sample scores, for the "
     "paired tests, are read from NAME.samples.csv beside it.",
 )
@@ -558,17 +636,17 @@ def score(file, out_file, dataset) -> None:
     "results",
     required=True,
     multiple=True,
-    type=click.Path(exists=True, file_okay=False),
+    type=PathType(exists=True, file_okay=False),
     help="Run folder(s) to check (repeatable).",
 )
 @click.option(
     "--tolerance",
-    type=float,
+    type=Number(float),
     default=2.0,
     show_default=True,
     help="Allowed fall in score points (× 100 scale) before a cell may fail.",
 )
-@click.option("--per-cell", type=click.Path(exists=True, dir_okay=False), help="YAML of task: tolerance overrides.")
+@click.option("--per-cell", type=PathType(exists=True, dir_okay=False), help="YAML of task: tolerance overrides.")
 @click.option("--update", is_flag=True, help="Write the run's cells (and samples) as the new baseline instead.")
 def check(baseline, results, tolerance, per_cell, update) -> None:
     """Fail (exit 1) if accuracy at any budget fell for real: a CI gate.
@@ -579,6 +657,10 @@ def check(baseline, results, tolerance, per_cell, update) -> None:
     """
     from pkvbench.check import check_run, format_failures, samples_path, write_baseline
 
+    folders = [Path(folder).resolve() for folder in results]
+    twice = next((given for given, folder in zip(results, folders) if folders.count(folder) > 1), None)
+    if twice is not None:
+        raise PkvError(f"--results {twice} is given twice; give each run folder once")
     if update:
         cells = write_baseline(list(results), baseline)
         click.echo(
@@ -600,7 +682,7 @@ def check(baseline, results, tolerance, per_cell, update) -> None:
     "--include-path",
     "include_paths",
     multiple=True,
-    type=click.Path(file_okay=False),
+    type=PathType(file_okay=False),
     help="A folder of your own task YAML files (repeatable; $PKVBENCH_TASKS works too).",
 )
 def list_(include_paths) -> None:
@@ -636,20 +718,20 @@ def list_(include_paths) -> None:
 @model_options
 @click.option(
     "--window",
-    type=click.IntRange(min=1),
+    type=Number(int, minimum=1),
     default=8,
     show_default=True,
     help="Observation window: the last queries whose attention is measured (SnapKV/PyramidKV's window).",
 )
 @click.option(
     "--sink",
-    type=click.IntRange(min=0),
+    type=Number(int, minimum=0),
     default=4,
     show_default=True,
     help="First tokens counted as the attention sink.",
 )
 @click.option(
-    "--top-k", type=click.IntRange(min=1), default=128, show_default=True, help="k of the top-k mass statistic."
+    "--top-k", type=Number(int, minimum=1), default=128, show_default=True, help="k of the top-k mass statistic."
 )
 @click.option(
     "--budget",
@@ -657,7 +739,7 @@ def list_(include_paths) -> None:
     show_default=True,
     help="Budget whose PyramidKV per-layer allocation is drawn over the curves (fraction or entries).",
 )
-@click.option("--out", type=click.Path(file_okay=False), help="Folder (default: results/funnel/<model>/<tasks>).")
+@click.option("--out", type=PathType(file_okay=False), help="Folder (default: results/funnel/<model>/<tasks>).")
 @click.option("--overwrite", is_flag=True, help="Start afresh in --out: its funnel files go once the model has loaded.")
 @click.option("--quiet", is_flag=True, help="No progress bar, no verdict on the terminal (it is still written).")
 def funnel(**options) -> None:

@@ -7,18 +7,22 @@ comma string; ``policy-arg`` takes a mapping or a list of ``name=value``; flags 
 line the file only sets defaults: any flag given there wins. An unknown key, a key given twice under two spellings
 and a value of the wrong shape are errors that name the key; the values themselves are checked by the run, exactly
 as if they had been typed.
+
+The numbers and flags of every option — typed on the command line, read from a config, or given to the Python API —
+are parsed here, by ``parse_int``, ``parse_float`` and ``parse_bool``: an integer option takes an integer (never
+1.7 cut to 1, never true as 1), a number is finite, and a bound is checked with the same words everywhere.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pkvbench.errors import PkvError
-from pkvbench.io import read_text
+from pkvbench.io import read_yaml
 
 FLAGS = {"overwrite", "quiet", "verify"}
 LISTS = {"tasks", "policies", "budgets", "lengths", "depths", "sample_ids", "include_paths", "query_modes"}
@@ -35,40 +39,97 @@ ALIASES = {
     "query-mode": "query_modes",
 }
 NEGATED = {"no-verify": "verify", "no_verify": "verify"}
+# Options of the command only (not RunConfig fields): the key and the command's parameter it sets.
+COMMAND_ONLY = {"html": "html_file"}
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A YAML loader that refuses a mapping with the same key twice (plain YAML keeps the last one silently)."""
+# --- numbers and flags -------------------------------------------------------------------------------------------
+
+# Bounds nothing sensible lies beyond (a 10-million-layer budget table took 2.5 GB and 21 s to refuse).
+SEED_MAX = 2**32 - 1  # numpy's and most generators' seed range
+MAX_LAYERS = 4096
+MIN_POWER = 0.01  # points: a smaller difference needs more samples than can be counted
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
-def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep)
+def shown(value: Any) -> str:
+    """A value as a user wrote it, for messages: text as it is, flags as true/false."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return value if isinstance(value, str) else repr(value)
 
 
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+def _number_text(number: int | float) -> str:
+    return str(number) if isinstance(number, int) else f"{number:g}"
+
+
+def _bounded(number: int | float, what: str, value: Any, minimum, maximum, above=None) -> None:
+    if above is not None and not number > above:
+        raise PkvError(f"{what} {shown(value)}: must be more than {_number_text(above)}")
+    if minimum is not None and number < minimum:
+        raise PkvError(f"{what} {shown(value)}: must be at least {_number_text(minimum)}")
+    if maximum is not None and number > maximum:
+        raise PkvError(f"{what} {shown(value)}: must be at most {_number_text(maximum)}")
+
+
+def parse_int(value: Any, what: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    """An integer option: an int, or text of one (``"12"``); a number with a fraction, a flag or anything else is
+    refused, not cut."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise PkvError(f"{what} {shown(value)}: expected an integer")
+    if isinstance(value, str):
+        if not _INTEGER.fullmatch(value.strip()):
+            raise PkvError(f"{what} {shown(value)}: expected an integer")
+        try:
+            number = int(value.strip())
+        except ValueError:  # more digits than Python converts
+            raise PkvError(f"{what}: {len(value.strip())} digits is not a usable integer") from None
+    else:
+        number = value
+    _bounded(number, what, value, minimum, maximum)
+    return number
+
+
+def parse_float(
+    value: Any, what: str, minimum: float | None = None, maximum: float | None = None, above: float | None = None
+) -> float:
+    """A number option: an int, a float or text of one, finite; ``above`` is an exclusive lower bound."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise PkvError(f"{what} {shown(value)}: expected a number")
+    try:
+        number = float(value.strip() if isinstance(value, str) else value)
+    except ValueError:
+        raise PkvError(f"{what} {shown(value)}: expected a number") from None
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise PkvError(f"{what} {shown(value)}: expected a finite number")
+    _bounded(number, what, value, minimum, maximum, above)
+    return number + 0.0  # -0.0 is 0.0: one number, one spelling
+
+
+def parse_bool(value: Any, what: str) -> bool:
+    """A flag: true or false (a string such as "false" is not a flag, and would read as true)."""
+    if not isinstance(value, bool):
+        raise PkvError(f"{what} {shown(value)}: expected true or false")
+    return value
 
 
 def load_yaml_mapping(path: str | Path, what: str = "config") -> dict[str, Any]:
     """A YAML file whose top level is a mapping (an empty file is an empty mapping); duplicate keys are refused."""
-    text = read_text(path, what)
-    try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where is not None else ""
-        problem = getattr(exc, "problem", None)
-        raise PkvError(f"{what} {path}: not valid YAML{at}{f' ({problem})' if problem else ''}") from None
+    raw = read_yaml(path, what)
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise PkvError(f"{what} {path}: expected a mapping of option: value at the top level")
     return raw
+
+
+def option_name(field: str) -> str:
+    """The command-line option of a ``RunConfig`` field (``sample_ids`` → ``--sample-id``): how messages name it."""
+    flags = {name: alias for alias, name in ALIASES.items()}
+    return "--" + flags.get(field, field.replace("_", "-"))
 
 
 def _spellings(fields: Iterable[str]) -> dict[str, tuple[str, bool]]:
@@ -77,11 +138,13 @@ def _spellings(fields: Iterable[str]) -> dict[str, tuple[str, bool]]:
     for name in fields:
         names[name] = (name, False)
         names[name.replace("_", "-")] = (name, False)
-    for alias, name in ALIASES.items():
-        names[alias] = (name, False)
-        names[alias.replace("-", "_")] = (name, False)
+    for alias, name in {**ALIASES, **COMMAND_ONLY}.items():
+        if name in fields:
+            names[alias] = (name, False)
+            names[alias.replace("-", "_")] = (name, False)
     for alias, name in NEGATED.items():
-        names[alias] = (name, True)
+        if name in fields:
+            names[alias] = (name, True)
     return names
 
 
@@ -109,7 +172,7 @@ def _value(key: str, field: str, value: Any) -> Any:
 
 def read_run_config(path: str | Path, fields: Iterable[str]) -> dict[str, Any]:
     """Read ``path`` into ``{field: value}`` for the given config fields (empty values are left out)."""
-    spellings = _spellings(fields)
+    spellings = _spellings(list(fields))
     result: dict[str, Any] = {}
     seen: dict[str, str] = {}
     for key, value in load_yaml_mapping(path).items():

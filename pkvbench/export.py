@@ -31,7 +31,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from pkvbench.io import atomic_write
+from pkvbench.outputs import Outputs
 from pkvbench.report import Runs, budget_sort_key, interval_columns, model_display_name, to_csv, to_markdown
 from pkvbench.stats import group_interval
 
@@ -72,8 +72,12 @@ def dataset_name(tasks: list[str]) -> str:
     return "ruler" if set(tasks) <= set(task_groups()["ruler"]) else "+".join(sorted(set(tasks)))
 
 
-def export_kvpress(runs: Runs, out: str | Path) -> list[Path]:
-    """One kvpress folder per model × policy × budget × query mode of ``runs``; returns the folders written."""
+def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) -> list[Path]:
+    """One kvpress folder per model × policy × budget × query mode of ``runs``; returns the folders written. The
+    files go through ``outputs`` (the caller commits them) or, without it, are written here under the writing
+    rule."""
+    own = outputs is None
+    outputs = Outputs("--out") if own else outputs
     rows = runs.rows.copy()
     if "query_mode" not in rows.columns:
         rows["query_mode"] = "aware"
@@ -119,10 +123,12 @@ def export_kvpress(runs: Runs, out: str | Path) -> list[Path]:
             "query_aware": mode == "aware",
             "samples": int(len(group)),
         }
-        atomic_write(folder / "predictions.csv", predictions.to_csv(index=False))
-        atomic_write(folder / "metrics.json", json.dumps(metrics, indent=4) + "\n")
-        atomic_write(folder / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+        outputs.add(folder / "predictions.csv", predictions.to_csv(index=False))
+        outputs.add(folder / "metrics.json", json.dumps(metrics, indent=4) + "\n")
+        outputs.add(folder / "config.yaml", yaml.safe_dump(config, sort_keys=False))
         written.append(folder)
+    if own:
+        outputs.commit()
     return written
 
 
@@ -159,10 +165,15 @@ def leaderboard_ranking(rows: pd.DataFrame) -> pd.DataFrame:
     return table[[*columns, "n"]]
 
 
-def write_ranking(runs: Runs, out: str | Path) -> pd.DataFrame:
-    """``ranking.md`` and ``ranking.csv`` in ``out``; returns the table."""
+def write_ranking(runs: Runs, out: str | Path, outputs: Outputs | None = None) -> pd.DataFrame:
+    """``ranking.md`` and ``ranking.csv`` in ``out`` (through ``outputs``, as ``export_kvpress``); returns the
+    table."""
     table = leaderboard_ranking(runs.rows)
     out = Path(out)
-    atomic_write(out / "ranking.md", to_markdown(table))
-    atomic_write(out / "ranking.csv", to_csv(table))
+    own = outputs is None
+    outputs = Outputs("--out") if own else outputs
+    outputs.add(out / "ranking.md", to_markdown(table))
+    outputs.add(out / "ranking.csv", to_csv(table))
+    if own:
+        outputs.commit()
     return table

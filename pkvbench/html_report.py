@@ -31,7 +31,6 @@ from matplotlib.colors import to_hex
 
 from pkvbench._version import __version__
 from pkvbench.errors import PkvError
-from pkvbench.io import atomic_write
 from pkvbench.plots import NEEDLE_CMAP, needle_rows
 from pkvbench.report import (
     Runs,
@@ -103,32 +102,38 @@ class HtmlReport:
 # --- writing ---------------------------------------------------------------------------------------------------------
 
 
-def check_html_target(path: str | os.PathLike) -> Path:
-    """Refuse, before any work, a page path that cannot be written or would replace a file pkvbench reads: it must
-    end in .html (so it is never a run's samples.jsonl, run.json or summary.csv), not be a folder, and sit under a
-    folder that exists, or can be made, and is writable."""
-    target = Path(path)
-    if target.suffix.lower() not in (".html", ".htm"):
-        raise PkvError(f"--html {path}: give a file name ending in .html")
-    if target.is_dir():
-        raise PkvError(f"--html {path} is a folder; give a file name ending in .html")
-    parent = target.absolute().parent
+def check_html_target(path: str | os.PathLike, reads: list[str | os.PathLike] = ()) -> Path:
+    """Refuse, before any work, a page path that cannot be written or may not be: it must end in .html (so it is
+    never a run's samples.jsonl, run.json or summary.csv), sit under a folder that exists, or can be made, and is
+    writable, and pass the writing rule (``outputs.py``: no file pkvbench did not write is replaced)."""
+    from pkvbench.outputs import Outputs
+
+    if not str(path).lower().endswith((".html", ".htm")):
+        raise PkvError(f"--html {path or repr('')}: give a file name ending in .html")
+    target = Outputs("--html", reads).check(path)
+    parent = target.parent
     while not parent.exists():
         parent = parent.parent
-    if not parent.is_dir():
-        raise PkvError(f"cannot write {path}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PkvError(f"cannot write {path}: {parent} is not writable")
-    return target
+    return Path(path)
 
 
-def write_html_report(folders: list[str | os.PathLike], path: str | os.PathLike) -> HtmlReport:
-    """Read the run folders (or folders above them) and write their page to ``path`` (atomically)."""
-    target = check_html_target(path)
-    runs = load_runs(folders)
+def write_html_report(
+    folders: list[str | os.PathLike], path: str | os.PathLike, runs: Runs | None = None
+) -> HtmlReport:
+    """Read the run folders (or folders above them; or take ``runs`` read from them) and write their page to
+    ``path`` under the writing rule (atomically)."""
+    from pkvbench.outputs import Outputs
+
+    runs = runs if runs is not None else load_runs(folders)
+    reads = [*folders, *runs.folders]
+    check_html_target(path, reads)
     page = build_page(runs)
-    atomic_write(target, page)
-    return HtmlReport(target, len(page.encode("utf-8")), runs)
+    outputs = Outputs("--html", reads)
+    outputs.add(path, page)
+    outputs.commit()
+    return HtmlReport(Path(path), len(page.encode("utf-8")), runs)
 
 
 def build_page(runs: Runs) -> str:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from pkvbench.errors import PkvError
 
 
@@ -143,3 +145,46 @@ def read_json_lines(
     check: Callable[[dict[str, Any], str], None] | None = None,
 ) -> list[dict[str, Any]]:
     return parse_json_lines(read_text(path, what), str(path), partial_tail=partial_tail, check=check)
+
+
+# --- YAML --------------------------------------------------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML as people mean it: a key given twice is refused (plain YAML keeps the last one silently), and a key must
+    be a plain value (a list or mapping as a key is legal YAML that no option can mean)."""
+
+
+def _strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode):
+            raise yaml.constructor.ConstructorError(
+                None, None, "a key must be a plain name, not a list or a mapping", key_node.start_mark
+            )
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _strict_mapping)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML text → Python values, with ``_StrictLoader``'s rules; any problem is one line naming ``where`` (and the
+    line): invalid syntax, a repeated or non-scalar key, nesting too deep to read."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None)
+        raise PkvError(f"{where}: not valid YAML{at}{f' ({problem})' if problem else ''}") from None
+    except RecursionError:
+        raise PkvError(f"{where}: nested too deeply to read") from None
+
+
+def read_yaml(path: str | os.PathLike, what: str = "file") -> Any:
+    return parse_yaml(read_text(path, what), f"{what} {path}")

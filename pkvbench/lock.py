@@ -38,7 +38,7 @@ def _read(fd: int) -> bytes:
     return os.pread(fd, 1 << 16, 0)  # a few hundred bytes of JSON
 
 
-def _command_line() -> str:
+def command_line() -> str:
     """This process's command line, ``python -m pkvbench`` and the console script both shown as ``pkvbench``."""
     program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
     if program in ("__main__.py", "pkvbench"):
@@ -87,7 +87,7 @@ class FolderLock:
         holder = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "command": _command_line(),
+            "command": command_line(),
             "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         try:

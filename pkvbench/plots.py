@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from io import BytesIO
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from pkvbench.errors import PkvError
 from pkvbench.io import atomic_write
+from pkvbench.outputs import Outputs
 from pkvbench.report import (
     Runs,
     budget_sort_key,
@@ -49,16 +52,32 @@ def budget_title(label: str) -> str:
     return f"budget {int(value)}"
 
 
-def _save(fig, path: Path) -> Path:
-    """Draw ``fig`` into memory, then replace ``path`` at once (``atomic_write``): a full disk or a kill never
-    leaves half a figure. The format is the file's suffix (.png, .pdf, .svg), as ``savefig`` would take it."""
+def _drawn(fig, path: Path) -> bytes:
+    """``fig`` drawn into memory (and closed), in the format of ``path``'s suffix (.png, .pdf, .svg), as
+    ``savefig`` would take it: written later in one piece, a full disk or a kill never leaves half a figure."""
     drawn = BytesIO()
     try:
         fig.savefig(drawn, format=path.suffix.lstrip(".").lower(), dpi=DPI, bbox_inches="tight")
     finally:
         plt.close(fig)
-    atomic_write(path, drawn.getvalue())
-    return path
+    return drawn.getvalue()
+
+
+def _save(fig, path: Path, outputs: Outputs) -> Path:
+    """Stage the figure for ``path`` under the writing rule (written when ``outputs`` commits)."""
+    return outputs.add(path, _drawn(fig, path))
+
+
+@contextmanager
+def _under_rule(outputs: Outputs | None, option: str) -> Iterator[Outputs]:
+    """The caller's ``outputs`` (the caller commits them with its other files), or this figure's own, committed
+    once it is drawn."""
+    if outputs is not None:
+        yield outputs
+        return
+    own = Outputs(option)
+    yield own
+    own.commit()
 
 
 # --- needle heatmaps -------------------------------------------------------------------------------------------------
@@ -113,9 +132,13 @@ def _heatmap(ax, cell: pd.DataFrame, cbar: bool, cbar_ax=None) -> None:
     ax.tick_params(axis="y", rotation=0)
 
 
-def plot_needle_heatmaps(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+def plot_needle_heatmaps(rows: pd.DataFrame, out_dir: str | Path, outputs: Outputs | None = None) -> list[Path]:
     """One PNG per task × model × policy × budget, and per task × model one grid (rows budgets, columns policies)."""
-    out_dir = Path(out_dir)
+    with _under_rule(outputs, "--out") as outputs:
+        return _needle_heatmaps(rows, Path(out_dir), outputs)
+
+
+def _needle_heatmaps(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[Path]:
     rows = needle_rows(rows)
     paths: list[Path] = []
     for (task, model), per_model in rows.groupby(["task", "model"], sort=False):
@@ -134,7 +157,9 @@ def plot_needle_heatmaps(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
                     f"{task} · {name}\n{policy} · {budget_title(budget)} · mean {cell['score'].mean():.2f}", fontsize=10
                 )
                 paths.append(
-                    _save(fig, out_dir / f"{slug(task)}_heatmap_{slug(name)}_{slug(policy)}_{slug(budget)}.png")
+                    _save(
+                        fig, out_dir / f"{slug(task)}_heatmap_{slug(name)}_{slug(policy)}_{slug(budget)}.png", outputs
+                    )
                 )
         # The combined figure: each row a budget, the policies side by side.
         n_rows, n_cols = len(budgets), len(policies)
@@ -162,7 +187,7 @@ def plot_needle_heatmaps(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         fig.tight_layout(rect=(0, 0, 0.93, 0.97))
         cbar_ax = fig.add_axes((0.94, 0.15, 0.012, 0.7))
         fig.colorbar(ScalarMappable(Normalize(0, 1), NEEDLE_CMAP), cax=cbar_ax, label="score (ROUGE-1 F, 0–1)")
-        paths.append(_save(fig, out_dir / f"{slug(task)}_heatmaps_{slug(name)}_all.png"))
+        paths.append(_save(fig, out_dir / f"{slug(task)}_heatmaps_{slug(name)}_all.png", outputs))
     return paths
 
 
@@ -203,11 +228,15 @@ def _full_reference(rows: pd.DataFrame, model: str, task: str) -> float | None:
     return sum(means) / len(means) * 100
 
 
-def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path, outputs: Outputs | None = None) -> list[Path]:
     """Per model one figure: a row of panels per task (and one for the average over tasks), a column per budget
     kind (token budgets, fractions of the prompt), each on its own log axis; a line per policy; the full cache as
     a horizontal reference line."""
-    out_dir = Path(out_dir)
+    with _under_rule(outputs, "--out") as outputs:
+        return _budget_curves(rows, Path(out_dir), outputs)
+
+
+def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[Path]:
     points = curve_table(rows)
     paths = []
     palette = sns.color_palette("colorblind", 10)
@@ -284,7 +313,7 @@ def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), title="policy")
         fig.suptitle(f"{name}: score vs KV budget, one line per policy (full cache dashed)", fontsize=12)
         fig.tight_layout(rect=(0, 0, 1, 0.98))
-        paths.append(_save(fig, out_dir / f"curves_{slug(name)}.png"))
+        paths.append(_save(fig, out_dir / f"curves_{slug(name)}.png", outputs))
     return paths
 
 
@@ -300,23 +329,31 @@ def with_query_modes(rows: pd.DataFrame) -> pd.DataFrame:
     return rows.assign(policy=[p + AGNOSTIC_SUFFIX if a else p for p, a in zip(rows["policy"], agnostic)])
 
 
-def plot_runs(runs: Runs, out_dir: str | Path) -> list[Path]:
+def plot_runs(runs: Runs, out_dir: str | Path, outputs: Outputs | None = None) -> list[Path]:
+    """Every figure of ``runs`` into ``out_dir``: all checked before the first is written."""
     rows = runs.rows[runs.rows["score"].notna()]
     if rows.empty:
         raise PkvError("no scored rows to plot")
     rows = with_query_modes(rows)
-    return plot_needle_heatmaps(rows, out_dir) + plot_budget_curves(rows, out_dir)
+    with _under_rule(outputs, "--out") as outputs:
+        return plot_needle_heatmaps(rows, out_dir, outputs) + plot_budget_curves(rows, out_dir, outputs)
 
 
 # --- per-layer budgets -----------------------------------------------------------------------------------------------
 
 
-def plot_layer_budgets(entries: list[dict], path: str | Path) -> Path:
+def plot_layer_budgets(entries: list[dict], path: str | Path, outputs: Outputs | None = None) -> Path:
     """Entries kept per layer for each policy, one panel per budget; pyramid shapes as bars, uniform ones as a
     dashed line (a uniform reference is drawn even when no uniform policy was asked for)."""
     path = Path(path)
     if path.suffix.lower() not in (".png", ".pdf", ".svg"):
         raise PkvError(f"--plot {path}: use a .png, .pdf or .svg file name")
+    with _under_rule(outputs, "--plot") as outputs:
+        outputs.check(path)  # before drawing
+        return _save(_layer_budgets_figure(entries), path, outputs)
+
+
+def _layer_budgets_figure(entries: list[dict]):
     budgets = list(dict.fromkeys(e["budget"] for e in entries))
     fig, axes = plt.subplots(len(budgets), 1, figsize=(9, 3.4 * len(budgets)), squeeze=False)
     palette = sns.color_palette("colorblind", 10)
@@ -354,7 +391,7 @@ def plot_layer_budgets(entries: list[dict], path: str | Path) -> Path:
         ax.legend(fontsize=8, loc="upper right")
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
-    return _save(fig, path)
+    return fig
 
 
 def plot_funnel(per_layer: pd.DataFrame, overlays: dict[str, dict], title: str, path: str | Path) -> Path:
@@ -417,4 +454,6 @@ def plot_funnel(per_layer: pd.DataFrame, overlays: dict[str, dict], title: str, 
         )
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
-    return _save(fig, Path(path))
+    path = Path(path)
+    atomic_write(path, _drawn(fig, path))  # the funnel's own folder, which its store holds
+    return path

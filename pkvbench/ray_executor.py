@@ -92,16 +92,19 @@ def run_grid_on_ray(
     quiet: bool = False,
     on_model: Callable[[dict], None] | None = None,
     on_row: Callable[[dict], None] | None = None,
+    items=None,
 ) -> RunStats:
     """``run_grid`` on a Ray cluster: same rows, same store, same resume. ``on_model`` receives the model's run.json
-    record once the first worker has loaded it."""
+    record once the first worker has loaded it; ``items`` are the samples, if already built."""
     from pkvbench.engine.models import load_tokenizer
 
     started = time.perf_counter()
     check_ray()
     if model.device == "cuda" and cluster.gpus_per_worker == 0:
         raise PkvError("--device cuda with --gpus-per-worker 0: a worker has a GPU only when it reserves one")
-    plan = plan_grid(tasks, load_tokenizer(model.name), cells, options, store, shard)
+    plan = plan_grid(
+        tasks, None if items is not None else load_tokenizer(model.name), cells, options, store, shard, items
+    )
     ray = _connect(cluster)
     try:
         pool = _Pool(ray, *_placement(ray, cluster, model, len(plan.pending)))

@@ -20,6 +20,7 @@ import pandas as pd
 
 from pkvbench.budgets import budget_label
 from pkvbench.errors import PkvError
+from pkvbench.lock import FolderLock
 from pkvbench.policies.registry import policy_order
 from pkvbench.results import ROWS, RUN, read_rows, repeated_rows_note, unique_rows
 from pkvbench.stats import group_interval, mean_interval
@@ -110,19 +111,25 @@ class Runs:
     notes: list[str] = field(default_factory=list)
 
 
-def load_runs(paths: list[str | os.PathLike]) -> Runs:
+def load_runs(paths: list[str | os.PathLike], strict: bool = False) -> Runs:
     """Read and merge run folders. The same sample × policy × budget of the same model found twice is kept once
-    (the first folder given wins) and counted in a note, so merging overlapping runs never double-counts."""
+    (the first folder given wins) and counted in a note, so merging overlapping runs never double-counts. Two rows of
+    one key that disagree (another score or prediction: an older run beside a newer one) are named in a note; with
+    ``strict`` (the CI gate) they are refused, as is a folder a run is still writing: a stale good row must never
+    stand in for a regressed one, nor a partial run for a whole one."""
     folders = run_folders(paths)
     frames, notes = [], []
     for folder in folders:
-        rows, repeated = unique_rows(read_rows(folder))
+        if strict and (holder := FolderLock(folder).holder()):
+            raise PkvError(f"{folder} is being written by a running pkvbench ({holder}); use it once that run ends")
+        raw = read_rows(folder)
+        repeated = unique_rows(raw)[1]
         if repeated:
             notes.append(repeated_rows_note(folder / ROWS, repeated))
-        if not rows:
+        if not raw:
             notes.append(f"{folder}: no result rows yet")
             continue
-        frame = pd.DataFrame(rows)
+        frame = pd.DataFrame(raw)
         missing = [c for c in ("task", "sample_id", "policy", "budget", "score") if c not in frame.columns]
         if missing:
             raise PkvError(f"{folder / ROWS}: rows lack {', '.join(missing)}; not a pkvbench result file")
@@ -140,13 +147,36 @@ def load_runs(paths: list[str | os.PathLike]) -> Runs:
     # rows written before the query mode was recorded are query-aware
     merged["query_mode"] = merged["query_mode"].fillna("aware") if "query_mode" in merged else "aware"
     keys = ["model", "task", "sample_id", "policy", "budget", "query_mode"]
+    conflict = _disagreement(merged, keys)
+    if conflict:
+        if strict:
+            raise PkvError(f"{conflict}; give one run of each configuration")
+        notes.append(f"{conflict}; the first is counted")
+    within = merged.duplicated([*keys, "folder"], keep="first")
     duplicated = merged.duplicated(keys, keep="first")
-    if duplicated.any():
-        notes.append(
-            f"{int(duplicated.sum())} rows found in more than one folder were counted once (first folder wins)"
-        )
-        merged = merged[~duplicated].reset_index(drop=True)
+    across = int((duplicated & ~within).sum())
+    if across:
+        notes.append(f"{across} rows found in more than one folder were counted once (first folder wins)")
+    merged = merged[~duplicated].reset_index(drop=True)
     return Runs(merged, folders, notes)
+
+
+def _disagreement(rows: pd.DataFrame, keys: list[str]) -> str | None:
+    """A sentence on the keys whose rows disagree (another score, or another prediction), naming the first and where
+    its two rows are; None if every repeated key repeats the same result."""
+    repeated = rows[rows.duplicated(keys, keep=False)]
+    if repeated.empty:
+        return None
+    compared = ["score"] + (["pred"] if "pred" in repeated.columns else [])
+    as_text = repeated.assign(**{column: repeated[column].astype(str) for column in compared})  # lists, NaN: comparable
+    differs = as_text.groupby(keys, sort=False)[compared].nunique().gt(1).any(axis=1)
+    if not differs.any():
+        return None
+    first = differs[differs].index[0]
+    versions = repeated.set_index(keys).loc[[first]]
+    where = " and ".join(f"{row.folder} (score {row.score:g})" for row in versions.head(2).itertuples())
+    label = " ".join(str(part) for part in first[1:5])
+    return f"{int(differs.sum())} result(s) appear twice with another score or prediction, e.g. {label} in {where}"
 
 
 def _run_model(folder: Path) -> str:

@@ -42,6 +42,9 @@ RUN_FOLDER_FILES = (ROWS, SUMMARY, RUN, LOCK_NAME)  # what pkvbench keeps in a r
 # lengths, depths and sample ids too, unless the run is sharded: then their order decides which shard takes a sample.
 ORDERLESS = ("policies", "budgets", "query_modes")
 ORDERLESS_UNLESS_SHARDED = ("tasks", "lengths", "depths", "sample_ids")
+# The recorded versions under which rows may come out otherwise (kernels, model code, weights, pkvbench's own rules):
+# a folder's rows are not resumed or merged across a change of one. Others (python) are noted.
+DECISIVE_VERSIONS = ("pkvbench", "torch", "transformers", "model_package")
 
 Row = dict[str, Any]
 
@@ -102,6 +105,8 @@ def check_result_row(row: Row, where: str) -> None:
         raise PkvError(f"{where}: not a pkvbench result row (no 'score')")
     if not _is_number(row["score"]):
         raise PkvError(f"{where}: score must be a number, got {row['score']!r}")
+    if not 0 <= row["score"] <= 1:  # NaN and infinities too: a score is a share of the answer, from 0 to 1
+        raise PkvError(f"{where}: score must be from 0 to 1, got {row['score']!r}")
 
 
 def read_rows(path: str | os.PathLike, check: Callable[[Row, str], None] | None = check_result_row) -> list[Row]:
@@ -130,6 +135,29 @@ def unique_rows(rows: Iterable[Row], key: Callable[[Row], tuple] = row_key) -> t
 
 def repeated_rows_note(path: str | os.PathLike, count: int) -> str:
     return f"{path}: {count} row(s) repeat the key of an earlier row; each key is counted once (the first row)"
+
+
+def version_changes(before: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The versions two records differ in, as ``name A → B``: (those under which rows could differ, the rest).
+    A version only one of them records (a record from before it was kept) is not compared."""
+    before_versions, now_versions = before.get("versions") or {}, now.get("versions") or {}
+    if not isinstance(before_versions, dict) or not isinstance(now_versions, dict):
+        return [], []
+    changed = [
+        name
+        for name in now_versions
+        if name in before_versions and before_versions[name] != now_versions[name] and now_versions[name] is not None
+    ]
+    decisive = [f"{n} {before_versions[n]} → {now_versions[n]}" for n in changed if n in DECISIVE_VERSIONS]
+    other = [f"{n} {before_versions[n]} → {now_versions[n]}" for n in changed if n not in DECISIVE_VERSIONS]
+    if before.get("commit") and now.get("commit") and before["commit"] != now["commit"]:
+        other.append(f"commit {str(before['commit'])[:10]} → {str(now['commit'])[:10]}")
+    return decisive, other
+
+
+# What a run's record keeps from the session that started it when another session resumes it (``resumed`` lists
+# each later session's).
+SESSION_KEYS = ("versions", "commit", "determinism", "started")
 
 
 def read_run_record(path: str | os.PathLike) -> dict[str, Any]:
@@ -166,16 +194,20 @@ class ResultStore:
         self.lock = FolderLock(self.dir)
         self.started = False  # the run is recorded: the folder is this run's
         self.duplicates = 0  # rows of a key already seen, left out by the last rows()
+        self.notes: list[str] = []  # what the user should know about the folder (a resume under other versions)
         self._replacing = False  # the folder's previous files go when the run is recorded
         self._created = False  # this store made the folder, and removes it again if nothing is written
 
     # --- claiming a folder ------------------------------------------------------------------------------------
 
-    def claim(self, options: dict[str, Any], overwrite: bool = False) -> ResultStore:
+    def claim(
+        self, options: dict[str, Any], overwrite: bool = False, session: dict[str, Any] | None = None
+    ) -> ResultStore:
         """Check that the folder can take a run of ``options`` and lock it for this process (until ``close``);
         nothing in it changes yet. Refused (``PkvError``): a folder in use, one holding files pkvbench did not write
         where it would write its own, a run of other options with rows (unless ``overwrite``), ``overwrite`` of a
-        folder that is not a pkvbench run folder."""
+        folder that is not a pkvbench run folder, and (given this ``session``'s ``versions`` and ``commit``) rows
+        made under versions that could make them differ from new ones; other changes of version become ``notes``."""
         self.lock.check_free()  # a folder in use is refused as such, whatever it holds
         self._inspect(options, overwrite)  # refuse what can be refused without creating anything
         self._created = make_dir(self.dir, "--out")
@@ -183,6 +215,8 @@ class ResultStore:
             self.lock.acquire()
             self._replacing = self._inspect(options, overwrite)  # again: no other writer can change it now
             self.rows()  # a damaged rows file is refused now, not after a model load
+            if session is not None and not self._replacing:
+                self._compare_session(session)
         except BaseException:
             self.close()
             raise
@@ -227,6 +261,24 @@ class ResultStore:
             "use another --out, or --overwrite to start it afresh"
         )
 
+    def _compare_session(self, session: dict[str, Any]) -> None:
+        """A resume under other versions: refused where rows could differ (``DECISIVE_VERSIONS``), noted where
+        not. A folder without rows has nothing to keep apart."""
+        if not self.info_path.exists() or not self.rows():
+            return
+        decisive, other = version_changes(read_run_record(self.info_path), session)
+        if decisive:
+            raise PkvError(
+                f"{self.dir} was run under other versions ({', '.join(decisive)}): its rows and new ones could "
+                "differ; use another --out, or --overwrite to start it afresh"
+            )
+        if other:
+            self.notes.append(f"{self.dir}: resumed under {', '.join(other)} (rows so far from the first)")
+
+    def is_empty(self) -> bool:
+        """Whether the folder holds nothing but its lock (what a new folder of this store's own holds)."""
+        return not self.dir.is_dir() or all(entry.name == LOCK_NAME for entry in self.dir.iterdir())
+
     def _foreign_files(self) -> list[str]:
         """Names in the folder that are neither pkvbench's files nor what a killed write of one leaves."""
         own = [path.name for path in self.own_paths]
@@ -243,6 +295,13 @@ class ResultStore:
             for path in self.own_paths:
                 remove_file(path)
             self._replacing = False
+        elif self.info_path.exists():  # a resume: the record keeps the first session's provenance, lists this one's
+            previous = read_run_record(self.info_path)
+            first = {key: previous[key] for key in SESSION_KEYS if key in previous}
+            this = {key: run_info[key] for key in SESSION_KEYS if key in run_info}
+            if first and this:
+                earlier = previous.get("resumed") if isinstance(previous.get("resumed"), list) else []
+                run_info = {**run_info, **first, "resumed": [*earlier, this]}
         self._repair_tail()
         atomic_write(self.info_path, json.dumps(run_info, indent=2, default=str) + "\n")
         self.started = True
@@ -388,19 +447,24 @@ def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tupl
         changed = differing_keys(base, unsharded(record["options"]))
         if changed:
             raise PkvError(f"{folder} was run with other options than {sources[0]} ({', '.join(changed)} differ)")
+        decisive = version_changes(records[0], record)[0]
+        if decisive:
+            raise PkvError(f"{folder} was run under other versions than {sources[0]} ({', '.join(decisive)})")
     merged: dict[tuple, Row] = {}
     duplicates = 0
     for folder in sources:
         for row in read_rows(folder):
             key = row_key(row)
             if key in merged:
-                if merged[key].get("pred") != row.get("pred"):
+                if (merged[key].get("pred"), merged[key]["score"]) != (row.get("pred"), row["score"]):
                     raise PkvError(f"{folder}: row {key} disagrees with an earlier folder's; not merging")
                 duplicates += 1
                 continue
             merged[key] = row
     options = {k: v for k, v in records[0]["options"].items() if k != "shard"}
     with ResultStore(out).claim(options) as store:
+        if not store.is_empty():  # checked again under the lock: another merge may have filled it meanwhile
+            raise PkvError(f"--out {out} is not empty; merge writes a new folder and leaves existing ones alone")
         try:
             store.record({**records[0], "options": options, "merged_from": [str(f) for f in sources]})
             store.extend(list(merged.values()))

@@ -260,9 +260,11 @@ def plan_grid(
     options: TaskOptions,
     store: ResultStore,
     shard: Shard | None = None,
+    items: list[tuple[TaskSpec, Sample]] | None = None,
 ) -> GridPlan:
+    """What is left to run; ``items`` are the run's samples if already built (``work_items``)."""
     done = store.done_keys()
-    items = work_items(tasks, tokenizer, options, shard)
+    items = work_items(tasks, tokenizer, options, shard) if items is None else items
     pending = [(task, sample, pending_cells(task, sample, cells, done)) for task, sample in items]
     total = sum(len(sample.questions) for _, sample in items) * len(cells)
     left = [(task, sample, todo) for task, sample, todo in pending if todo]
@@ -332,10 +334,11 @@ def run_grid(
     settings: RunSettings | None = None,
     quiet: bool = False,
     on_row: Callable[[dict], None] | None = None,
+    items: list[tuple[TaskSpec, Sample]] | None = None,
 ) -> RunStats:
-    """The local executor: every pending sample in order, in this process."""
+    """The local executor: every pending sample in order, in this process (``items``: the samples, if built)."""
     started = time.perf_counter()
-    plan = plan_grid(tasks, engine.tokenizer, cells, options, store, shard)
+    plan = plan_grid(tasks, engine.tokenizer, cells, options, store, shard, items)
     writer = RowWriter(store, plan, started=started, quiet=quiet, on_row=on_row)
     try:
         for task, sample, pending in plan.pending:

@@ -149,7 +149,7 @@ def test_bad_baseline_is_one_line(tmp_path, capsys):
     [
         # issue 14, case 5: a typo must not switch the gate off
         ("model,task,policy,budget,n,score\nsmollm2-135m,needle,snapkv,128,2,99\n", ["--tolerance", "nan"],
-         "--tolerance nan: give a finite, non-negative number"),
+         "--tolerance nan: expected a finite number"),
         ("model,task,policy,budget,n,score\nsmollm2-135m,needle,snapkv,128,2,99\n", ["--tolerance", "-1"],
          "--tolerance -1.0: give a finite, non-negative number"),
         ("model,task,policy,budget,n,score\n", [], "has no cells: a gate over nothing would pass anything"),

@@ -39,7 +39,7 @@ def pkvbench_in_process(capsys, *args):
         (["run", "--budget", "12.5"], "must be an integer"),
         (["run", "--budget", ","], "--budget is empty"),
         (["run", "--policy", ""], "--policy is empty"),
-        (["run", "--lengths", "1000,x"], "--lengths: 'x' is not an integer"),
+        (["run", "--lengths", "1000,x"], "--lengths x: expected an integer"),
         (["run", "--depths", "150"], "outside 0..100"),
         (["run", "--policy-arg", "windw=3"], "none of the requested policies"),
         (["run", "--policy", "snapkv:window=-1"], "window must be at least 1"),

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from pkvbench.outputs import MANIFEST
 from pkvbench.report import load_runs
 
 RUNS = Path(__file__).parent / "fixtures" / "runs"
@@ -12,7 +13,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def pngs(folder: Path) -> list[str]:
-    files = sorted(p.name for p in folder.iterdir())
+    files = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST)
     for name in files:
         data = (folder / name).read_bytes()
         assert data.startswith(PNG) and len(data) > 5000, name

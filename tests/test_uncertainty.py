@@ -97,7 +97,7 @@ def _run(folder, scores):
 
 def test_pairwise_calls_a_winner_only_when_interval_and_holm_agree(tmp_path):
     rng = np.random.default_rng(5)
-    noise = rng.random(30).round(2).tolist()
+    noise = (0.01 + 0.98 * rng.random(30)).round(2).tolist()  # ±0.01 below stays a score, in [0, 1]
     folder = _run(
         tmp_path / "r",
         {
@@ -156,8 +156,8 @@ def test_diff_and_power_on_the_command_line(tmp_path, capsys):
     for args, message in (
         (["diff", str(folder), "--against", "h2o"], "--against h2o: no such policy in the rows (full, snapkv)"),
         (["diff", str(folder), "--policy", "full,tova"], "--policy tova: not in the rows"),
-        (["report", str(folder), "--power", "0"], "--power 0.0: give the difference to resolve"),
-        (["report", str(folder), "--power", "nan"], "--power nan: give the difference to resolve"),
+        (["report", str(folder), "--power", "0"], "--power 0: must be at least 0.01"),
+        (["report", str(folder), "--power", "nan"], "--power nan: expected a finite number"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             main(args)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
+import io
 import logging
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,9 +167,14 @@ def float_copy_of_gguf(gguf: Path, cache_name: str) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("de-quantizing %s once into %s", gguf.name, target)
+    if sys.stderr.isatty():  # a person waits: say why, in one line (transformers' own bar is kept off stderr)
+        print(f"pkvbench: de-quantizing {gguf.name} once into {target} (a minute or so)", file=sys.stderr)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # transformers draws a tqdm bar over the tensors on stderr, outside its own progress-bar switch; on a
+        # clean machine it would bury the one line an error or a run prints.
+        with contextlib.redirect_stderr(io.StringIO()):
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except (OSError, ValueError, NotImplementedError, KeyError) as exc:
         raise PkvError(f"could not de-quantize {gguf}: {first_line(exc)}") from None
     # The weights are now plain floats; drop the GGUF quantization record so transformers will save them.

@@ -24,9 +24,9 @@ class PyramidKV(SnapKV):
     budgets: str = "exact"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.beta < 1:
+        if self.beta < 1:  # before the base's check, whose "at least 0" would be the wrong bound for beta
             raise ValueError(f"{self.name}: beta must be at least 1 (the top layer's share is (k-window)/beta)")
+        super().__post_init__()
 
     def layer_budgets(self, k: int, context_len: int, num_layers: int) -> list[int]:
         rule = budget_rules.pyramid_reference if self.budgets == "reference" else budget_rules.pyramid

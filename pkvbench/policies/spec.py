@@ -10,12 +10,18 @@ from pkvbench.policies.registry import registry
 
 
 def parse_option_pairs(pairs: list[str]) -> dict[str, str]:
-    """``["window=32", "beta=10"]`` → ``{"window": "32", "beta": "10"}``."""
+    """``["window=32", "beta=10"]`` → ``{"window": "32", "beta": "10"}``; an option given twice is refused (the
+    last one would win without a word)."""
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip() or not value.strip():
             raise PkvError(f"policy option {pair!r} is not of the form name=value (e.g. window=32)")
+        if key.strip() in options:
+            raise PkvError(
+                f"policy option {key.strip()} is given twice ({key.strip()}={options[key.strip()]} and {pair.strip()})"
+                "; give it once"
+            )
         options[key.strip()] = value.strip()
     return options
 

@@ -12,15 +12,16 @@ import hashlib
 import importlib.resources
 import json
 import os
+import re
+import string
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pkvbench.errors import PkvError
+from pkvbench.io import parse_yaml
 from pkvbench.metrics import METRICS, PREDICTION_RULES
 from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec
 from pkvbench.tasks.longbench import longbench_samples
@@ -34,14 +35,19 @@ ENV_VAR = "PKVBENCH_TASKS"
 
 @dataclass(frozen=True)
 class Generator:
-    """How a task's samples are made, the keys its YAML must have for that, the sample options that shape its
-    prompts (``TaskOptions`` fields: ``lengths`` and ``depths`` for generated prompts, ``max_length`` for data whose
-    prompts are cut to fit) and what its sample ids look like."""
+    """How a task's samples are made, the keys its YAML must have for that (and those it may have), the sample
+    options that shape its prompts (``TaskOptions`` fields: ``lengths`` and ``depths`` for generated prompts,
+    ``max_length`` for data whose prompts are cut to fit, ``data_dir`` for data read from files), what its sample ids
+    look like, and its prompt template: the key that holds it and the fields it may name (None: any, as LongBench's
+    fill theirs from the data row)."""
 
     build: Callable[[Any, TaskSpec, TaskOptions], list[Sample]]
     keys: tuple[str | tuple[str, ...], ...]  # a tuple entry: one of these keys
     shaped_by: tuple[str, ...]
     ids: str
+    optional: tuple[str, ...] = ()
+    template: str = "template"
+    fields: frozenset[str] | None = None
 
 
 _RULER = ("template", "answer_prefix", "defaults")
@@ -52,26 +58,59 @@ GENERATORS: dict[str, Generator] = {
         ("haystack", ("needle", "needles"), "prompt", "defaults"),
         ("lengths", "depths"),
         "len<length>_depth<depth> (several needles: len<length>_rot<rotation>)",
+        optional=("question", "answer", "slots", "system", "fit", "buffer"),
+        template="prompt",
+        fields=frozenset({"context", "question"}),
     ),
-    "longbench": Generator(longbench_samples, ("dataset", "prompt"), ("max_length",), "the _id of a data row"),
+    "longbench": Generator(
+        longbench_samples,
+        ("dataset", "prompt"),
+        ("max_length", "data_dir"),
+        "the _id of a data row",
+        optional=("sha256", "language", "question_part"),
+        template="prompt",
+    ),
     "ruler_niah": Generator(
         niah_samples,
         (*_RULER, "haystack", "key_type", "value_type", "num_keys", "num_values", "num_queries", "needle"),
         ("lengths",),
         _NUMBERED,
+        optional=("system", "essay", "ask", "noise"),
     ),
-    "ruler_vt": Generator(vt_samples, (*_RULER, "noise", "num_chains", "num_hops"), ("lengths",), _NUMBERED),
-    "ruler_cwe": Generator(cwe_samples, (*_RULER, "num_cw", "short", "long"), ("lengths",), _NUMBERED),
-    "ruler_fwe": Generator(fwe_samples, (*_RULER, "alpha", "coded_wordlen"), ("lengths",), _NUMBERED),
+    "ruler_vt": Generator(
+        vt_samples,
+        (*_RULER, "noise", "num_chains", "num_hops"),
+        ("lengths",),
+        _NUMBERED,
+        optional=("system", "icl_max_tokens"),
+    ),
+    "ruler_cwe": Generator(cwe_samples, (*_RULER, "num_cw", "short", "long"), ("lengths",), _NUMBERED, ("system",)),
+    "ruler_fwe": Generator(
+        fwe_samples,
+        (*_RULER, "alpha", "coded_wordlen"),
+        ("lengths",),
+        _NUMBERED,
+        optional=("system", "vocab_size", "vocab_per_tokens"),
+    ),
     "trec_fewshot": Generator(
         trec_samples,
         ("train_file", "test_file", "prompt", "example", "input", "classes", "defaults"),
-        ("lengths",),
+        ("lengths", "data_dir"),
         _NUMBERED,
+        optional=("sha256",),
+        template="prompt",
+        fields=frozenset({"context", "input"}),
     ),
 }
 # The command-line flag of each sample option a generator can be shaped by.
-SAMPLE_OPTION_FLAGS = {"lengths": "--lengths", "depths": "--depths", "max_length": "--max-length"}
+SAMPLE_OPTION_FLAGS = {
+    "lengths": "--lengths",
+    "depths": "--depths",
+    "max_length": "--max-length",
+    "data_dir": "--data-dir",
+}
+# A task's name becomes part of a folder name (``results/runs/<model>/<task+task>``): letters, digits, ``_ . -``.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 # key: (accepted types, required)
 _COMMON_KEYS: dict[str, tuple[tuple[type, ...], bool]] = {
@@ -101,6 +140,13 @@ def validate(raw: Any, where: str) -> TaskSpec:
     """A task definition as read from YAML, checked; every problem is an error that names the file."""
     if not isinstance(raw, dict):
         raise PkvError(f"task file {where}: expected a mapping of keys at the top level")
+    if not isinstance(raw.get("name"), str) or not NAME.fullmatch(raw["name"]):
+        raise PkvError(
+            f"task file {where}: name {raw.get('name')!r} must be letters, digits and _ . - (it names result folders)"
+        )
+    for group in raw.get("groups") or ():
+        if not isinstance(group, str) or not NAME.fullmatch(group):
+            raise PkvError(f"task file {where}: group {group!r} must be letters, digits and _ . -")
     for key, (kinds, required) in _COMMON_KEYS.items():
         if key not in raw or raw[key] is None:
             if required:
@@ -127,6 +173,14 @@ def validate(raw: Any, where: str) -> TaskSpec:
     ]
     if missing:
         raise PkvError(f"task file {where}: generator {raw['generator']} needs the key(s) {', '.join(missing)}")
+    known = {*_COMMON_KEYS, *generator.optional, *(k for key in generator.keys for k in _alternatives(key))}
+    unknown = sorted(str(key) for key in raw if key not in known)
+    if unknown:
+        raise PkvError(
+            f"task file {where}: unknown key {unknown[0]!r} (a misspelled key would be ignored); generator "
+            f"{raw['generator']} takes {', '.join(sorted(known))}"
+        )
+    _check_template(raw, generator, where)
     if raw["max_new_tokens"] < 1 or raw.get("min_new_tokens", 0) < 0:
         raise PkvError(f"task file {where}: max_new_tokens must be at least 1 and min_new_tokens not negative")
     if not all(isinstance(s, str) for s in raw.get("stop_strings") or ()):
@@ -147,6 +201,30 @@ def validate(raw: Any, where: str) -> TaskSpec:
         prompt_hash=prompt_hash(raw),
         source=where,
     )
+
+
+def _alternatives(key: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (key,) if isinstance(key, str) else key
+
+
+def _check_template(raw: dict[str, Any], generator: Generator, where: str) -> None:
+    """The prompt template is text that names ``{context}`` (where the context goes: the rest is the question) and
+    no field the generator does not fill, so a bad template is refused when read, not after a model load."""
+    template = raw[generator.template]
+    if not isinstance(template, str):
+        raise PkvError(f"task file {where}: {generator.template!r} must be text")
+    try:
+        named = {field.split(".")[0].split("[")[0] for _, field, _, _ in string.Formatter().parse(template) if field}
+    except ValueError as exc:
+        raise PkvError(f"task file {where}: {generator.template!r} is not a valid template ({exc})") from None
+    if "context" not in named:
+        raise PkvError(f"task file {where}: {generator.template!r} must name {{context}}, where the context goes")
+    unknown = sorted(named - generator.fields) if generator.fields is not None else []
+    if unknown:
+        raise PkvError(
+            f"task file {where}: {generator.template!r} names {{{unknown[0]}}}, which generator {raw['generator']} "
+            f"does not fill (it fills {', '.join(sorted(generator.fields))})"
+        )
 
 
 def _check_defaults(raw: dict[str, Any], generator: Generator, where: str) -> None:
@@ -183,12 +261,10 @@ def _yaml_files(root) -> Iterator:
 
 def _read(entry) -> Any:
     try:
-        return yaml.safe_load(entry.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise PkvError(f"task file {entry}: not valid YAML{f' at line {mark.line + 1}' if mark else ''}") from None
+        text = entry.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise PkvError(f"task file {entry}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    return parse_yaml(text, f"task file {entry}")  # a key given twice is refused, not the last one kept
 
 
 def env_include_paths() -> tuple[str, ...]:
