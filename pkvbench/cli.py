@@ -602,7 +602,7 @@ def check(baseline, results, tolerance, per_cell, selection, min_overlap, exact,
         cells = write_baseline(list(results), baseline)
         click.echo(
             f"baseline {baseline} written: {len(cells)} cells from {', '.join(results)} "
-            f"(per-sample scores in {samples_path(baseline)})"
+            f"(per-sample scores, predictions and selection fingerprints in {samples_path(baseline)})"
         )
         return
     rule = SelectionRule(selection == "on", min_overlap, exact)

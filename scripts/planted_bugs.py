@@ -78,7 +78,8 @@ def try_rerun(label: str, folder: Path, scratch: Path, tolerance: float, rule: S
 
     policies = tuple(load_runs([str(folder)]).rows["policy"].unique())
     scratch.mkdir(parents=True, exist_ok=True)
-    result = check_run([str(folder)], str(baseline_for(BASELINE, policies, scratch)), tolerance, None, rule)
+    cut = baseline_for(BASELINE, policies, scratch / f"{folder.name}-baseline.csv")
+    result = check_run([str(folder)], str(cut), tolerance, None, rule)
     return {"run": f"rerun: {label}", "what": "unchanged code", "policies": ", ".join(policies), **caught_by(result),
             "seconds": math.nan}  # fmt: skip
 

@@ -154,10 +154,9 @@ BUGS = (
 BUGS_BY_NAME = {bug.name: bug for bug in BUGS}
 
 
-def baseline_for(baseline: Path, policies: tuple[str, ...], folder: Path) -> Path:
-    """A baseline (cells and per-sample scores) cut to ``policies``, written into ``folder``: the gate then asks
-    only for the rows a run of those policies has."""
-    path = folder / "baseline.csv"
+def baseline_for(baseline: Path, policies: tuple[str, ...], path: Path) -> Path:
+    """A baseline (cells and per-sample scores) cut to ``policies``, written to ``path`` (its samples beside it):
+    the gate then asks only for the rows a run of those policies has."""
     for source, target in ((baseline, path), (samples_path(baseline), samples_path(path))):
         table = pd.read_csv(source, dtype=str)
         table[table["policy"].isin(policies)].to_csv(target, index=False)
@@ -179,4 +178,5 @@ def check_with_bug(
     out = folder / bug.name
     with bug.plant():
         evaluate(RunConfig.from_file(config, policies=list(bug.policies), out=str(out), quiet=True))
-    return check_run([str(out)], str(baseline_for(baseline, bug.policies, folder)), tolerance, None, rule)
+    cut = baseline_for(baseline, bug.policies, folder / f"{bug.name}-baseline.csv")
+    return check_run([str(out)], str(cut), tolerance, None, rule)
