@@ -580,7 +580,7 @@ def score(file, out_file, dataset) -> None:
 @click.option(
     "--min-overlap",
     type=float,
-    default=0.95,
+    default=0.99,
     show_default=True,
     help="A cell fails when the share of kept entries in common with the baseline falls below this (docs/ci-gate.md).",
 )
