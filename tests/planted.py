@@ -19,7 +19,7 @@ import pandas as pd
 
 from pkvbench import budgets as budget_rules
 from pkvbench.check import CheckResult, SelectionRule, check_run, samples_path
-from pkvbench.policies import adakv, base, snapkv, streamingllm
+from pkvbench.policies import base, snapkv, streamingllm
 from pkvbench.policies.base import Needs
 
 
@@ -123,18 +123,6 @@ def _gqa_max() -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def _adakv_no_floor() -> Iterator[None]:
-    """AdaKV's per-head floor dropped (``alpha`` 0.2 → 0 by default): a head may lose all but a few entries."""
-    original = adakv.AdaKV.select
-
-    def select(self, stats, k):
-        return original(dataclasses.replace(self, alpha=0.0) if self.alpha == 0.2 else self, stats, k)
-
-    with mock.patch.object(adakv.AdaKV, "select", select):
-        yield
-
-
 SCORING = ("streamingllm", "h2o", "snapkv", "pyramidkv")
 BUGS = (
     PlantedBug("inverted", "scoring policies keep their lowest-scoring positions", SCORING, _inverted),
@@ -149,7 +137,6 @@ BUGS = (
     PlantedBug(
         "gqa-max", "SnapKV folds a query group by max, not mean", ("snapkv", "pyramidkv", "adakv(snapkv)"), _gqa_max
     ),
-    PlantedBug("adakv-no-floor", "AdaKV's per-head floor alpha 0.2 → 0", ("adakv(snapkv)",), _adakv_no_floor),
 )
 BUGS_BY_NAME = {bug.name: bug for bug in BUGS}
 
