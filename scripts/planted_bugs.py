@@ -56,8 +56,12 @@ def caught_by(result: CheckResult) -> dict:
         "accuracy": f"{by['accuracy']} cells",
         "paired": f"{int(paired[cells.index].sum())} cells, {int(paired[pooled.index].sum())} pooled",
         "selection": f"{by['selection']} cells",
-        "kept sets changed": f"{len(changed)} of {len(cells)}",
-        "lowest overlap": f"{changed['overlap'].min():.3f}" if len(changed) else "1 (identical)",
+        "kept sets changed": f"{len(changed)} of {len(cells)}" if result.selection == "on" else "not compared",
+        "lowest overlap": f"{changed['overlap'].min():.3f}"
+        if len(changed)
+        else "1 (identical)"
+        if result.selection == "on"
+        else "-",
         "score Δ worst / best": f"{cells['delta'].min():+.2f} / {cells['delta'].max():+.2f}",
         "predictions changed": f"{len(result.changed_predictions)} of {result.predictions_compared}",
     }
