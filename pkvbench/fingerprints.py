@@ -13,6 +13,8 @@ A row's ``kept_fingerprint`` is one line of text, per layer of the model:
 
 An unchanged stack keeps the same entries, bit for bit, so a changed hash is a fact; the sketch says by how much the
 kept sets moved, which is what separates a near-tie flipped by a different summation order from a changed rule.
+The same 16 mixes serve every layer: a kept set repeated in every layer (StreamingLLM's) gives the same minima in
+each, so its estimate moves in steps of 1/16 (docs/ci-gate.md; a per-layer seed would need every sketch rewritten).
 Pure numpy: no model, no torch.
 """
 
