@@ -647,15 +647,34 @@ def score(file, out_file, dataset) -> None:
     help="Allowed fall in score points (× 100 scale) before a cell may fail.",
 )
 @click.option("--per-cell", type=PathType(exists=True, dir_okay=False), help="YAML of task: tolerance overrides.")
+@click.option(
+    "--selection",
+    type=click.Choice(["on", "off"]),
+    default="on",
+    show_default=True,
+    help="Compare what each policy kept with the baseline's selection fingerprints; off for a deliberate comparison "
+    "across machines or library versions (said in the result line).",
+)
+@click.option(
+    "--min-overlap",
+    type=Number(float),
+    default=0.99,
+    show_default=True,
+    help="A cell fails when the share of kept entries in common with the baseline falls below this (docs/ci-gate.md).",
+)
+@click.option(
+    "--exact", is_flag=True, help="Fail on any changed prediction or kept set: the run must reproduce the baseline."
+)
 @click.option("--update", is_flag=True, help="Write the run's cells (and samples) as the new baseline instead.")
-def check(baseline, results, tolerance, per_cell, update) -> None:
-    """Fail (exit 1) if accuracy at any budget fell for real: a CI gate.
+def check(baseline, results, tolerance, per_cell, selection, min_overlap, exact, update) -> None:
+    """Fail (exit 1) if accuracy at any budget fell for real, or a policy kept other entries: a CI gate.
 
     Every cell of the baseline must be in the run with the same sample count. A cell fails when its score fell by
     more than the tolerance and below the baseline's 95% interval, or when a paired test on the same samples (per
-    cell, and per policy over all its cells; Holm-adjusted) says it fell. Improvements and new cells pass.
+    cell, and per policy over all its cells; Holm-adjusted) says it fell; or when a layer's kept counts differ from
+    the baseline's, or the kept entries in common fall below --min-overlap. Improvements and new cells pass.
     """
-    from pkvbench.check import check_run, format_failures, samples_path, write_baseline
+    from pkvbench.check import SelectionRule, check_run, format_failures, prediction_lines, samples_path, write_baseline
 
     folders = [Path(folder).resolve() for folder in results]
     twice = next((given for given, folder in zip(results, folders) if folders.count(folder) > 1), None)
@@ -665,12 +684,15 @@ def check(baseline, results, tolerance, per_cell, update) -> None:
         cells = write_baseline(list(results), baseline)
         click.echo(
             f"baseline {baseline} written: {len(cells)} cells from {', '.join(results)} "
-            f"(per-sample scores in {samples_path(baseline)})"
+            f"(per-sample scores, predictions and selection fingerprints in {samples_path(baseline)})"
         )
         return
-    result = check_run(list(results), baseline, tolerance, per_cell)
+    rule = SelectionRule(selection == "on", min_overlap, exact)
+    result = check_run(list(results), baseline, tolerance, per_cell, rule)
     if result.passed:
         click.echo(f"check passed: {result.describe()}")
+        for line in prediction_lines(result):
+            click.echo(line)
         return
     click.echo(f"check FAILED: {len(result.failures)} failing; {result.describe()}", err=True)
     click.echo(format_failures(result), err=True)

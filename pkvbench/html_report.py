@@ -71,6 +71,7 @@ CONFIG_FIELDS = {
     "kv_kept",
     "kv_bytes",
     "kv_entries",
+    "kept_fingerprint",
     "pred",
     "answers",
     "score",

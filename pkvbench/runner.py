@@ -16,6 +16,7 @@ from tqdm import tqdm
 from pkvbench.budgets import Budget
 from pkvbench.engine.generation import CompressedCache, Engine, Prefill
 from pkvbench.errors import PkvError
+from pkvbench.fingerprints import fingerprint
 from pkvbench.metrics import METRICS, prepare_prediction
 from pkvbench.policies.base import Policy
 from pkvbench.results import ResultStore, row_key
@@ -198,6 +199,7 @@ def _row(
         "kv_kept": cache.kept_per_layer,
         "kv_bytes": cache.nbytes,
         "kv_entries": cache.kept.entries,
+        "kept_fingerprint": fingerprint(cache.kept_positions()),  # what the gate compares (pkvbench/fingerprints.py)
         "pred": answer.text,
         "answers": question.answers,
         "score": metric(prepare_prediction(answer.text, task.postprocess), question.answers, sample.meta),

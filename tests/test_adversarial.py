@@ -193,6 +193,7 @@ def with_row(row: dict) -> Callable[[Context], None]:
 
 
 BASELINE_CSV = "model,task,policy,budget,n,score\nsmollm2-135m,needle,full,64,2,99.0\n"
+CELLS_CSV = "model,task,policy,budget,query_mode,n,score,ci_low,ci_high\n"
 
 
 def baseline_and_run(baseline: str | bytes, tolerances: str | None = None) -> Callable[[Context], None]:
@@ -486,6 +487,18 @@ CASES = [
          lambda ctx: (baseline_and_run(BASELINE_CSV)(ctx), with_row(result_row("x", budget="abc"))(ctx))),
     Case("check-update-below-a-file", "check --baseline {tmp}/file/b.csv --results {tmp}/run --update", 2,
          "file", lambda ctx: (run_folder(ctx), a_file(ctx))),
+    # issue 26: an inconsistent baseline is not trusted, and no tolerance so wide that nothing could fail
+    Case("check-tolerance-wider-than-any-fall", "check --baseline {tmp}/b.csv --results {tmp}/run --tolerance 1e308", 2,
+         "--tolerance 1e+308: no score can fall by 100 points or more", baseline_and_run(BASELINE_CSV)),
+    Case("check-baseline-score-above-100", "check --baseline {tmp}/b.csv --results {tmp}/run", 2,
+         "b.csv, row 1 (needle full 64 aware): score 105.5 is outside [0, 100]",
+         baseline_and_run(CELLS_CSV + "smollm2-135m,needle,full,64,aware,2,105.5,93.33,97.67\n")),
+    Case("check-baseline-score-outside-its-interval", "check --baseline {tmp}/b.csv --results {tmp}/run", 2,
+         "score 99 lies outside its own interval [93.33, 97.67]",
+         baseline_and_run(CELLS_CSV + "smollm2-135m,needle,full,64,aware,2,99,93.33,97.67\n")),
+    Case("check-baseline-interval-minus-inf", "check --baseline {tmp}/b.csv --results {tmp}/run", 2,
+         "interval [-inf, 97.67] is outside [0, 100]",
+         baseline_and_run(CELLS_CSV + "smollm2-135m,needle,full,64,aware,2,95.5,-inf,97.67\n")),
     # silently accepted or misleading, before
     Case("budget-empty-item", "run --budget 128,,64 --out {tmp}/o", 2, "--budget '128,,64' has an empty item"),
     Case("budget-trailing-comma", "run --budget 128, --out {tmp}/o", 2, "has an empty item"),

@@ -158,3 +158,19 @@ def test_recording_h2o_statistics_leaves_the_prefill_bit_for_bit(engine, needle_
     plain = engine.prefill(needle_ids, [parse_policy("full")])
     assert torch.equal(plain.last_logits, prefill.last_logits)
     assert all(torch.equal(a, b) for a, b in zip(plain.keys, prefill.keys))
+
+
+@pytest.mark.parametrize("spec", ["full", "snapkv", "pyramidkv", "adakv(snapkv)"])
+def test_the_kept_positions_are_the_entries_the_cache_holds(engine, prefill, spec):
+    """What the selection fingerprint hashes (``kept_positions``) is what was gathered: each head's stored keys are
+    the full cache's keys at exactly those positions, in every layer (AdaKV: heads keep different numbers)."""
+    cache = engine.compress(prefill, parse_policy(spec), Budget(64))
+    positions = cache.kept_positions()
+    assert len(positions) == 30
+    for layer, heads in enumerate(positions):
+        full = prefill.keys[layer][0]
+        for head, kept in enumerate(heads):
+            stored = cache.kept.keys[layer][head, : len(kept)]
+            assert len(kept) == (cache.kept.lengths[layer][head] if cache.kept.lengths else stored.shape[0])
+            assert torch.equal(stored, full[head, torch.as_tensor(kept)]), (spec, layer, head)
+    assert sum(len(kept) for heads in positions for kept in heads) == cache.kept.entries

@@ -12,6 +12,7 @@ import inspect
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pkvbench import budgets
@@ -72,6 +73,23 @@ class CompressedCache:
 
     kept: KeptEntries
     plan: budgets.LayerPlan
+    # What the policy chose, per layer: kept indices ``[heads, k]``, a keep mask ``[heads, T]``, or None where the
+    # layer keeps every entry; None for the whole cache when nothing was compressed.
+    selected: list[torch.Tensor | None] | None = None
+
+    def kept_positions(self) -> list[list[np.ndarray]]:
+        """Each layer's and head's kept prompt positions, sorted (what the selection fingerprints hash)."""
+        layers = []
+        for layer, heads in enumerate(self.kept.heads):
+            chosen = None if self.selected is None else self.selected[layer]
+            if chosen is None:
+                everything = np.arange(self.plan.context_len)
+                layers.append([everything] * heads)
+            elif chosen.dtype == torch.bool:
+                layers.append([np.flatnonzero(row) for row in chosen.cpu().numpy()])
+            else:
+                layers.append([np.sort(row) for row in chosen.cpu().numpy()])
+        return layers
 
     @property
     def kept_per_layer(self) -> list[int]:
@@ -231,6 +249,7 @@ class Engine:
             return CompressedCache(KeptEntries(full_keys, full_values), plan)
         keys, values = [], []
         lengths: list[torch.Tensor | None] = [None] * len(plan.per_layer)
+        selected: list[torch.Tensor | None] = [None] * len(plan.per_layer)
         compressed = [layer for layer, k in enumerate(plan.per_layer) if k < length]
         chosen = dict(
             zip(
@@ -243,16 +262,16 @@ class Engine:
                 keys.append(full_keys[layer])
                 values.append(full_values[layer])
                 continue
-            kept = chosen[layer].to(self.device)
+            kept = selected[layer] = chosen[layer].to(self.device)
             if kept.dtype == torch.bool:  # heads keep different numbers of entries: stored padded, counted apart
                 kept, lengths[layer] = ragged_positions(kept)
             index = kept[:, :, None].expand(-1, -1, full_keys[layer].shape[-1])
             keys.append(full_keys[layer].gather(1, index))
             values.append(full_values[layer].gather(1, index))
         if not any(n is not None for n in lengths):
-            return CompressedCache(KeptEntries(keys, values), plan)
+            return CompressedCache(KeptEntries(keys, values), plan, selected)
         filled = [n if n is not None else torch.full((k.shape[0],), k.shape[1]) for n, k in zip(lengths, keys)]
-        return CompressedCache(KeptEntries(keys, values, filled), plan)
+        return CompressedCache(KeptEntries(keys, values, filled), plan, selected)
 
     def request(
         self,

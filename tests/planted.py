@@ -2,7 +2,8 @@
 
 Each bug is a context manager that patches one rule for the duration of a run, in this process only, and names
 the policies whose rows it changes. A gate worth having fails on every one of them against a baseline of the
-unchanged code, and passes on a rerun of the unchanged code.
+unchanged code, and passes on a rerun of the unchanged code. Test and measurement code, not the package's: it lives
+beside the tests (``scripts/planted_bugs.py`` puts this folder on its path).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from unittest import mock
 import pandas as pd
 
 from pkvbench import budgets as budget_rules
+from pkvbench.check import CheckResult, SelectionRule, check_run, samples_path
 from pkvbench.policies import base, snapkv, streamingllm
 from pkvbench.policies.base import Needs
 
@@ -95,6 +97,32 @@ def _no_sinks() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _ties_to_later() -> Iterator[None]:
+    """Among equal scores the *later* position is kept (the stable order reversed): max-pooling makes plateaus of
+    equal scores, so SnapKV and PyramidKV keep other entries at their top-k boundary."""
+    original = base.best_positions
+
+    def later(scores, count, ties="stable"):
+        return scores.shape[-1] - 1 - original(scores.flip(-1), count, ties)
+
+    with mock.patch.object(base, "best_positions", later):
+        yield
+
+
+@contextlib.contextmanager
+def _gqa_max() -> Iterator[None]:
+    """SnapKV's (and so PyramidKV's and AdaKV-over-SnapKV's) default fold of a query group changed from mean to max
+    (a changed default option: ``gqa=mean`` is what the rows still say)."""
+    original = snapkv.SnapKV.score
+
+    def score(self, stats):
+        return original(dataclasses.replace(self, gqa="max") if self.gqa == "mean" else self, stats)
+
+    with mock.patch.object(snapkv.SnapKV, "score", score):
+        yield
+
+
 SCORING = ("streamingllm", "h2o", "snapkv", "pyramidkv")
 BUGS = (
     PlantedBug("inverted", "scoring policies keep their lowest-scoring positions", SCORING, _inverted),
@@ -105,29 +133,37 @@ BUGS = (
         "window-off-by-one", "SnapKV/PyramidKV vote with w−1 queries", ("snapkv", "pyramidkv"), _window_off_by_one
     ),
     PlantedBug("no-sinks", "StreamingLLM keeps no attention sinks", ("streamingllm",), _no_sinks),
+    PlantedBug("ties-to-later", "equal scores keep the later position", ("snapkv", "pyramidkv"), _ties_to_later),
+    PlantedBug(
+        "gqa-max", "SnapKV folds a query group by max, not mean", ("snapkv", "pyramidkv", "adakv(snapkv)"), _gqa_max
+    ),
 )
 BUGS_BY_NAME = {bug.name: bug for bug in BUGS}
 
 
-def baseline_for(baseline: Path, policies: tuple[str, ...], folder: Path) -> Path:
-    """A baseline (cells and per-sample scores) cut to ``policies``, written into ``folder``: the gate then asks
-    only for the rows a run of those policies has."""
-    from pkvbench.check import samples_path
-
-    path = folder / "baseline.csv"
+def baseline_for(baseline: Path, policies: tuple[str, ...], path: Path) -> Path:
+    """A baseline (cells and per-sample scores) cut to ``policies``, written to ``path`` (its samples beside it):
+    the gate then asks only for the rows a run of those policies has."""
     for source, target in ((baseline, path), (samples_path(baseline), samples_path(path))):
         table = pd.read_csv(source, dtype=str)
         table[table["policy"].isin(policies)].to_csv(target, index=False)
     return path
 
 
-def check_with_bug(bug: PlantedBug, config: Path, baseline: Path, folder: Path, tolerance: float = 2.0):
-    """Run ``config``'s grid for the bug's policies with the bug planted, into ``folder``, and check it against
-    ``baseline``: the ``CheckResult`` of ``pkvbench check`` (``passed`` False: the gate caught it)."""
+def check_with_bug(
+    bug: PlantedBug,
+    config: Path,
+    baseline: Path,
+    folder: Path,
+    tolerance: float = 2.0,
+    rule: SelectionRule | None = None,
+) -> CheckResult:
+    """Run ``config``'s grid for the bug's policies with the bug planted, into ``folder`` (resuming a run there),
+    and check it against ``baseline``: the ``CheckResult`` of ``pkvbench check`` (``passed`` False: caught)."""
     from pkvbench.api import RunConfig, evaluate
-    from pkvbench.check import check_run
 
     out = folder / bug.name
     with bug.plant():
         evaluate(RunConfig.from_file(config, policies=list(bug.policies), out=str(out), quiet=True))
-    return check_run([str(out)], str(baseline_for(baseline, bug.policies, folder)), tolerance, None)
+    cut = baseline_for(baseline, bug.policies, folder / f"{bug.name}-baseline.csv")
+    return check_run([str(out)], str(cut), tolerance, None, rule)
