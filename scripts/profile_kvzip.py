@@ -4,10 +4,13 @@
 
 For each length, the needle prompt is prefilled plainly and with KVzip's statistics (prefill + repeat passes +
 selection at 128 entries, as ``scripts/bench.py``'s KVzip row times it) in alternating pairs, ``--repeats`` times; the
-best of each gives the ratio. Then one plain prefill and one KVzip prefill run under ``torch.profiler``, and the
+best of each gives the ratio; the unfused path (the model's kernel plus the recorder's softmax, as before the fused one)
+is timed in the same rounds. Then one plain prefill and one KVzip prefill run under ``torch.profiler``, and the
 operators' self time is grouped: the model's attention kernel, the recorder's own attention (the repeat pass's
 scores), the linear layers, cache copies, the rest. Writes a Markdown table to stdout (``docs/benchmark.md`` quotes
-it). Run it alone if the seconds matter; the ratios inside one process are less sensitive to other load.
+it). Run it alone if the seconds matter; the ratios inside one process are less sensitive to other load, and on a
+shared machine ``--cpu-time --threads 1`` times each step by the CPU seconds it used (its work, nearly whatever else
+runs).
 """
 
 from __future__ import annotations
@@ -34,18 +37,36 @@ def needle_ids(engine: Engine, length: int) -> torch.Tensor:
     return torch.tensor([sample.input_ids])
 
 
+def clock() -> float:
+    """Wall seconds, or this process's CPU seconds under ``--cpu-time`` (other processes' load then counts far less)."""
+    return time.process_time() if CPU_TIME else time.perf_counter()
+
+
+CPU_TIME = False
+
+
 def kvzip_seconds(engine: Engine, ids: torch.Tensor) -> float:
     policy = parse_policy("kvzip")
-    started = time.perf_counter()
+    started = clock()
     prefill = engine.prefill(ids, [policy])
     engine.compress(prefill, policy, Budget(128))
-    return time.perf_counter() - started
+    return clock() - started
+
+
+def unfused_seconds(engine: Engine, ids: torch.Tensor) -> float:
+    """``kvzip_seconds`` on the unfused path (the model's kernel and the recorder's own softmax), as before."""
+    fusable = reconstruction.fusable
+    reconstruction.fusable = lambda query: False
+    try:
+        return kvzip_seconds(engine, ids)
+    finally:
+        reconstruction.fusable = fusable
 
 
 def plain_seconds(engine: Engine, ids: torch.Tensor) -> float:
-    started = time.perf_counter()
+    started = clock()
     engine.prefill(ids, [])
-    return time.perf_counter() - started
+    return clock() - started
 
 
 def grouped(events) -> dict[str, float]:
@@ -88,20 +109,37 @@ def by_operator(events, top: int = 12) -> list[tuple[str, float]]:
 @click.command()
 @click.option("--lengths", default="2000,4000", show_default=True)
 @click.option("--repeats", default=3, show_default=True, help="Alternating plain/KVzip pairs per length.")
-def main(lengths, repeats):
+@click.option("--unfused/--no-unfused", "with_unfused", default=True, help="Also time the unfused path.")
+@click.option("--profile/--no-profile", "with_profile", default=True, help="Also the torch.profiler breakdown.")
+@click.option(
+    "--cpu-time", is_flag=True, help="Time by this process's CPU seconds, not wall seconds (on a shared machine)."
+)
+@click.option("--threads", type=int, help="torch threads (1 with --cpu-time: the CPU seconds are then the work).")
+def main(lengths, repeats, with_unfused, with_profile, cpu_time, threads):
+    global CPU_TIME
+    CPU_TIME = cpu_time
+    if threads:
+        torch.set_num_threads(threads)
     engine = Engine(load_model())
     label_recorder()
-    print("| context | plain prefill s | prefill + KVzip's passes + selection s | ratio |")
-    print("|---:|---:|---:|---:|")
+    print("| context | plain prefill s | prefill + KVzip's passes + selection s | ratio | unfused path s | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|")
     profiles = {}
     for length in (int(n) for n in lengths.split(",")):
         ids = needle_ids(engine, length)
         kvzip_seconds(engine, ids)  # warm-up
-        plain, kvzip = float("inf"), float("inf")
+        plain, kvzip, unfused = float("inf"), float("inf"), float("inf")
         for _ in range(repeats):
             plain = min(plain, plain_seconds(engine, ids))
             kvzip = min(kvzip, kvzip_seconds(engine, ids))
-        print(f"| {length} | {plain:.2f} | {kvzip:.2f} | {kvzip / plain:.2f}× |")
+            if with_unfused:
+                unfused = min(unfused, unfused_seconds(engine, ids))
+        print(
+            f"| {length} | {plain:.2f} | {kvzip:.2f} | {kvzip / plain:.2f}× | "
+            + (f"{unfused:.2f} | {unfused / plain:.2f}× |" if with_unfused else " | |")
+        )
+        if not with_profile:
+            continue
         with profile(activities=[ProfilerActivity.CPU]) as plain_profile:
             plain_seconds(engine, ids)
         with profile(activities=[ProfilerActivity.CPU]) as kvzip_profile:

@@ -23,8 +23,9 @@ LATER_REQUEST = "\n\nRepeat the part of the previous context exactly, starting w
 OVERLAP = 8  # tokens of the previous chunk quoted in a later chunk's request
 SINK = 4
 ROWS_PER_BLOCK = 512  # queries whose attention is materialised at once (memory), on the unfused path
-# Bytes of query-by-chunk logits formed at once on the fused path: a block that stays in the CPU's cache.
-BLOCK_BYTES = 4 * 2**20
+# Bytes of query-by-chunk logits formed at once on the fused path: a block that stays in a core's L2 cache (1 MiB
+# ran 1.8x faster than 4 MiB at 2000 tokens on our CPUs, 2 MiB of L2 per core; 256 KiB and less were slower again).
+BLOCK_BYTES = 2**20
 
 
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scaling: float):
@@ -88,11 +89,11 @@ class ReconstructionRecorder:
             for name, columns in spans.items()
             if any(b > a for a, b in columns)
         ]
-        outputs = torch.stack([output for output, _ in calls])  # [calls, 1, Hq, n, d]
-        sums = torch.stack([lse for _, lse in calls])  # [calls, 1, Hq, n]
-        weights = (sums - sums.logsumexp(dim=0, keepdim=True)).exp()
-        output = (outputs * weights[..., None]).sum(dim=0)
-        scored = sums[:2].logsumexp(dim=0)[0]  # [Hq, n]: over the sinks, the chunk and the pass's own tokens
+        total = torch.stack([lse for _, lse in calls]).logsumexp(dim=0)  # [1, Hq, n]: over every key
+        output = torch.zeros_like(calls[0][0])
+        for part_output, part_lse in calls:  # each call's output weighted by its share of the softmax
+            output.addcmul_(part_output, (part_lse - total).exp_()[..., None])
+        scored = torch.logaddexp(calls[0][1], calls[1][1])[0]  # [Hq, n]: the sinks, the chunk, the pass's own tokens
         self.scores[layer_idx] = self._chunk_scores(query[0], key[0, :, self.start : self.end], scored, scaling)
         return output.transpose(1, 2).contiguous()
 
