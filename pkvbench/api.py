@@ -340,7 +340,8 @@ class RunConfig:
     policies: Sequence[str] | str | None = None
     budgets: Sequence[str | int | float] | str = (128,)
     policy_args: Mapping[str, Any] | Sequence[str] = ()
-    # "exact": pkvbench's protocol; "reference": every policy selects as the PyramidKV paper's code (docs/protocol.md)
+    # "exact": pkvbench's protocol; "reference": every policy selects as the PyramidKV paper's code (docs/protocol.md);
+    # "kvpress": every policy with the settings of kvpress's press of the same rule (docs/kvpress-crosscheck.md)
     protocol: str = "exact"
     # where the question is: "aware" (inside the compressed prompt, the paper's protocol), "agnostic" (added after
     # the context is compressed; one compressed context answers every question), or both

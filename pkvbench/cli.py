@@ -243,11 +243,12 @@ def _default_policies() -> str:
 )
 @click.option(
     "--protocol",
-    type=click.Choice(["exact", "reference"]),
+    type=click.Choice(["exact", "reference", "kvpress"]),
     default="exact",
     show_default=True,
     help="exact: every policy keeps exactly L·k entries per KV head; reference: select as the PyramidKV paper's code "
-    "did (one set per query head, its PyramidKV budgets, topk ties; docs/protocol.md).",
+    "did (one set per query head, its PyramidKV budgets, topk ties; docs/protocol.md); kvpress: each policy with the "
+    "settings of kvpress's press (docs/kvpress-crosscheck.md).",
 )
 @click.option(
     "--query-mode",

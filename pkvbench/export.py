@@ -6,8 +6,11 @@ sample: its columns, the prediction as ``predicted_answer``, ``compression_ratio
 {"string_match": score × 100, 2 decimals}}``) and ``config.yaml``. ``export_kvpress`` writes the same from a pkvbench
 run, so kvpress users' scripts read it:
 
-- ``<press>`` is kvpress's name where the method is one of its presses (``no_press``, ``streaming_llm``,
-  ``expected_attention`` for ``adakv(expected_attention…)``, ``adakv_snapkv``, ``chunkkv``, …), else pkvbench's label;
+- ``<press>`` is kvpress's name where the policy is one of its presses with kvpress's settings — the ``kvpress``
+  preset, ``--protocol kvpress`` (``no_press``, ``streaming_llm``, ``snapkv`` for SnapKV with window 64 and average
+  pooling of 5, ``expected_attention`` for ``adakv(expected_attention:epsilon=0.01)``, ``adakv_snapkv``, ``chunkkv``,
+  ``critical_adakv_snapkv``, …: ``KVPRESS_PRESSES``) — else pkvbench's label (e.g. ``snapkv`` with pkvbench's window
+  8 and max-pooling is not kvpress's ``snapkv``);
 - the ratio is the budget's compression ratio (``cr0.5`` → 0.50), or for other budgets 1 − the share of the prompt the
   rows kept on average; ``__query_aware`` marks query-aware rows (kvpress's default is agnostic);
 - ``predictions.csv`` has ``task, sample_id, question, answer, predicted_answer, compression_ratio, query_mode,
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import cache
 from pathlib import Path
 
 import pandas as pd
@@ -35,27 +39,52 @@ from pkvbench.outputs import Outputs
 from pkvbench.report import Runs, budget_sort_key, interval_columns, model_display_name, to_csv, to_markdown
 from pkvbench.stats import group_interval
 
-KVPRESS_NAMES = {
-    "full": "no_press",
-    "streamingllm": "streaming_llm",
+# kvpress's presses (the names of its evaluation/evaluate_registry.py) and the pkvbench policy that is each one under
+# the ``kvpress`` preset (``--protocol kvpress``; the pairs ``docs/kvpress-crosscheck.md`` compares, kept sets
+# identical or their difference explained). ``random`` is ``RandomPress(seed=0)``: kvpress's leaderboard entry is
+# unseeded, so its draws cannot be reproduced.
+KVPRESS_PRESSES = {
+    "no_press": "full",
     "random": "random",
     "knorm": "knorm",
+    "streaming_llm": "streamingllm",
     "tova": "tova",
     "keydiff": "keydiff",
     "snapkv": "snapkv",
     "pyramidkv": "pyramidkv",
     "kvzip": "kvzip",
-    "expected_attention": "expected_attention",
+    "expected_attention": "adakv(expected_attention:epsilon=0.01)",
+    "adakv_snapkv": "adakv(snapkv)",
+    "chunkkv": "chunkkv(snapkv)",
+    "critical_adakv_snapkv": "adakv(snapkv):critical=true",
+    "critical_adakv_expected_attention": "adakv(expected_attention:vnorm=false):critical=true",
 }
-WRAPPED = {"adakv(expected_attention": "expected_attention", "adakv(snapkv": "adakv_snapkv", "chunkkv(": "chunkkv"}
 
 
+@cache
+def _presses() -> dict:
+    """Each press's pkvbench policy under the kvpress preset → the press's name."""
+    from pkvbench.policies import parse_policy
+
+    return {parse_policy(spec, protocol="kvpress"): name for name, spec in KVPRESS_PRESSES.items()}
+
+
+@cache
 def kvpress_name(policy: str) -> str:
-    for prefix, name in WRAPPED.items():
-        if policy.startswith(prefix):
-            return name
-    base = policy.split(":")[0]
-    return KVPRESS_NAMES.get(base, re.sub(r"[^A-Za-z0-9._=-]+", "-", policy).strip("-"))
+    """kvpress's name for the press a pkvbench policy label is — the policy with exactly the options of the kvpress
+    preset — or the label made safe for a folder name, prefixed ``pkvbench_`` where it would read as a press's name
+    (``knorm`` with pkvbench's tie rule is not kvpress's ``knorm``)."""
+    from pkvbench.errors import PkvError
+    from pkvbench.policies import parse_policy
+
+    try:
+        name = _presses().get(parse_policy(policy))
+    except PkvError:  # a plugin's policy that is not installed here
+        name = None
+    if name:
+        return name
+    label = re.sub(r"[^A-Za-z0-9._=-]+", "-", policy).strip("-")
+    return f"pkvbench_{label}" if label in KVPRESS_PRESSES else label
 
 
 def compression_ratio(budget: str, rows: pd.DataFrame) -> float:

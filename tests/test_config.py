@@ -170,3 +170,27 @@ def test_smoke_config_parses_as_a_real_run(tmp_path):
     assert [str(b) for b in run.budgets] == ["64", "0.12", "0.25"]
     assert [p.label for p in run.policies][-2:] == ["tova", "adakv(snapkv)"]
     assert len(run.options.lengths) * len(run.options.depths) == run.options.limit == 5
+
+
+def test_leaderboard_runs_each_policy_as_kvpress_s_press():
+    """The leaderboard config passes the run command's checks, and its policies are kvpress's presses (the names
+    ``pkvbench export --format kvpress`` gives them)."""
+    from pkvbench.export import kvpress_name
+
+    loaded = invoke(["--config", str(CONFIGS / "leaderboard.yaml")])
+    assert loaded["protocol"] == "kvpress"
+    run = resolve(RunConfig(**{k: v for k, v in loaded.items() if k != "html_file"}))
+    assert [kvpress_name(p.label) for p in run.policies] == [
+        "no_press",
+        "random",
+        "knorm",
+        "streaming_llm",
+        "tova",
+        "keydiff",
+        "snapkv",
+        "pyramidkv",
+        "expected_attention",
+        "adakv_snapkv",
+        "chunkkv",
+        "kvzip",
+    ]

@@ -86,3 +86,16 @@ def test_ranking_averages_task_means_per_ratio_and_ranks_against_the_full_cache(
     assert table.loc["knorm", "avg ci_low"] == table.loc["knorm", "avg ci_high"] == 100.0  # nothing varies
     assert table.loc["tova", "cr0.5 ci_low"] <= 75.0 <= table.loc["tova", "cr0.5 ci_high"]
     assert table.loc["tova", "n"] == 5
+
+
+def test_a_policy_is_named_as_kvpress_s_press_only_with_the_presss_settings():
+    from pkvbench.export import kvpress_name
+
+    assert kvpress_name("snapkv:window=64:kernel=5:pooling=avg") == "snapkv"
+    assert kvpress_name("snapkv") == "pkvbench_snapkv"  # window 8, max-pooling: pkvbench's own SnapKV
+    assert kvpress_name("knorm:ties=topk") == "knorm" and kvpress_name("knorm") == "pkvbench_knorm"
+    assert kvpress_name("chunkkv(snapkv:window=64:kernel=5:pooling=avg):count=share") == "chunkkv"
+    assert kvpress_name("chunkkv(snapkv:window=64:kernel=5:pooling=avg)").startswith("chunkkv-snapkv")
+    assert kvpress_name("adakv(snapkv:window=64:kernel=5:pooling=avg):critical=true") == "critical_adakv_snapkv"
+    assert kvpress_name("adakv(expected_attention:epsilon=0.01)") == "expected_attention"
+    assert kvpress_name("h2o:window=32") == "h2o-window=32"

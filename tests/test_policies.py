@@ -227,3 +227,66 @@ def test_chunkkv_keeps_whole_chunks_the_same_in_every_head():
     kept = parse_policy("chunkkv(snapkv:window=1:pooling=none):chunk_length=5").select(stats, 11)
     # The chunk holding the window (position 29) first, then the best chunk; a third does not fit in 11.
     assert rows(kept) == [[10, 11, 12, 13, 14, 25, 26, 27, 28, 29]] * 2
+
+
+def test_chunkkv_share_keeps_the_budgets_share_of_chunks_as_kvpress():
+    window = torch.zeros(4, 30)  # 6 chunks of 5; the budget's share of them: int(6 · 11 / 30) = 2
+    window[:, 10:15] = 1.0
+    window[:, 0:5] = 0.5
+    stats = entry_stats(torch.zeros(2, 30, 2), windows={1: window}, query_heads=4)
+    kept = parse_policy("chunkkv(snapkv:window=1:pooling=none):chunk_length=5:count=share").select(stats, 11)
+    assert rows(kept) == [[10, 11, 12, 13, 14, 25, 26, 27, 28, 29]] * 2  # 2 whole chunks: 10 entries
+    more = parse_policy("chunkkv(snapkv:window=1:pooling=none):chunk_length=5:count=share").select(stats, 15)
+    assert rows(more) == [[0, 1, 2, 3, 4, 10, 11, 12, 13, 14, 25, 26, 27, 28, 29]] * 2  # int(6·15/30) = 3
+
+
+def test_random_per_layer_false_draws_the_same_scores_in_every_layer():
+    keys = torch.zeros(3, 40, 2)
+    policy = parse_policy("random:per_layer=false:seed=7")
+    first = policy.select(entry_stats(keys, layer=0), 10)
+    assert torch.equal(first, policy.select(entry_stats(keys, layer=5), 10))
+    expected = torch.rand(3, 40, generator=torch.Generator().manual_seed(7))  # kvpress's RandomPress(seed=7)
+    assert rows(first) == rows(torch.topk(expected, 10).indices.sort().values)
+
+
+def test_criticalkv_epsilon_is_in_kvpress_units_of_the_inner_score():
+    # SnapKV's score sums its window's attention where kvpress's averages it; the same epsilon must weigh the same.
+    from pkvbench.policies.adakv import AdaKV
+    from pkvbench.policies.snapkv import SnapKV
+
+    class Averaged(SnapKV):  # kvpress's scale: the window's mean attention
+        def score(self, stats):
+            return super().score(stats) / self.window
+
+        @property
+        def score_scale(self):
+            return 1.0
+
+    sums = torch.rand(1, 24, generator=torch.Generator().manual_seed(1)) * 4e-3
+    values = 1 + torch.rand(1, 24, 2, generator=torch.Generator().manual_seed(101))  # norms within 2x: epsilon matters
+    stats = entry_stats(torch.zeros(1, 24, 2), values=values, windows={4: sums}, weight=torch.eye(2))
+
+    def kept(inner, epsilon):
+        return AdaKV(inner=inner, alpha=0.0, critical=True, epsilon=epsilon).select(stats, 12)
+
+    summed, averaged = SnapKV(window=4, pooling="none"), Averaged(window=4, pooling="none")
+    assert torch.equal(kept(summed, 1e-3), kept(averaged, 1e-3))
+    assert not torch.equal(kept(summed, 1e-3), kept(averaged, 1e-3 / 4))  # what an unscaled epsilon would mean
+
+
+@pytest.mark.parametrize(
+    ("spec", "label"),
+    [
+        ("snapkv", "snapkv:window=64:kernel=5:pooling=avg"),
+        ("pyramidkv", "pyramidkv:window=64:kernel=5:pooling=avg"),
+        ("knorm", "knorm:ties=topk"),
+        ("random", "random:per_layer=false"),
+        ("chunkkv(snapkv)", "chunkkv(snapkv:window=64:kernel=5:pooling=avg):count=share"),
+        ("adakv(snapkv):critical=true", "adakv(snapkv:window=64:kernel=5:pooling=avg):critical=true"),
+        ("snapkv:window=32", "snapkv:window=32:kernel=5:pooling=avg"),  # an option given wins
+        ("tova", "tova"),
+        ("kvzip", "kvzip"),
+    ],
+)
+def test_the_kvpress_preset(spec, label):
+    assert parse_policy(spec, protocol="kvpress").label == label

@@ -364,6 +364,11 @@ def _recording_attention(base: str):
         recorder = _ACTIVE_RECORDER.get()
         if recorder is not None and recorder.needed:
             scaling = kwargs.get("scaling", module.scaling)
+            attend = getattr(recorder, "attend", None)  # a recorder that computes the attention itself (KVzip's)
+            if attend is not None and base in MASKED_KERNELS and not set(kwargs) - _PLAIN_PREFILL_KWARGS:
+                output = attend(module.layer_idx, query, key, value, scaling)
+                if output is not None:
+                    return output, None
             if getattr(recorder, "wants_logsumexp", False):
                 fused = _attention_with_logsumexp(base, module, query, key, value, attention_mask, kwargs)
                 if fused is not None:

@@ -192,13 +192,18 @@ class Engine:
         )
 
     @torch.inference_mode()
-    def reconstruction_scores(self, layers, prompt: list[int], chunk: int) -> list[torch.Tensor]:
+    def reconstruction_scores(self, layers, prompt: list[int], chunk: int, fused: bool = True) -> list[torch.Tensor]:
         """KVzip's scores of the prompt's entries (``engine/reconstruction.py``): ``[num_kv_heads, len(prompt)]`` per
-        layer, from repeat passes over the full cache ``layers`` (cut to the prompt)."""
+        layer, from repeat passes over the full cache ``layers`` (cut to the prompt). ``fused=False`` takes the
+        unfused path everywhere (the model's kernel plus the recorder's own softmax; the fused path's reference)."""
         from transformers import DynamicCache
 
         length = len(prompt)
         prefix, passes = repeat_inputs(self.tokenizer, prompt, chunk)
+        # The fused path attends to the whole prompt: not for a sliding window shorter than a pass's reach.
+        sliding = getattr(self.model.config, "sliding_window", None)
+        if sliding and getattr(self.model.config, "use_sliding_window", True):
+            fused = fused and all(length + len(ids) <= sliding for _, _, ids in passes)
         scores = [torch.zeros(self.loaded.num_kv_heads, length, device=self.device) for _ in layers]
         for layer_scores in scores:  # the chat prefix and the sinks are always kept
             layer_scores[:, : max(prefix, min(SINK, length))] = float("inf")
@@ -206,7 +211,7 @@ class Engine:
             cache = DynamicCache()
             for index, layer in enumerate(layers):
                 cache.update(layer.keys[:, :, :length], layer.values[:, :, :length], index)
-            recorder = ReconstructionRecorder(length, start, end, min(SINK, start))
+            recorder = ReconstructionRecorder(length, start, end, min(SINK, start), fused)
             positions = torch.arange(length, length + len(ids), device=self.device)[None]
             with recording(recorder):
                 self._forward(torch.tensor([ids], device=self.device), cache, positions)
@@ -229,19 +234,33 @@ class Engine:
         self._sync()
         return logits, time.perf_counter() - started
 
+    def select(
+        self, prefill: Prefill, policy: Policy, budget: budgets.Budget, cut: int | None = None
+    ) -> tuple[budgets.LayerPlan, dict[int, torch.Tensor]]:
+        """What ``policy`` keeps at ``budget`` of the whole prompt or of its first ``cut`` tokens: the layer plan and,
+        for each layer it compresses, the selection (kept positions ``[heads, k]``, or a keep mask ``[heads, T]``
+        where heads keep different numbers of entries)."""
+        length = cut or prefill.context_len
+        stats = prefill.stats_at[length]
+        plan = budgets.plan(policy, budget, length, self.loaded.num_layers)
+        if not plan.compressed:
+            return plan, {}
+        compressed = [layer for layer, k in enumerate(plan.per_layer) if k < length]
+        kept = policy.select_layers([stats[i] for i in compressed], [plan.per_layer[i] for i in compressed])
+        return plan, dict(zip(compressed, kept))
+
     def compress(
         self, prefill: Prefill, policy: Policy, budget: budgets.Budget, cut: int | None = None
     ) -> CompressedCache:
         """Gather the entries ``policy`` keeps at ``budget`` from the full cache (no second forward pass): of the
         whole prompt, or of its first ``cut`` tokens (the context, when the question comes after compression)."""
         length = cut or prefill.context_len
-        stats = prefill.stats_at[length]
-        plan = budgets.plan(policy, budget, length, self.loaded.num_layers)
+        plan, chosen = self.select(prefill, policy, budget, cut)
         full_keys = [k[0, :, :length] for k in prefill.keys]
         full_values = [v[0, :, :length] for v in prefill.values]
         # One kept set per KV head, or (the reference's gqa=query) one per query head, from keys and values repeated
         # to every query head of their group as transformers' repeat_kv does.
-        group = policy.cache_heads(stats[0]) // self.loaded.num_kv_heads
+        group = policy.cache_heads(prefill.stats_at[length][0]) // self.loaded.num_kv_heads
         if group > 1:
             full_keys = [k.repeat_interleave(group, dim=0) for k in full_keys]
             full_values = [v.repeat_interleave(group, dim=0) for v in full_values]
@@ -250,13 +269,6 @@ class Engine:
         keys, values = [], []
         lengths: list[torch.Tensor | None] = [None] * len(plan.per_layer)
         selected: list[torch.Tensor | None] = [None] * len(plan.per_layer)
-        compressed = [layer for layer, k in enumerate(plan.per_layer) if k < length]
-        chosen = dict(
-            zip(
-                compressed,
-                policy.select_layers([stats[i] for i in compressed], [plan.per_layer[i] for i in compressed]),
-            )
-        )
         for layer in range(len(plan.per_layer)):
             if layer not in chosen:
                 keys.append(full_keys[layer])

@@ -12,7 +12,10 @@ head's budget B_h is set as above, it keeps its top ``first_stage_ratio``·B_h e
 the rest by (score + ``epsilon``) × ‖v·W_o‖₁, the L1 norm of the entry's value through the head's slice of the
 output projection (averaged over the group's query heads) — what an entry can add to the layer's output. (kvpress
 marks both stages' picks with a sentinel score and evicts the global bottom; here each stage is an explicit top-k
-within the head's budget, so the budget is met exactly.)
+within the head's budget, so the budget is met exactly.) ``epsilon`` is in the units of kvpress's score of the inner
+rule: it is multiplied by the inner policy's ``score_scale`` (SnapKV's window, whose score sums the window's attention
+where kvpress's averages it), so ``adakv(snapkv):critical=true`` with kvpress's SnapKV options keeps the sets of
+kvpress's ``CriticalAdaKVPress(SnapKVPress())`` (``docs/kvpress-crosscheck.md``).
 
 Heads keep different numbers of entries: ``select`` returns a keep mask ``[heads, T]``; the cache stores each layer
 padded to its fullest head, masked (``kv_bytes`` counts the padding, ``kv_entries`` what is kept).
@@ -65,7 +68,8 @@ class AdaKV(Wrapper):
         if not self.critical:
             return top_mask(scores, heads * k)
         norms = value_output_norms(stats)
-        weighted = (scores.clamp(max=torch.finfo(torch.float32).max) + self.epsilon) * norms
+        epsilon = self.epsilon * self.inner.score_scale  # in the inner policy's units, as kvpress's on its scores
+        weighted = (scores.clamp(max=torch.finfo(torch.float32).max) + epsilon) * norms
         keep = torch.zeros_like(scores, dtype=torch.bool)
         for head in range(heads):
             first = int(int(shares[head]) * self.first_stage_ratio)

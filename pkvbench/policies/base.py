@@ -178,6 +178,9 @@ class Policy:
     # The options that make this rule select as the PyramidKV paper's code does (``--protocol reference``); an
     # option the user sets wins over them.
     reference_options: ClassVar[dict[str, object]] = {}
+    # The options that make this rule select as NVIDIA kvpress's press of the same rule (``--protocol kvpress``),
+    # where pkvbench's defaults differ on purpose; an option the user sets wins over them.
+    kvpress_options: ClassVar[dict[str, object]] = {}
 
     def __post_init__(self) -> None:
         # A subclass's choices and positive options add to its bases'.
@@ -255,6 +258,13 @@ class ScoringPolicy(Policy):
     @property
     def min_budget(self) -> int:
         return max(self.keeps_recent, 1)
+
+    @property
+    def score_scale(self) -> float:
+        """How many times the score of kvpress's press of the same rule this policy's score is (1: the same scale;
+        SnapKV sums its window's attention where kvpress averages it). A rule that adds a constant to the scores
+        (CriticalKV's epsilon) scales it by this, so that the constant means what it means in kvpress."""
+        return 1.0
 
     def cache_heads(self, stats: LayerStats) -> int:
         """Kept sets per layer: one per KV head, or one per query head for a policy whose ``gqa`` is ``query``."""

@@ -2,9 +2,15 @@
 
 Rule, per layer and KV head: score = −‖k‖₂ of each cached (post-RoPE) key, so the keys with the smallest norms are
 kept (kvpress ``KnormPress``: no window, no sinks). RoPE is a rotation: pre- and post-RoPE norms are the same.
+
+Equal norms are common: in layer 0 every occurrence of a token has the same key before RoPE, so the same norm. By
+default the earlier position wins such a tie (``ties=stable``, the same on every machine); kvpress ranks with
+``torch.topk``, which the ``kvpress`` preset takes (``ties=topk``: kept sets identical to ``KnormPress``'s,
+``docs/kvpress-crosscheck.md``).
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -15,6 +21,7 @@ from pkvbench.policies.base import LayerStats, ScoringPolicy
 class Knorm(ScoringPolicy):
     name = "knorm"
     summary = "keep the keys with the smallest L2 norm"
+    kvpress_options: ClassVar[dict[str, object]] = {"ties": "topk"}
 
     def score(self, stats: LayerStats) -> torch.Tensor:
         return -stats.keys.float().norm(dim=-1)

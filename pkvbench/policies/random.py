@@ -1,12 +1,15 @@
 """Random: every position a uniform random score — the floor any informed policy must beat.
 
 Rule, per layer and KV head: i.i.d. uniform scores from a generator seeded by ``seed`` and the layer, so a run is
-repeatable and two policies with the same seed drop the same entries (kvpress ``RandomPress`` with a seed re-seeds
-at every layer; its leaderboard entry draws from the global stream seeded once with 42, which cannot be reproduced
-outside its process). No window, no sinks.
+repeatable, two policies with the same seed drop the same entries, and the layers drop different ones. kvpress's
+``RandomPress(seed=s)`` instead re-seeds with s at every layer, so every layer draws the same scores: that is
+``per_layer=false`` (in the ``kvpress`` preset; kept sets identical, ``docs/kvpress-crosscheck.md``). kvpress's
+leaderboard entry, ``RandomPress()``, draws from the global stream seeded once with 42, which cannot be reproduced
+outside its process. No window, no sinks.
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -17,8 +20,11 @@ from pkvbench.policies.base import LayerStats, ScoringPolicy
 class Random(ScoringPolicy):
     name = "random"
     summary = "uniform random scores per KV head (seeded by seed and layer)"
+    kvpress_options: ClassVar[dict[str, object]] = {"per_layer": False}
     seed: int = 0
+    per_layer: bool = True
 
     def score(self, stats: LayerStats) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + stats.layer)
+        seed = self.seed * 1_000_003 + stats.layer if self.per_layer else self.seed
+        generator = torch.Generator().manual_seed(seed)
         return torch.rand(stats.num_kv_heads, stats.context_len, generator=generator)

@@ -44,6 +44,8 @@ class SnapKV(ScoringPolicy):
     }
     positive = ("window", "kernel")
     reference_options: ClassVar[dict[str, object]] = {"gqa": "query", "ties": "topk"}
+    # kvpress's SnapKVPress: window 64, average pooling of kernel 5 (its group mean after pooling is gqa=mean).
+    kvpress_options: ClassVar[dict[str, object]] = {"window": 64, "kernel": 5, "pooling": "avg"}
     window: int = 8
     kernel: int = 7
     pooling: str = "max"
@@ -61,6 +63,12 @@ class SnapKV(ScoringPolicy):
     @property
     def keeps_recent(self) -> int:
         return self.window
+
+    @property
+    def score_scale(self) -> float:
+        """The window's attention summed (the reference code's), where kvpress's ``SnapKVPress`` averages it: no
+        top-k notices the factor, CriticalKV's epsilon would."""
+        return float(self.window)
 
     def score(self, stats: LayerStats) -> torch.Tensor:
         window = stats.window(self.window)

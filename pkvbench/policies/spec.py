@@ -37,7 +37,7 @@ def _coerce(policy: str, option: str, kind: type, text: str) -> object:
         raise PkvError(f"{policy}: option {option}={text!r} is not a valid {kind.__name__}") from None
 
 
-PROTOCOLS = ("exact", "reference")
+PROTOCOLS = ("exact", "reference", "kvpress")
 
 
 def split_spec(spec: str) -> tuple[str, str | None, list[str]]:
@@ -66,7 +66,9 @@ def parse_policy(spec: str, shared_options: dict[str, str] | None = None, protoc
     ``shared_options`` (from ``--policy-arg``) apply to every policy that has such an option; options in the spec
     itself win over them. Under the ``reference`` protocol a policy starts from its ``reference_options`` (how the
     PyramidKV paper's code selects) instead of its defaults; options the user gives still win. Wrappers have no
-    reference options, and their inner policy keeps its own defaults.
+    reference options, and their inner policy keeps its own defaults. Under ``kvpress`` a policy — a wrapper and its
+    inner policy too — starts from its ``kvpress_options``: the settings of NVIDIA kvpress's press of the same rule
+    where pkvbench's defaults differ on purpose (``docs/kvpress-crosscheck.md``).
     """
     if protocol not in PROTOCOLS:
         raise PkvError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
@@ -92,11 +94,13 @@ def parse_policy(spec: str, shared_options: dict[str, str] | None = None, protoc
     kwargs = {k: _coerce(name, k, type(fields[k].default), v) for k, v in merged.items()}
     if protocol == "reference":
         kwargs = {**cls.reference_options, **kwargs}
+    elif protocol == "kvpress":
+        kwargs = {**cls.kvpress_options, **kwargs}
     if wraps:
         # A wrapper (AdaKV, ChunkKV) is no rule of the paper's code: it and its inner policy select as pkvbench
-        # does under either protocol (the reference's one set per query head would contradict the wrapper's own
-        # per-KV-head choice).
-        kwargs["inner"] = parse_policy(inner_spec, shared_options, "exact")
+        # does under the reference protocol (the reference's one set per query head would contradict the wrapper's
+        # own per-KV-head choice); kvpress wraps its own presses, so there the inner policy takes kvpress's options.
+        kwargs["inner"] = parse_policy(inner_spec, shared_options, "kvpress" if protocol == "kvpress" else "exact")
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
