@@ -19,7 +19,14 @@ import pandas as pd
 import yaml
 
 from pkvbench.budgets import Budget, parse_budgets
-from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, check_model_name, is_gguf_file, locate_gguf
+from pkvbench.engine.models import (
+    ALIASES,
+    DEFAULT_MODEL,
+    cached_float_copy,
+    check_model_name,
+    is_gguf_file,
+    locate_gguf,
+)
 from pkvbench.errors import PkvError
 from pkvbench.io import read_json
 from pkvbench.policies.base import Policy
@@ -167,13 +174,18 @@ def _config_file(model: str) -> Path | None:
 
 
 def model_context_window(model: str) -> int | None:
-    """The positions ``model`` was made for, read from its GGUF header or ``config.json`` without loading it; None
-    when that cannot be told (the model load then reports what is wrong with the model)."""
-    if model in ALIASES or is_gguf_file(model):
+    """The positions ``model`` was made for, read from its ``config.json`` or GGUF header without loading it; None
+    when that cannot be told (the model load then reports what is wrong with the model).
+
+    A GGUF model's float copy, once made, carries the header's ``context_length`` as ``max_position_embeddings``
+    (transformers' GGUF conversion): its ``config.json`` is read instead of the header, which takes seconds to parse
+    (gguf-py reads every field, the tokenizer's vocabulary included)."""
+    float_copy = cached_float_copy(model)
+    if float_copy is None and (model in ALIASES or is_gguf_file(model)):
         path = locate_gguf(ALIASES[model]) if model in ALIASES else Path(model)
         stat = path.stat()
         return _gguf_context_length(str(path), stat.st_size, stat.st_mtime_ns)
-    path = _config_file(model)
+    path = _config_file(str(float_copy or model))
     config = read_json(path, "model config") if path is not None else None
     window = config.get("max_position_embeddings") if isinstance(config, dict) else None
     return window if isinstance(window, int) and window > 0 else None
