@@ -1,25 +1,37 @@
 """Speed and memory of pkvbench's grid engine on the embedded model, as ratios measured in one run.
 
-    python scripts/bench.py                 # everything; writes results/bench/bench.csv and bench.md (~30 min, 2 cores)
-    python scripts/bench.py --lengths 2000 --skip-memory --skip-decode   # a quicker look
+    python scripts/bench.py --kvpress-python .venv-kvpress/bin/python   # every row; results/bench/bench.{csv,md}
+    python scripts/bench.py --only startup,process      # some row groups; their rows replace those in bench.csv
+    python scripts/bench.py --lengths 2000 --skip-memory --skip-decode  # a quicker look
 
 Run it alone: timings taken while other model jobs share the cores mean nothing.
+
+Row groups (``--only``):
 
 1. grid: 5 policies × 4 budgets on a needle prompt, per context length — each configuration run alone (its own
    prefill and decode: how a one-configuration-per-call harness runs a grid) vs. one prefill and batched decoding
    (goal ≥ 10×); one prefill and configurations decoded one after another (``--decode-batch 1``) vs. batched
    (goal ≥ 2.5×); rows whose tokens differ between the three (goal 0).
-2. statistics overhead: prefill + selection with SnapKV's or H2O's statistics vs. a plain prefill (goal ≤ 1.30×
-   for H2O, ≤ 1.05× for SnapKV); KVzip's repeat passes vs. a plain prefill (its cost, no goal).
-3. query modes: the same grid query-aware, query-agnostic, and both from one prefill.
-4. memory: the growth of peak resident memory while the grid decodes (the peak reset after the prefill), batched vs.
-   one at a time, and with decode-batch caps; the cap that keeps it within 1.5×.
-5. KV bytes kept vs. the nominal budget; decode time per token at a long context, budget 128 vs. full cache.
-6. optional: NVIDIA kvpress on the same prompt, when ``--kvpress-python`` names an interpreter with kvpress installed
-   (``bash scripts/kvpress_env.sh`` builds one in .venv-kvpress): 9 configurations (full; SnapKV and StreamingLLM at
-   the 4 budgets), one kvpress pipeline call each (``scripts/kvpress_grid.py``, in kvpress's environment), vs the same
-   9 cells in pkvbench from one prefill, batched — query-agnostic on both sides, as kvpress compresses the context
-   alone. The note says whether kvpress's tokens are pkvbench's prompt, and how many kept counts and answers agree.
+2. stats: prefill + selection with SnapKV's or H2O's statistics vs. a plain prefill (goal ≤ 1.30× for H2O,
+   ≤ 1.05× for SnapKV); KVzip's repeat passes vs. a plain prefill.
+3. modes: the same grid query-aware, query-agnostic, and both from one prefill.
+4. bytes: KV bytes kept vs. the nominal budget. decode: decode time per token at a long context, budget 128 vs.
+   full cache. memory: the growth of peak resident memory while the grid decodes (the peak reset after the
+   prefill), batched vs. one at a time, and with decode-batch caps; the cap that keeps it within 1.5×.
+5. startup: the README's demo ``pkvbench run`` from launch to its first prefill, by phase (``scripts/startup_probe.py``:
+   imports, checks, model config / tokenizer / weights, task build), best of 3, against a bare transformers load of
+   the same model folder in a fresh process (the floor any transformers harness pays); goal ≤ 5 s.
+6. process: the grid of 1. at the first length as two whole ``pkvbench run`` processes, ``--decode-batch 1`` vs.
+   batched, model load and start-up included (goal ≥ 1.8×).
+7. kvpress (needs ``--kvpress-python``, an interpreter with NVIDIA kvpress: ``bash scripts/kvpress_env.sh`` builds
+   .venv-kvpress): 9 configurations (full; SnapKV and StreamingLLM at the 4 budgets) on the needle prompt, one
+   kvpress pipeline call each (``scripts/kvpress_grid.py``), vs the same 9 cells in pkvbench from one prefill,
+   batched — query-agnostic on both sides, as kvpress compresses the context alone.
+8. leaderboard (needs ``--kvpress-python``): kvpress's leaderboard on RULER prompts at 4000 tokens
+   (``--leaderboard-tasks``, ``--leaderboard-limit``), run as its ``evaluation/leaderboard.sh`` runs it — a process per
+   press and query mode (``scripts/kvpress_leaderboard.py``), a pipeline call per prompt × compression ratio — vs.
+   one ``pkvbench run`` of the same policies at kvpress's settings × ``cr0.25 … cr0.875`` in both query modes; whole
+   processes on both sides. Kept counts and answers are compared cell by cell (``OUT/leaderboard.csv``).
 """
 
 from __future__ import annotations
@@ -480,6 +492,23 @@ def leaderboard_prompts(tasks: str, length: int, limit: int) -> list[dict]:
     return prompts
 
 
+def known_difference(call: dict, mode: str, kv_heads: int, kept_equal: bool) -> str:
+    """Why a kvpress cell differs from pkvbench's, when it is one of the two ways the protocols differ; else
+    "unexplained". ``call`` is kvpress's cell: its kept entries per layer (mean over heads) and compressed tokens."""
+    tokens, ratio, layers = call["context_tokens"], call["ratio"], len(call["kept"])
+    entries = layers * kv_heads * tokens
+    if mode == "aware" and all(abs(k - int(tokens * (1 - ratio))) <= 1e-3 for k in call["kept"]):
+        # evaluate.py --query_aware puts the question into the context and leaves the question empty: the template's
+        # closing tokens and the answer prefix then follow the compressed cache uncompressed, where pkvbench
+        # compresses the whole prompt (those tokens are inside SnapKV's window there); other kept sets, other answers.
+        return f"kvpress compresses {tokens} tokens, not the whole prompt: keeps {int(tokens * (1 - ratio))} of them"
+    if not kept_equal and abs(sum(call["kept"]) * kv_heads - (entries - int(entries * ratio))) < 0.5:
+        # kvpress's KVzipPress prunes int(L·H·T·r) entries over all layers and heads at once; pkvbench keeps
+        # int(T·(1 - r)) per head on average (its cr budget): under one entry per head more on kvpress's side.
+        return "kvpress rounds the pruned count over all layers and heads (under 1 entry per head)"
+    return "unexplained" + ("" if kept_equal else ": kept counts differ")
+
+
 def leaderboard(python: str, tasks: str, length: int, limit: int, out: Path) -> list[dict]:
     """kvpress's leaderboard as its scripts run it (a process per press and query mode, a pipeline call per prompt ×
     ratio) against one ``pkvbench run`` of the same cells and prompts (every policy in both query modes, from one
@@ -511,6 +540,7 @@ def leaderboard(python: str, tasks: str, length: int, limit: int, out: Path) -> 
                 kvpress_s += seconds
                 per_press[f"{press}/{mode}"] = seconds
                 result = json.loads(result_file.read_text())
+                version = result["kvpress_version"]
                 for call in result["calls"]:
                     theirs[(call["id"], press, mode, call["ratio"])] = call
 
@@ -520,12 +550,15 @@ def leaderboard(python: str, tasks: str, length: int, limit: int, out: Path) -> 
     pkvbench_s, _, rows = pkvbench_process([*arguments, "--budget", budgets, "--query-mode", "aware,agnostic"])
     ours = {(f"{r['task']}/{r['sample_id']}", r["policy"], r["query_mode"], r["budget"]): r for r in rows}
 
+    kv_heads = json.loads((Path(model) / "config.json").read_text())["num_key_value_heads"]
     cells = []
     for (prompt_id, press, mode, ratio), call in theirs.items():
         label = parse_policy(specs[press]).label
         budget = f"cr{ratio:g}" if press != "no_press" else f"cr{LEADERBOARD_RATIOS[0]}"
         mine = ours[(prompt_id, label, mode, budget)]
         kept = [round(float(k), 3) for k in mine["kv_kept"]]
+        kept_equal = all(abs(a - b) <= 1e-3 for a, b in zip(kept, call["kept"]))
+        answer_equal = mine["pred"].strip() == call["answer"].strip()
         cells.append(
             {
                 "prompt": prompt_id,
@@ -536,11 +569,12 @@ def leaderboard(python: str, tasks: str, length: int, limit: int, out: Path) -> 
                 "prompt_matches": call["prompt_matches"],
                 "kept_pkvbench": sum(kept) / len(kept),
                 "kept_kvpress": sum(call["kept"]) / len(call["kept"]),
-                "kept_equal": all(abs(a - b) <= 1e-3 for a, b in zip(kept, call["kept"])),
-                "answer_equal": mine["pred"].strip() == call["answer"].strip(),
+                "kept_equal": kept_equal,
+                "answer_equal": answer_equal,
                 "answer_pkvbench": mine["pred"],
                 "answer_kvpress": call["answer"],
                 "kvpress_s": call["seconds"],
+                "difference": "" if kept_equal and answer_equal else known_difference(call, mode, kv_heads, kept_equal),
             }
         )
     table = pd.DataFrame(cells)
@@ -550,7 +584,8 @@ def leaderboard(python: str, tasks: str, length: int, limit: int, out: Path) -> 
         kept=("kept_equal", "sum"), answers=("answer_equal", "sum"), n=("prompt", "size")
     )
     agreement = "; ".join(f"{p}/{m} {r.kept}/{r.answers} of {r.n}" for (p, m), r in by_press.iterrows())
-    version = json.loads(result_file.read_text())["kvpress_version"] if cells else "?"
+    differing = table[table.difference != ""]
+    explained = (~differing.difference.str.startswith("unexplained")).sum()
     return [
         row(
             "leaderboard grid: kvpress (a process per press, a pipeline call per prompt × ratio) vs one `pkvbench run`",
@@ -558,9 +593,11 @@ def leaderboard(python: str, tasks: str, length: int, limit: int, out: Path) -> 
             kvpress_s,
             pkvbench_s,
             "",
-            f"kvpress {version}; {len(prompts)} RULER prompts ({tasks}, limit {limit}), {len(cells)} kvpress cells "
-            f"({len(rows)} pkvbench rows: every policy in both query modes); prompts equal: "
-            f"{int(table.prompt_matches.sum())}/{len(cells)}; kept/answers equal per press: {agreement}; "
+            f"kvpress {version}; {len(prompts)} RULER prompts ({tasks}, limit {limit}); {len(cells)} kvpress cells, "
+            f"{kvpress_s / len(cells):.1f} s each; {len(rows)} pkvbench rows (every policy in both query modes), "
+            f"{pkvbench_s / len(rows):.1f} s each; prompts equal: "
+            f"{int(table.prompt_matches.sum())}/{len(cells)}; kept/answers equal per press: {agreement}; cells that "
+            f"differ: {len(differing)}, explained: {explained} (the difference column); "
             f"kvpress s per process: {', '.join(f'{k} {v:.0f}' for k, v in per_press.items())}; cells: "
             f"{out / 'leaderboard.csv'}",
         )
@@ -605,7 +642,10 @@ def write_table(rows: list[dict], out: Path, merge: bool) -> pd.DataFrame:
     help="A Python with kvpress installed (scripts/kvpress_env.sh); adds the kvpress and leaderboard rows.",
 )
 @click.option(
-    "--leaderboard-tasks", default="ruler", show_default=True, help="RULER tasks of the leaderboard row (a group)."
+    "--leaderboard-tasks",
+    default="niah_single_2,niah_multikey_1,vt",
+    show_default=True,
+    help="RULER tasks of the leaderboard row (ruler: all 11; each costs kvpress 33 pipeline calls).",
 )
 @click.option("--leaderboard-limit", default=1, show_default=True, help="Samples per task of the leaderboard row.")
 @click.option("--leaderboard-length", default=4000, show_default=True, help="Prompt tokens of the leaderboard row.")
