@@ -417,7 +417,9 @@ def startup(repeats: int = 3) -> list[dict]:
     best = min(probes, key=lambda probe: probe["total_s"])
     floor = float("inf")
     for _ in range(repeats):
-        _, seconds = timed(lambda: subprocess.run([sys.executable, "-c", BARE_LOAD, folder], check=True))
+        _, seconds = timed(
+            lambda: subprocess.run([sys.executable, "-c", BARE_LOAD, folder], check=True, capture_output=True)
+        )
         floor = min(floor, seconds)
     phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in best["phases_s"].items())
     heavy = sorted({m.split(".")[0] for m in best["modules"]} & {"altair", "matplotlib", "seaborn", "ray", "gguf"})
