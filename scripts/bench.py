@@ -422,7 +422,8 @@ def startup(repeats: int = 3) -> list[dict]:
         )
         floor = min(floor, seconds)
     phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in best["phases_s"].items())
-    heavy = sorted({m.split(".")[0] for m in best["modules"]} & {"altair", "matplotlib", "seaborn", "ray", "gguf"})
+    unneeded = {"altair", "vl_convert", "matplotlib", "seaborn", "ray", "datasets", "gguf"}
+    heavy = sorted({m.split(".")[0] for m in best["modules"]} & unneeded)
     return [
         row(
             "start-up: the demo `pkvbench run` to its first prefill vs a bare transformers load of the model",
