@@ -24,6 +24,7 @@ from pkvbench.config import MAX_LAYERS, SEED_MAX, option_name, parse_bool, parse
 from pkvbench.engine.models import (
     ALIASES,
     DEFAULT_MODEL,
+    cached_float_copy,
     check_architecture,
     check_model_name,
     is_gguf_file,
@@ -279,13 +280,18 @@ def _config_file(model: str) -> Path | None:
 
 
 def model_context_window(model: str) -> int | None:
-    """The positions ``model`` was made for, read from its GGUF header or ``config.json`` without loading it; None
-    when that cannot be told (the model load then reports what is wrong with the model)."""
-    if model in ALIASES or is_gguf_file(model):
+    """The positions ``model`` was made for, read from its ``config.json`` or GGUF header without loading it; None
+    when that cannot be told (the model load then reports what is wrong with the model).
+
+    A GGUF model's float copy, once made, carries the header's ``context_length`` as ``max_position_embeddings``
+    (transformers' GGUF conversion): its ``config.json`` is read instead of the header, which takes seconds to parse
+    (gguf-py reads every field, the tokenizer's vocabulary included)."""
+    float_copy = cached_float_copy(model)
+    if float_copy is None and (model in ALIASES or is_gguf_file(model)):
         path = locate_gguf(ALIASES[model]) if model in ALIASES else Path(model)
         stat = path.stat()
         return _gguf_context_length(str(path), stat.st_size, stat.st_mtime_ns)
-    path = _config_file(model)
+    path = _config_file(str(float_copy or model))
     config = read_json(path, "model config") if path is not None else None
     if isinstance(config, dict):  # an architecture pkvbench cannot run is refused before its tokenizer is used
         check_architecture(SimpleNamespace(model_type=config.get("model_type")), model)

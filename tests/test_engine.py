@@ -1,13 +1,13 @@
 """The engine on the real embedded model: exactness first."""
 
-import contextlib
-
 import pytest
 import torch
 
 from pkvbench.budgets import Budget
 from pkvbench.engine.attention import StatsRecorder, recording
 from pkvbench.engine.decoding import KeptEntries
+from pkvbench.engine.exactness import generate_reference, masked_reference
+from pkvbench.engine.exactness import stock_attention as attention_kernel
 from pkvbench.engine.generation import CompressedCache
 from pkvbench.policies import Needs, parse_policy
 from pkvbench.tasks.base import TaskOptions
@@ -15,17 +15,6 @@ from pkvbench.tasks.registry import build_samples, get_task
 
 pytestmark = pytest.mark.model
 POLICIES = ["full", "streamingllm", "h2o", "snapkv", "pyramidkv"]
-
-
-@contextlib.contextmanager
-def attention_kernel(model, name):
-    """Temporarily run ``model`` on a stock transformers kernel (no pkvbench wrapper)."""
-    ours = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(ours)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +30,7 @@ def prefill(engine, needle_ids):
 
 def test_full_cache_equals_model_generate(engine, loaded, needle_ids, prefill):
     ours = engine.decode(prefill, engine.compress(prefill, parse_policy("full"), Budget(128)), 32)
-    with attention_kernel(loaded.model, "sdpa"), torch.inference_mode():
-        reference = loaded.model.generate(needle_ids, max_new_tokens=32, do_sample=False)[0, needle_ids.shape[1] :]
-    assert ours.tokens == reference.tolist()
+    assert ours.tokens == generate_reference(loaded.model, needle_ids, 32)
 
 
 def test_every_policy_with_budget_at_least_T_equals_full(engine, prefill):
@@ -70,30 +57,15 @@ def test_every_policy_with_budget_at_least_T_equals_full(engine, prefill):
 def test_compressed_decoding_keeps_original_positions(engine, loaded, needle_ids, prefill):
     """StreamingLLM drops the same positions in every layer and head, so a stock model given the full cache and a
     mask hiding the dropped prompt positions from new tokens must produce the same tokens."""
-    from transformers import DynamicCache
-
     cache = engine.compress(prefill, parse_policy("streamingllm"), Budget(64))
     ours = engine.decode(prefill, cache, 24).tokens
     length = prefill.context_len
-    visible = torch.zeros(length, dtype=torch.long)
-    visible[:4] = 1
-    visible[length - 60 :] = 1
-    reference = [prefill.first_token]
-    with attention_kernel(loaded.model, "sdpa"), torch.inference_mode():
-        full_cache = DynamicCache()
-        for layer, (k, v) in enumerate(zip(prefill.keys, prefill.values)):
-            full_cache.update(k.clone(), v.clone(), layer)
-        mask = visible.clone()
-        while len(reference) < 24 and reference[-1] not in engine.stop_ids:
-            mask = torch.cat([mask, torch.ones(1, dtype=torch.long)])
-            step = loaded.model(
-                input_ids=torch.tensor([[reference[-1]]]),
-                attention_mask=mask[None],
-                cache=full_cache,
-                position_ids=torch.tensor([[length + len(reference) - 1]]),
-                use_cache=True,
-            )
-            reference.append(int(step.logits[0, -1].argmax()))
+    visible = torch.zeros(length, dtype=torch.bool)
+    visible[:4] = True
+    visible[length - 60 :] = True
+    reference = masked_reference(
+        loaded.model, prefill.keys, prefill.values, visible, prefill.first_token, 24, engine.stop_ids
+    )
     assert ours == reference
 
 

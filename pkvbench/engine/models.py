@@ -154,6 +154,10 @@ def local_gguf_cache_name(path: Path) -> str:
     return f"gguf-{path.stem}-{key}-float32"
 
 
+def _is_saved_model(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
 def float_copy_of_gguf(gguf: Path, cache_name: str) -> Path:
     """A float32 safetensors copy of a GGUF model, made once under the pkvbench cache.
 
@@ -161,7 +165,7 @@ def float_copy_of_gguf(gguf: Path, cache_name: str) -> Path:
     for the saved copy), so the first load writes the result under the pkvbench cache and later loads read that.
     """
     target = cache_root() / "models" / cache_name
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _is_saved_model(target):
         return target
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -240,15 +244,32 @@ def check_model_name(name: str) -> None:
         )
 
 
+def float_copy_name(name: str) -> str | None:
+    """The folder name (under the pkvbench cache) of an alias's or a GGUF file's float copy; None for other models."""
+    if name in ALIASES:
+        alias = ALIASES[name]
+        return f"{name}-{alias.distribution}-{alias.version}-float32"
+    return local_gguf_cache_name(Path(name)) if is_gguf_file(name) and os.path.isfile(name) else None
+
+
+def cached_float_copy(name: str) -> Path | None:
+    """The float copy of an alias or a GGUF file if it has been made, without making it (or reading the GGUF)."""
+    cache_name = float_copy_name(name)
+    if cache_name is None:
+        return None
+    target = cache_root() / "models" / cache_name
+    return target if _is_saved_model(target) else None
+
+
 def model_path(name: str) -> tuple[str, str]:
     """Where ``name`` loads from (a folder or a hub id) and what run.json calls its source."""
     if name in ALIASES:
         alias = ALIASES[name]
-        cache_name = f"{name}-{alias.distribution}-{alias.version}-float32"
-        return str(float_copy_of_gguf(locate_gguf(alias), cache_name)), f"{alias.distribution}=={alias.version}"
+        folder = float_copy_of_gguf(locate_gguf(alias), float_copy_name(name))
+        return str(folder), f"{alias.distribution}=={alias.version}"
     if is_gguf_file(name):
         path = Path(name)
-        return str(float_copy_of_gguf(path, local_gguf_cache_name(path))), str(path.resolve())
+        return str(float_copy_of_gguf(path, float_copy_name(name))), str(path.resolve())
     return name, name
 
 

@@ -1,0 +1,64 @@
+"""What the engine's decoding must equal token for token, computed by the stock model alone.
+
+- The full cache: the model's own greedy ``generate`` on the prompt.
+- A compressed cache that drops the same prompt positions in every layer and head (StreamingLLM): the model decoding
+  step by step over the *full* cache, with an attention mask hiding the dropped positions from the new tokens, at
+  the original positions.
+
+``tests/test_engine.py`` checks both on the embedded model, ``scripts/bench_gpu.py`` on a random model on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+
+@contextlib.contextmanager
+def stock_attention(model, name: str = "sdpa"):
+    """Temporarily run ``model`` on a stock transformers kernel (no pkvbench wrapper)."""
+    ours = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(ours)
+
+
+def generate_reference(model, input_ids: torch.Tensor, new_tokens: int) -> list[int]:
+    """The stock model's greedy continuation of ``input_ids`` ``[1, T]``."""
+    with stock_attention(model), torch.inference_mode():
+        out = model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False)
+    return out[0, input_ids.shape[1] :].tolist()
+
+
+def masked_reference(
+    model, keys, values, visible: torch.Tensor, first_token: int, new_tokens: int, stop_ids: set[int]
+) -> list[int]:
+    """Greedy tokens after a prompt whose full cache is ``keys``/``values`` (per layer ``[1, Hkv, T, D]``), the new
+    tokens seeing only the prompt positions where ``visible`` (``[T]``) is true, at positions T, T + 1, …"""
+    from transformers import DynamicCache
+
+    length = visible.shape[0]
+    device = keys[0].device
+    # transformers renamed ``past_key_values`` to ``cache``; speak whichever this version knows (as the engine does).
+    cache_arg = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+    tokens = [first_token]
+    with stock_attention(model), torch.inference_mode():
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            cache.update(k.clone(), v.clone(), layer)
+        mask = visible.long().to(device)
+        while len(tokens) < new_tokens and tokens[-1] not in stop_ids:
+            mask = torch.cat([mask, torch.ones(1, dtype=torch.long, device=device)])
+            step = model(
+                input_ids=torch.tensor([[tokens[-1]]], device=device),
+                attention_mask=mask[None],
+                position_ids=torch.tensor([[length + len(tokens) - 1]], device=device),
+                use_cache=True,
+                **{cache_arg: cache},
+            )
+            tokens.append(int(step.logits[0, -1].argmax()))
+    return tokens

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The GPU benchmark on a machine with CUDA, from a checkout, with nothing to download (scripts/bench_gpu.py builds
+# random-weight models from configs/gpu/ on the device):
+#
+#     bash scripts/bench_gpu.sh                  # both shapes, 8k and 32k tokens; results/bench/gpu/bench_gpu.{csv,md}
+#     bash scripts/bench_gpu.sh --models llama-3.2-1b --lengths 8192     # a quicker look
+#
+# It runs under .venv's Python if there is one, else python3 (a machine image with torch and transformers, where
+# pkvbench runs from this checkout). OUT (if set) is where the tables go; a copy of the log goes beside them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+OUT=${OUT:-results/bench/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+"$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device: use scripts/bench_gpu.py --tiny on CPU'"
+"$PYTHON" scripts/bench_gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_gpu.log"

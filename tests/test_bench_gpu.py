@@ -1,0 +1,47 @@
+"""scripts/bench_gpu.py --tiny: the GPU benchmark's whole code path, on CPU with a 2-layer random model."""
+
+import importlib.util
+from pathlib import Path
+
+import pandas as pd
+from click.testing import CliRunner
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "bench_gpu.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_gpu_benchmark_runs_every_measurement_and_the_exactness_checks_pass(tmp_path):
+    bench_gpu = load_script()
+    result = CliRunner().invoke(bench_gpu.main, ["--tiny", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    table = pd.read_csv(tmp_path / "bench_gpu.csv")
+    assert (tmp_path / "bench_gpu.md").read_text().startswith("`scripts/bench_gpu.py --tiny` on ")
+    assert not table.note.fillna("").str.startswith("failed").any(), table.note.tolist()
+    exactness = table[table.measure.str.startswith("exactness")]
+    assert len(exactness) == 3 and (exactness.note == "pass").all()
+    statistics = table[table.measure.str.startswith("prefill + statistics")]
+    assert len(statistics) == 2 * len(bench_gpu.STATISTICS) and (statistics.ours_s > 0).all()
+    grid = table[table.measure.str.startswith("grid of 20")].iloc[0]
+    assert "0 rows differ" in grid.note
+    assert table.measure.str.startswith("decode per token").sum() == 1
+
+
+def test_the_full_size_configurations_have_the_published_parameter_counts():
+    """Built on the meta device (no memory): Meta's model cards give 8,030,261,248 and 1,235,814,400 parameters."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    bench_gpu = load_script()
+    counts = {}
+    for name in ("llama-3.1-8b", "llama-3.2-1b"):
+        config = AutoConfig.for_model(**bench_gpu.read_config(bench_gpu.CONFIGS / f"{name}.json"))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        counts[name] = sum(p.numel() for p in model.parameters())
+    assert counts == {"llama-3.1-8b": 8_030_261_248, "llama-3.2-1b": 1_235_814_400}

@@ -1,0 +1,48 @@
+"""A run's start-up, as ``scripts/startup_probe.py`` reads it off a real ``pkvbench run`` stopped at its first
+prefill: every phase accounted for, and nothing imported that a run does not need."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pkvbench.engine.models import DEFAULT_MODEL, model_path
+
+pytestmark = pytest.mark.model
+PROBE = Path(__file__).parents[1] / "scripts" / "startup_probe.py"
+# Report, plotting and distribution libraries (a run writes rows and a summary, nothing else), and gguf: once the
+# float copy exists, the model's context window comes from its config.json, not from parsing the GGUF file.
+NOT_IMPORTED = {"altair", "vl_convert", "matplotlib", "seaborn", "ray", "datasets", "gguf"}
+PHASES = [
+    "python start",
+    "imports",
+    "checks",
+    "model: config",
+    "model: tokenizer",
+    "model: weights",
+    "model: other",
+    "run.json",
+    "task build",
+    "to first prefill",
+]
+
+
+def test_a_run_reaches_its_first_prefill_without_report_plot_or_gguf_libraries(tmp_path):
+    model_path(DEFAULT_MODEL)  # the float copy exists (the first run ever makes it, from the GGUF file)
+    report = tmp_path / "startup.json"
+    command = [sys.executable, str(PROBE), "--out-json", str(report), "--launched", repr(time.time()), "--", "run"]
+    command += ["--task", "needle", "--policy", "full,snapkv", "--budget", "64", "--lengths", "300", "--depths", "50"]
+    subprocess.run([*command, "--out", str(tmp_path / "run"), "--quiet"], check=True, capture_output=True)
+    startup = json.loads(report.read_text())
+    imported = {module.split(".")[0] for module in startup["modules"]}
+    assert not imported & NOT_IMPORTED
+    assert {"torch", "transformers", "pkvbench"} <= imported
+    phases = startup["phases_s"]
+    assert list(phases) == PHASES
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert phases["model: weights"] > 0 and phases["task build"] > 0
+    assert sum(phases.values()) == pytest.approx(startup["total_s"], abs=0.05)  # the phases cover the whole start-up
+    assert not (tmp_path / "run" / "samples.jsonl").exists() or not (tmp_path / "run" / "samples.jsonl").read_text()
