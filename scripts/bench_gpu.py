@@ -149,13 +149,13 @@ def row(model, measure, context, baseline, ours, peak=None, note="", ratio=None)
     }
 
 
-def statistics(engine: Engine, ids: torch.Tensor, repeats: int) -> list[dict]:
+def statistics(engine: Engine, ids: torch.Tensor, repeats: int, policies: list[str]) -> list[dict]:
     """Prefill + each policy's statistics + its selection at budget 128, vs a plain prefill (best of ``repeats``)."""
     device, name, length = engine.loaded.device, engine.loaded.name, ids.shape[1]
     with Peak(device) as peak:
         plain = min(timed(device, lambda: engine.prefill(ids, []))[1] for _ in range(repeats))
     rows = [row(name, "plain prefill", length, None, plain, peak.gb)]
-    for spec in STATISTICS:
+    for spec in policies:
         policy = parse_policy(spec)
 
         def prefill_and_select(policy=policy):
@@ -284,9 +284,16 @@ def guarded(rows: list[dict], model: str, what: str, context, fn) -> None:
 
 
 def measure_model(
-    name: str, device: str, dtype: torch.dtype, lengths: list[int], grid_length: int, new_tokens: int, repeats: int
+    name: str,
+    device: str,
+    dtype: torch.dtype,
+    lengths: list[int],
+    grid_length: int,
+    new_tokens: int,
+    repeats: int,
+    policies: list[str],
 ) -> list[dict]:
-    """Every measurement of one model shape."""
+    """Every measurement of one model shape (the grid unless ``grid_length`` is 0)."""
     loaded = build_model(CONFIGS / f"{name}.json", device, dtype)
     engine = Engine(loaded)
     vocab = loaded.config.vocab_size
@@ -294,9 +301,10 @@ def measure_model(
     engine.prefill(random_prompt(256, vocab), [])  # the first call's kernel choices are not measured
     for length in lengths:
         ids = random_prompt(length, vocab).to(device)
-        guarded(rows, name, "statistics", length, lambda ids=ids: statistics(engine, ids, repeats))
-    ids = random_prompt(grid_length, vocab).to(device)
-    guarded(rows, name, "grid", grid_length, lambda: grid(engine, ids, new_tokens))
+        guarded(rows, name, "statistics", length, lambda ids=ids: statistics(engine, ids, repeats, policies))
+    if grid_length:
+        ids = random_prompt(grid_length, vocab).to(device)
+        guarded(rows, name, "grid", grid_length, lambda: grid(engine, ids, new_tokens))
     longest = random_prompt(max(lengths), vocab).to(device)
     guarded(rows, name, "decode per token", max(lengths), lambda: decode_per_token(engine, longest, 2 * new_tokens))
     return rows
@@ -306,12 +314,15 @@ def measure_model(
 @click.option("--tiny", is_flag=True, help="The tiny model on CPU with short prompts: the code path in seconds.")
 @click.option("--models", default="llama-3.2-1b,llama-3.1-8b", show_default=True, help="Configurations in configs/gpu.")
 @click.option("--lengths", default="8192,32768", show_default=True, help="Prompt lengths for the statistics.")
-@click.option("--grid-length", default=8192, show_default=True, help="Prompt length of the decoding grid.")
+@click.option(
+    "--statistics", default=",".join(STATISTICS), show_default=True, help="Policies whose statistics are timed."
+)
+@click.option("--grid-length", default=8192, show_default=True, help="Prompt length of the decoding grid (0: none).")
 @click.option("--new-tokens", default=32, show_default=True, help="Tokens each grid configuration decodes.")
 @click.option("--repeats", default=2, show_default=True, help="Timings are the best of this many.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("--out", default="results/bench/gpu", show_default=True, type=click.Path(file_okay=False))
-def main(tiny, models, lengths, grid_length, new_tokens, repeats, device, out):
+def main(tiny, models, lengths, statistics, grid_length, new_tokens, repeats, device, out):
     if device == "auto":
         device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
     if tiny:
@@ -321,10 +332,18 @@ def main(tiny, models, lengths, grid_length, new_tokens, repeats, device, out):
     started = time.perf_counter()
     rows: list[dict] = []
     guarded(rows, "tiny (float32)", "exactness", 256, lambda: exactness(device, 256, 16))
+    write_tables(rows, out, tiny, device, dtype, started)
     for name in models.split(","):
-        rows += measure_model(name, device, dtype, lengths, grid_length, new_tokens, repeats)
+        rows += measure_model(name, device, dtype, lengths, grid_length, new_tokens, repeats, statistics.split(","))
+        # after every model: a run stopped by a time limit keeps the tables of the models it finished
+        write_tables(rows, out, tiny, device, dtype, started)
         if device == "cuda":
             torch.cuda.empty_cache()  # the next model's peak memory starts from its own
+    print((Path(out) / "bench_gpu.md").read_text())
+
+
+def write_tables(rows: list[dict], out, tiny: bool, device: str, dtype: torch.dtype, started: float) -> None:
+    """``OUT/bench_gpu.csv`` and ``OUT/bench_gpu.md`` of the rows so far."""
     table = pd.DataFrame(rows)
     Path(out).mkdir(parents=True, exist_ok=True)
     table.to_csv(Path(out) / "bench_gpu.csv", index=False)
@@ -334,7 +353,6 @@ def main(tiny, models, lengths, grid_length, new_tokens, repeats, device, out):
         f"sdpa; torch {torch.__version__}); {time.perf_counter() - started:.0f} s in all\n\n"
     )
     (Path(out) / "bench_gpu.md").write_text(heading + table.to_markdown(index=False) + "\n")
-    print(heading + table.to_string(index=False))
 
 
 if __name__ == "__main__":

@@ -36,9 +36,16 @@ _ACTIVE_DECODE: contextvars.ContextVar = contextvars.ContextVar("pkvbench_decode
 # Kernels that take the 4-D masks a ragged batch needs (bool for sdpa, additive for eager).
 MASKED_KERNELS = ("sdpa", "eager")
 PREFIX = "pkvbench+"
-# Bytes of float32 attention probabilities materialised at once while accumulating attention over all queries
-# (small chunks stay in cache: 4 MiB ran 1.5x faster than 64 MiB at T=2000 on our CPUs).
+# Bytes of float32 attention probabilities materialised at once while accumulating attention over all queries.
+# On a CPU small chunks stay in cache (4 MiB ran 1.5x faster than 64 MiB at T=2000 on our CPUs); on a GPU a chunk
+# must feed the whole device: at 4 MiB a 32k-token prompt of a 32-head model went one query row per kernel launch,
+# and H2O's statistics took 211x a plain prefill on an H200 (scripts/bench_gpu.py, docs/benchmark.md).
 ACCUMULATE_CHUNK_BYTES = 4 * 2**20
+ACCUMULATE_CHUNK_BYTES_GPU = 512 * 2**20
+
+
+def chunk_bytes_for(device: torch.device) -> int:
+    return ACCUMULATE_CHUNK_BYTES if device.type == "cpu" else ACCUMULATE_CHUNK_BYTES_GPU
 
 
 def window_attention_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int) -> torch.Tensor:
@@ -71,7 +78,7 @@ def window_attention_sums(
 
 
 def accumulated_attention(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, chunk_bytes: int = ACCUMULATE_CHUNK_BYTES
+    query: torch.Tensor, key: torch.Tensor, scaling: float, chunk_bytes: int | None = None
 ) -> torch.Tensor:
     """``[Hq, T]``: for each key position, the sum over all T queries of their causal softmax attention to it.
 
@@ -81,7 +88,7 @@ def accumulated_attention(
     num_query_heads, length, dim = query.shape
     num_kv_heads = key.shape[0]
     group = num_query_heads // num_kv_heads
-    rows_per_chunk = max(1, chunk_bytes // (4 * num_query_heads * length))
+    rows_per_chunk = max(1, (chunk_bytes or chunk_bytes_for(query.device)) // (4 * num_query_heads * length))
     grouped_query = query.float().view(num_kv_heads, group, length, dim)
     keys = key.float()
     totals = torch.zeros(num_query_heads, length, device=query.device)
@@ -96,7 +103,7 @@ def accumulated_attention(
 
 
 def bidirectional_attention_sums(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, window: int, chunk_bytes: int = ACCUMULATE_CHUNK_BYTES
+    query: torch.Tensor, key: torch.Tensor, scaling: float, window: int, chunk_bytes: int | None = None
 ) -> torch.Tensor:
     """``[Hq, T]``: for each key position, the sum over all T queries of their softmax attention to it, where only
     the last ``window`` queries are causally masked (over the last ``window`` keys) and every earlier query sees all
@@ -105,7 +112,7 @@ def bidirectional_attention_sums(
     num_query_heads, length, dim = query.shape
     num_kv_heads = key.shape[0]
     group = num_query_heads // num_kv_heads
-    rows_per_chunk = max(1, chunk_bytes // (4 * num_query_heads * length))
+    rows_per_chunk = max(1, (chunk_bytes or chunk_bytes_for(query.device)) // (4 * num_query_heads * length))
     grouped_query = query.float().view(num_kv_heads, group, length, dim)
     keys = key.float().transpose(1, 2)
     totals = torch.zeros(num_query_heads, length, device=query.device)
