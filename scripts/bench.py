@@ -14,7 +14,9 @@ Run it alone: timings taken while other model jobs share the cores mean nothing.
 3. query modes: the same grid query-aware, query-agnostic, and both from one prefill.
 4. memory: the growth of peak resident memory while the grid decodes (the peak reset after the prefill), batched vs.
    one at a time, and with decode-batch caps; the cap that keeps it within 1.5×.
-5. KV bytes kept vs. the nominal budget; decode time per token at a long context, budget 128 vs. full cache.
+5. KV bytes kept vs. the nominal budget; decode time per token at a long context, budget 128 vs. full cache; decode
+   time per token of a cache stored in KIVI's 4 and 2 bits (dequantized at every step) vs. the same cache in 16 bits
+   (``--quantized-only`` runs this row alone, at ``--decode-length``, and writes nothing).
 6. optional: NVIDIA kvpress on the same prompt, when ``--kvpress-python`` names an interpreter with kvpress installed
    (``bash scripts/kvpress_env.sh`` builds one in .venv-kvpress): 9 configurations (full; SnapKV and StreamingLLM at
    the 4 budgets), one kvpress pipeline call each (``scripts/kvpress_grid.py``, in kvpress's environment), vs the same
@@ -34,7 +36,7 @@ import click
 import pandas as pd
 import torch
 
-from pkvbench.budgets import Budget
+from pkvbench.budgets import Budget, KVFormat
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import load_model
 from pkvbench.policies import parse_policy
@@ -244,6 +246,31 @@ def decode_speed(engine: Engine, length: int, new_tokens: int = 32) -> list[dict
     ]
 
 
+def quantized_decode_speed(engine: Engine, length: int, new_tokens: int = 32, budget: str = "all") -> list[dict]:
+    """Decode time per token of one cache (the full prompt's, by default) stored in KIVI's 4 and 2 bits against the
+    same cache in 16 bits: the price of dequantizing the packed entries at every step (docs/memory.md)."""
+    _, sample = needle_sample(engine, length)
+    policy = parse_policy("full" if budget == "all" else "snapkv")
+    prefill = engine.prefill(torch.tensor([sample.input_ids]), [policy])
+    per_token, stored = {}, {}
+    for bits in (16, 4, 2):
+        cache = engine.compress(prefill, policy, Budget.parse(budget), fmt=KVFormat(bits))
+        decoded = min((engine.decode(prefill, cache, new_tokens) for _ in range(2)), key=lambda d: d.seconds)
+        per_token[bits] = decoded.seconds / max(1, len(decoded.tokens) - 1)
+        stored[bits] = cache.nbytes
+    return [
+        row(
+            f"decode per token, {bits}-bit vs 16-bit cache ({policy.label} @ {budget})",
+            length,
+            per_token[16],
+            per_token[bits],
+            "report",
+            f"seconds per token; {stored[bits]} B vs {stored[16]} B stored",
+        )
+        for bits in (4, 2)
+    ]
+
+
 def kvpress_prompt(engine: Engine, length: int) -> dict:
     """The needle prompt as kvpress's pipeline takes it (scripts/kvpress_grid.py's ``--prompt`` file): the context
     as text without the chat template (kvpress applies it), the question as the text after the context in the user
@@ -346,12 +373,18 @@ def kvpress(python: str, length: int, engine: Engine | None = None) -> list[dict
 @click.option("--skip-decode", is_flag=True)
 @click.option("--kvpress-python", help="A Python with kvpress installed (scripts/kvpress_env.sh); adds its row.")
 @click.option("--memory-probe", hidden=True)
-def main(lengths, decode_length, out, skip_memory, skip_decode, kvpress_python, memory_probe):
+@click.option(
+    "--quantized-only", is_flag=True, help="Only the quantized-cache decode row, at --decode-length; writes nothing."
+)
+def main(lengths, decode_length, out, skip_memory, skip_decode, kvpress_python, memory_probe, quantized_only):
     torch.manual_seed(0)
     lengths = [int(x) for x in lengths.split(",")]
     engine = Engine(load_model())
     if memory_probe:
         print(json.dumps(decode_memory(engine, lengths[0], memory_probe)))
+        return
+    if quantized_only:
+        print(pd.DataFrame(quantized_decode_speed(engine, decode_length)).to_string(index=False))
         return
     rows = []
     for length in lengths:
@@ -361,6 +394,7 @@ def main(lengths, decode_length, out, skip_memory, skip_decode, kvpress_python, 
     rows += kv_bytes(engine, lengths[0])
     if not skip_decode:
         rows += decode_speed(engine, decode_length)
+        rows += quantized_decode_speed(engine, decode_length)
     if not skip_memory:
         rows += memory(lengths[0], sys.executable)
     if kvpress_python:

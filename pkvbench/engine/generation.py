@@ -18,6 +18,7 @@ from pkvbench import budgets
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries
 from pkvbench.engine.models import LoadedModel
+from pkvbench.engine.quantized import StoredEntries
 from pkvbench.engine.reconstruction import SINK, ReconstructionRecorder, repeat_inputs
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs, Policy
@@ -68,9 +69,10 @@ def ragged_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class CompressedCache:
-    """The entries one policy keeps at one budget, per layer ``[heads, n, dim]`` (batch dimension dropped)."""
+    """The entries one policy keeps at one budget, per layer ``[heads, n, dim]`` (batch dimension dropped), in the
+    model's dtype (``KeptEntries``) or stored in fewer bits (``quantized.StoredEntries``)."""
 
-    kept: KeptEntries
+    kept: KeptEntries | StoredEntries
     plan: budgets.LayerPlan
 
     @property
@@ -83,7 +85,18 @@ class CompressedCache:
     @property
     def nbytes(self) -> int:
         """Physical bytes of the stored keys and values (padding included)."""
+        if isinstance(self.kept, StoredEntries):
+            return self.kept.nbytes
         return sum(t.numel() * t.element_size() for t in (*self.kept.keys, *self.kept.values))
+
+
+def kept_bytes(kept: KeptEntries, fmt: budgets.KVFormat) -> int:
+    """What ``kept`` will take once stored in ``fmt`` (``budgets.KVFormat.layer_bytes``, layer by layer)."""
+    total = 0
+    for index, keys in enumerate(kept.keys):
+        lengths = kept.lengths[index].tolist() if kept.lengths is not None else [keys.shape[1]] * keys.shape[0]
+        total += fmt.layer_bytes(keys.shape[0], keys.shape[-1], lengths)
+    return total
 
 
 class Engine:
@@ -102,6 +115,21 @@ class Engine:
         self.decoder = BatchDecoder(
             self._forward, self.tokenizer, self.stop_ids, loaded.num_kv_heads, self.device, self._sync
         )
+
+    @property
+    def geometry(self) -> budgets.CacheGeometry:
+        return budgets.CacheGeometry(self.loaded.num_layers, self.loaded.num_kv_heads, self.loaded.head_dim)
+
+    @property
+    def native_format(self) -> budgets.KVFormat:
+        """The model's own cache: its dtype's width, stored as computed."""
+        return budgets.KVFormat(self.model.dtype.itemsize * 8, native=True)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The 16 bits of a stored cache (scales, minima, residual): the model's dtype where it has 16 bits, else
+        float16 (of the 16-bit formats, the one with the finer steps)."""
+        return self.model.dtype if self.model.dtype.itemsize == 2 else torch.float16
 
     def rope(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's RoPE cos and sin ``[count, head_dim]`` (float32) at positions start, start + 1, …"""
@@ -212,23 +240,75 @@ class Engine:
         return logits, time.perf_counter() - started
 
     def compress(
-        self, prefill: Prefill, policy: Policy, budget: budgets.Budget, cut: int | None = None
+        self,
+        prefill: Prefill,
+        policy: Policy,
+        budget: budgets.Budget,
+        cut: int | None = None,
+        fmt: budgets.KVFormat | None = None,
     ) -> CompressedCache:
         """Gather the entries ``policy`` keeps at ``budget`` from the full cache (no second forward pass): of the
-        whole prompt, or of its first ``cut`` tokens (the context, when the question comes after compression)."""
+        whole prompt, or of its first ``cut`` tokens (the context, when the question comes after compression); then
+        store them in ``fmt`` (default: the model's own cache). A memory budget keeps as many entries as fit its
+        bytes in ``fmt`` (``budgets.memory_plan``)."""
+        fmt = fmt or self.native_format
         length = cut or prefill.context_len
         stats = prefill.stats_at[length]
-        plan = budgets.plan(policy, budget, length, self.loaded.num_layers)
+        heads = policy.cache_heads(stats[0])
+        if budget.memory:
+            plan = budgets.memory_plan(policy, budget, length, self.geometry, fmt, heads)
+        else:
+            plan = budgets.plan(policy, budget, length, self.loaded.num_layers)
+        kept = self._gather(prefill, policy, plan, heads)
+        if budget.memory and kept.lengths is not None and kept_bytes(kept, fmt) > plan.target_bytes:
+            plan, kept = self._fit_head_wise(prefill, policy, budget, plan, heads, fmt)
+        if not fmt.native:
+            kept = StoredEntries.store(kept, fmt, self.storage_dtype)
+        return CompressedCache(kept, plan)
+
+    def _fit_head_wise(
+        self,
+        prefill: Prefill,
+        policy: Policy,
+        budget: budgets.Budget,
+        plan: budgets.LayerPlan,
+        heads: int,
+        fmt: budgets.KVFormat,
+    ) -> tuple[budgets.LayerPlan, KeptEntries]:
+        """A policy whose heads keep different numbers of entries is stored padded to each layer's fullest head:
+        the bytes depend on what it selects. The most entries whose selection fits the memory budget."""
+        layers, length = self.loaded.num_layers, plan.context_len
+        tried: dict[int, tuple[budgets.LayerPlan, KeptEntries]] = {}
+
+        def fits(k: int) -> bool:
+            per_layer = policy.layer_budgets(k, length, layers)
+            smaller = dataclasses.replace(plan, requested=k, effective=k, per_layer=per_layer)
+            tried[k] = (smaller, self._gather(prefill, policy, smaller, heads))
+            return kept_bytes(tried[k][1], fmt) <= plan.target_bytes
+
+        floor = min(max(policy.min_budget, 1), length)
+        k = budgets.largest(floor, plan.effective - 1, fits)
+        if k is None:
+            needed, full = kept_bytes(tried[floor][1], fmt), self.geometry.full_bytes(length)
+            raise budgets.MemoryTooSmall(budget, needed, full, f"{policy.label} at {fmt} bits on {length} tokens")
+        if k not in tried:
+            fits(k)
+        return tried[k]
+
+    def _gather(self, prefill: Prefill, policy: Policy, plan: budgets.LayerPlan, heads: int) -> KeptEntries:
+        """The entries ``policy`` keeps under ``plan``, gathered from the full cache."""
+        length = plan.context_len
+        stats = prefill.stats_at[length]
         full_keys = [k[0, :, :length] for k in prefill.keys]
         full_values = [v[0, :, :length] for v in prefill.values]
         # One kept set per KV head, or (the reference's gqa=query) one per query head, from keys and values repeated
         # to every query head of their group as transformers' repeat_kv does.
-        group = policy.cache_heads(stats[0]) // self.loaded.num_kv_heads
+        group = heads // self.loaded.num_kv_heads
         if group > 1:
             full_keys = [k.repeat_interleave(group, dim=0) for k in full_keys]
             full_values = [v.repeat_interleave(group, dim=0) for v in full_values]
         if not plan.compressed:
-            return CompressedCache(KeptEntries(full_keys, full_values), plan)
+            return KeptEntries(full_keys, full_values)
         keys, values = [], []
         lengths: list[torch.Tensor | None] = [None] * len(plan.per_layer)
         compressed = [layer for layer, k in enumerate(plan.per_layer) if k < length]
@@ -250,9 +330,9 @@ class Engine:
             keys.append(full_keys[layer].gather(1, index))
             values.append(full_values[layer].gather(1, index))
         if not any(n is not None for n in lengths):
-            return CompressedCache(KeptEntries(keys, values), plan)
+            return KeptEntries(keys, values)
         filled = [n if n is not None else torch.full((k.shape[0],), k.shape[1]) for n, k in zip(lengths, keys)]
-        return CompressedCache(KeptEntries(keys, values, filled), plan)
+        return KeptEntries(keys, values, filled)
 
     def request(
         self,
