@@ -156,7 +156,8 @@ def _default_policies() -> str:
 @click.option(
     "--budget",
     "budgets",
-    show_default="128",
+    default="128",
+    show_default=True,
     help="Budgets, comma-separated: below 1 a fraction of the prompt (0.007 = 0.7%), else entries per KV head per layer.",
 )
 @click.option(
@@ -278,6 +279,10 @@ def run(**options) -> None:
     """
     from pkvbench.api import RunConfig, evaluate
 
+    if options["memory"] is not None:  # --memory replaces the default budgets; budgets given too are refused
+        source = click.get_current_context().get_parameter_source("budgets")
+        if source == click.core.ParameterSource.DEFAULT:
+            options["budgets"] = None
     html_file = options.pop("html_file")
     if html_file:
         from pkvbench.html_report import check_html_target

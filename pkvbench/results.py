@@ -47,16 +47,18 @@ ORDERLESS_UNLESS_SHARDED = ("tasks", "lengths", "depths", "sample_ids")
 Row = dict[str, Any]
 
 
-def row_key(row: Row) -> tuple[str, str, str, str, str, str]:
-    """What makes a row unique: task, sample, policy, budget, query mode and how the cache was stored (rows written
-    before the query mode was recorded are query-aware; before storage formats, the model's own cache)."""
+def row_key(row: Row) -> tuple[str, ...]:
+    """What makes a row unique: task, sample, policy, budget, query mode and, for a cache not stored as the model's
+    own, how it was stored (rows written before the query mode was recorded are query-aware; before storage
+    formats, the model's own cache)."""
+    stored = stored_as(row)
     return (
         row["task"],
         str(row["sample_id"]),
         row["policy"],
         budget_label(row["budget"]),
         row.get("query_mode", "aware"),
-        stored_as(row),
+        *((stored,) if stored else ()),
     )
 
 
