@@ -50,7 +50,7 @@ def points(rows: pd.DataFrame) -> pd.DataFrame:
     )
     table = table.join(measured, on=axes)
     table["memory"] = (table["memory"] * 100).round(2)
-    table["kv_bytes"] = table["kv_bytes"].round(0)
+    table["kv_bytes"] = table["kv_bytes"].round(0).astype("Int64")
     table["entries"] = table["entries"].round(1)
     groups = [c for c in ("model", "query_mode") if c in table.columns]
     table["front"] = ""
@@ -115,12 +115,14 @@ def comparisons(rows: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     modes = ["query_mode"] if "query_mode" in grouped.columns and (grouped["query_mode"] != "aware").any() else []
     tables = []
-    for _, block in grouped.groupby(["model", "budget", *modes], sort=False):
+    for _, block in grouped.groupby(["model", "budget", *modes], sort=False):  # targets come smallest first
         means = block.groupby(["policy", "task"])["score"].mean().groupby("policy").mean()
         if len(means) < 2:
             continue
-        best = means.idxmax()
+        size = block.groupby("policy")["kv_bytes"].mean()
+        best = min(means.index, key=lambda cell: (-means[cell], size[cell]))  # a tie goes to the smaller cache
         table = pairwise(block, against=best)
+        table["_order"] = [-means[cell] for cell in table["policy_a"]]
         tables.append(table)
     if not tables:
         return pd.DataFrame()
@@ -130,7 +132,14 @@ def comparisons(rows: pd.DataFrame) -> pd.DataFrame:
     table = pd.concat(tables, ignore_index=True)
     table["p_holm"] = holm(table["p"]).round(4)
     table["verdict"] = [_verdict(r) for r in table.to_dict("records")]
-    return table.rename(columns={"budget": TARGET, "policy_a": "cell", "policy_b": "best"})
+    # each target (smallest first) in one block, its cells best first, each cell's tasks in the order pairwise gave
+    block = {key: i for i, key in enumerate(dict.fromkeys(zip(table["model"], table["budget"])))}
+    rank = sorted(
+        range(len(table)),
+        key=lambda i: (block[table["model"].iat[i], table["budget"].iat[i]], table["_order"].iat[i], i),
+    )
+    table = table.iloc[rank].drop(columns="_order")
+    return table.rename(columns={"budget": TARGET, "policy_a": "cell", "policy_b": "best"}).reset_index(drop=True)
 
 
 def _verdict(row: dict) -> str:

@@ -19,6 +19,7 @@ Where pkvbench differs from KIVI's code, and why:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -111,22 +112,51 @@ def quantize_values(values: torch.Tensor, bits: int, group: int, dtype: torch.dt
     return Quantized(pack(codes.view(*lead, length, dim), bits), scale.squeeze(-1), minimum.squeeze(-1))
 
 
-def dequantize_keys(stored: Quantized, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """``quantize_keys``'s keys back, ``[..., T, D]`` in ``dtype`` (computed in float32, rounded once)."""
-    codes = unpack(stored.codes, bits)
-    *lead, length, dim = codes.shape
+@functools.cache
+def _code_table(bits: int, device: torch.device) -> torch.Tensor:
+    """``[256, 8 / bits]``: the codes of every byte, as floats (a byte → its codes in one lookup)."""
+    return unpack(torch.arange(256, dtype=torch.uint8, device=device)[:, None], bits).float()
+
+
+def _codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed bytes ``[..., B]`` → their codes as float32 ``[..., B·8/bits]``: a table lookup per byte, which reads
+    and writes each value once (unpacking with shifts and then converting reads them three times)."""
+    table = _code_table(bits, packed.device)
+    return torch.nn.functional.embedding(packed.long(), table).flatten(-2)
+
+
+def dequantize_keys(
+    stored: Quantized, bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``quantize_keys``'s keys back, ``[..., T, D]`` in ``dtype`` (computed in float32, rounded once). With ``out``
+    (``[..., ceil(T/G)·G, D]``, e.g. a slice of the buffer attention reads) they are written there, and the columns
+    past T are the last group's padding."""
+    packed = stored.codes
+    *lead, length, _ = packed.shape
     count = stored.scale.shape[-2]
-    if count * group != length:
-        codes = torch.nn.functional.pad(codes, (0, 0, 0, count * group - length))
-    grouped = codes.view(*lead, count, group, dim).float()
-    restored = grouped * stored.scale[..., None, :].float() + stored.minimum[..., None, :].float()
-    return restored.view(*lead, count * group, dim)[..., :length, :].to(dtype)
+    if count * group != length:  # whole groups to multiply by their scale
+        packed = torch.nn.functional.pad(packed, (0, 0, 0, count * group - length))
+    codes = _codes(packed, bits)
+    dim = codes.shape[-1]
+    grouped = codes.view(*lead, count, group, dim)
+    scale, minimum = stored.scale[..., None, :].float(), stored.minimum[..., None, :].float()
+    if out is None or dtype != torch.float32:
+        restored = torch.addcmul(minimum, grouped, scale).view(*lead, count * group, dim)
+        return restored[..., :length, :].to(dtype) if out is None else out.copy_(restored)
+    torch.addcmul(minimum, grouped, scale, out=out.view(*lead, count, group, dim))
+    return out
 
 
-def dequantize_values(stored: Quantized, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """``quantize_values``'s values back, ``[..., T, D]`` in ``dtype``."""
-    codes = unpack(stored.codes, bits)
+def dequantize_values(
+    stored: Quantized, bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``quantize_values``'s values back, ``[..., T, D]`` in ``dtype`` (written into ``out`` if given)."""
+    codes = _codes(stored.codes, bits)
     *lead, length, dim = codes.shape
-    grouped = codes.view(*lead, length, dim // group, group).float()
-    restored = grouped * stored.scale[..., None].float() + stored.minimum[..., None].float()
-    return restored.view(*lead, length, dim).to(dtype)
+    grouped = codes.view(*lead, length, dim // group, group)
+    scale, minimum = stored.scale[..., None].float(), stored.minimum[..., None].float()
+    if out is None or dtype != torch.float32:
+        restored = torch.addcmul(minimum, grouped, scale).view(*lead, length, dim)
+        return restored.to(dtype) if out is None else out.copy_(restored)
+    torch.addcmul(minimum, grouped, scale, out=out.view(*lead, length, dim // group, group))
+    return out

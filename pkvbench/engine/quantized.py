@@ -153,7 +153,9 @@ class QuantizedLayer(CacheLayerMixin):
         self.format, self.dtype = fmt, dtype
         self.is_initialized = True
         self.quantized = torch.stack([row.quantized for row in rows])  # [batch, heads]
-        self.width = max((row.keys.codes.shape[1] if row.keys is not None else 0) for row in rows)
+        self.packed_columns = max((row.keys.codes.shape[1] if row.keys is not None else 0) for row in rows)
+        # Columns of the packed part as attention sees it: whole key groups (the last one's padding is masked).
+        self.width = -(-self.packed_columns // fmt.group) * fmt.group
         self.packed: list[torch.Tensor] = []  # key codes, scale, minimum, then the values'
         if self.width:
             for part in ("keys", "values"):
@@ -174,21 +176,27 @@ class QuantizedLayer(CacheLayerMixin):
     def lengths(self) -> torch.Tensor:
         return self.residual.lengths
 
-    def _prefix(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The packed entries, dequantized: ``[batch, heads, width, dim]`` each, in the compute dtype."""
+    def _assemble(self, tail: torch.Tensor, part: int) -> torch.Tensor:
+        """What attention reads: the packed keys (``part`` 0) or values (1) dequantized into the first ``width``
+        columns of a fresh buffer, the residual widened after them."""
         fmt = self.format
-        keys = dequantize_keys(Quantized(*self.packed[:3]), fmt.bits, fmt.group, self.dtype)
-        values = dequantize_values(Quantized(*self.packed[3:]), fmt.bits, fmt.group, self.dtype)
-        return keys, values
+        batch, heads, columns, dim = tail.shape
+        out = torch.empty((batch, heads, self.width + columns, dim), dtype=self.dtype, device=tail.device)
+        packed = Quantized(*self.packed[3 * part : 3 * part + 3])
+        if part == 0:
+            dequantize_keys(packed, fmt.bits, fmt.group, self.dtype, out=out[:, :, : self.width])
+        else:
+            dequantize_values(packed, fmt.bits, fmt.group, self.dtype, out=out[:, :, : self.packed_columns])
+            out[:, :, self.packed_columns : self.width].zero_()  # masked, but a value must be finite all the same
+        out[:, :, self.width :].copy_(tail)
+        return out
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         stored = self.residual.keys.dtype
         tail_keys, tail_values = self.residual.update(key_states.to(stored), value_states.to(stored))
-        tail_keys, tail_values = tail_keys.to(self.dtype), tail_values.to(self.dtype)
         if not self.width:
-            return tail_keys, tail_values
-        keys, values = self._prefix()
-        return torch.cat([keys, tail_keys], dim=2), torch.cat([values, tail_values], dim=2)
+            return tail_keys.to(self.dtype), tail_values.to(self.dtype)
+        return self._assemble(tail_keys, 0), self._assemble(tail_values, 1)
 
     def attention_mask(self) -> torch.Tensor | None:
         """As ``RaggedLayer.attention_mask``, over the packed columns (each row and head its own count) followed by
