@@ -46,6 +46,7 @@ from pkvbench.report import (
     report_table,
     task_order,
     uneven_counts,
+    with_bits_in_policy,
 )
 from pkvbench.results import ROWS, RUN, bits_sort_key, read_run_record, summarize
 
@@ -204,14 +205,6 @@ def page_data(runs: Runs) -> dict[str, Any]:
         "figures": figures + needle_heatmap_figures(labelled) + layer_budget_figures(labelled),
         "samples": sample_view(labelled),
     }
-
-
-def with_bits_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
-    """Where rows' caches were stored in several formats, each policy × bits is its own series in the figures and
-    the sample view: ``snapkv · 4 bits``."""
-    if "kv_bits" not in frame.columns or frame["kv_bits"].nunique() < 2:
-        return frame
-    return frame.assign(policy=[f"{p} · {b} bits" for p, b in zip(frame["policy"], frame["kv_bits"])])
 
 
 def page_title(rows: pd.DataFrame) -> str:
@@ -664,7 +657,7 @@ def frontier_figures(points: pd.DataFrame) -> list[dict]:
         if not records:
             continue
         base = alt.Chart(alt.Data(values=records))
-        x = alt.X("bytes:Q", scale=alt.Scale(type="log"), title="KV cache bytes (log)")
+        x = alt.X("bytes:Q", scale=alt.Scale(type="log", nice=False, padding=16), title="KV cache bytes (log)")
         y = alt.Y("score:Q", scale=alt.Scale(domain=[0, 100]), title="score (× 100, mean over tasks)")
         colour = alt.Color("policy:N", scale=_policy_scale(r["policy"] for r in records), title="policy")
         dash = alt.StrokeDash("bits:N", sort=sorted({r["bits"] for r in records}, key=bits_sort_key), title="bits")
@@ -679,13 +672,13 @@ def frontier_figures(points: pd.DataFrame) -> list[dict]:
             alt.Tooltip("ci_high:Q", format=".2f"),
             "n:Q",
         ]
+        shape = alt.Shape("bits:N", sort=sorted({r["bits"] for r in records}, key=bits_sort_key), title="bits")
         chart = alt.layer(
             base.mark_rule(strokeWidth=1, opacity=0.5).encode(x=x, y="ci_low:Q", y2="ci_high:Q", color=colour),
-            base.mark_line(point=alt.OverlayMarkDef(size=40, filled=True)).encode(
-                x=x, y=y, color=colour, strokeDash=dash, detail="series:N", order="bytes:Q", tooltip=tooltip
-            ),
+            base.mark_line().encode(x=x, y=y, color=colour, strokeDash=dash, detail="series:N", order="bytes:Q"),
+            base.mark_point(size=60, filled=True).encode(x=x, y=y, color=colour, shape=shape, tooltip=tooltip),
             base.transform_filter("datum.front")
-            .mark_point(size=160, shape="circle", filled=False, strokeWidth=2, color="black")
+            .mark_point(size=220, shape="circle", filled=False, strokeWidth=2, color="black")
             .encode(x=x, y=y, tooltip=tooltip),
             width=560,
             height=320,
@@ -696,7 +689,7 @@ def frontier_figures(points: pd.DataFrame) -> list[dict]:
                 "frontier",
                 f"Accuracy per byte · {where}",
                 "Mean score over tasks × 100 against the mean bytes of the cells' caches (log axis); a line per policy "
-                "× bits through its budgets (dashes: bits), whiskers for the 95% interval, black rings on the Pareto "
+                "× bits through its budgets (dashes and marks: bits), whiskers for the 95% interval, black rings on the Pareto "
                 "front (no cell smaller and at least as good). Hover a point for its memory share and n.",
                 chart,
             )

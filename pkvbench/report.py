@@ -252,6 +252,14 @@ def stores_formats(rows: pd.DataFrame) -> bool:
     return "kv_stored" in rows.columns and bool((rows["kv_stored"] != "").any())
 
 
+def with_bits_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
+    """Where rows' caches were stored in several formats, each policy × bits as a policy of its own (``snapkv ·
+    4 bits``): for the figures and views that key on the policy alone."""
+    if "kv_bits" not in frame.columns or frame["kv_bits"].nunique() < 2:
+        return frame
+    return frame.assign(policy=[f"{p} · {b} bits" for p, b in zip(frame["policy"], frame["kv_bits"])])
+
+
 def row_axes(rows: pd.DataFrame) -> list[str]:
     """A table row's key: model × policy × budget; the bits its values were stored in when any row's were not the
     model's own (``kv_bits``); and the query mode when any row's question came after compression (``agnostic``;

@@ -69,6 +69,8 @@ def _given(value: Any) -> bool:
 def stored_as(row: Row) -> str:
     """How a row's cache was stored, as keys name it: "" for the model's own cache, else its ``KVFormat``: ``16``,
     ``4``, ``4 g64 r32``."""
+    if "kv_stored" in row:  # a row as report.load_runs reads it: already said
+        return row["kv_stored"] or ""
     native = row.get("kv_native")
     if not _given(row.get("kv_bits")) or not _given(native) or native:
         return ""
@@ -79,8 +81,8 @@ def bits_label(row: Row) -> str:
     """How tables name a row's storage: its format (``4``, ``16``), the width of the model's own cache (``32``), or
     ``native`` where a row written before storage formats does not say."""
     label = stored_as(row)
-    if label:
-        return label
+    if label or isinstance(row.get("kv_bits"), str):  # report.load_runs's rows carry the label already
+        return label or row["kv_bits"]
     return str(int(row["kv_bits"])) if _given(row.get("kv_bits")) else "native"
 
 
