@@ -37,7 +37,8 @@ def _with_bits(rows: pd.DataFrame) -> pd.DataFrame:
 def points(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per cell: ``report_table``'s scores and intervals, with ``kv_bytes`` (mean over its rows),
     ``memory`` (the mean share of the full cache at 16 bits, in percent), ``entries`` (mean entries kept per head
-    and layer) and ``front`` ("*" on the Pareto front of its model and query mode, by ``avg``)."""
+    and layer), ``attention`` (the attention weights the policy needs: none, window, all, repeat pass) and
+    ``front`` ("*" on the Pareto front of its model and query mode, by ``avg``)."""
     rows = _with_bits(rows)
     axes = [c for c in row_axes(rows) if c not in CELL] + CELL
     table = report_table(rows, intervals=True)
@@ -52,6 +53,9 @@ def points(rows: pd.DataFrame) -> pd.DataFrame:
     table["memory"] = (table["memory"] * 100).round(2)
     table["kv_bytes"] = table["kv_bytes"].round(0).astype("Int64")
     table["entries"] = table["entries"].round(1)
+    if "attention_weights" in rows.columns:  # a cost of its own: what kernels without attention weights cannot run
+        needs = rows.dropna(subset=["attention_weights"]).groupby("policy")["attention_weights"].first()
+        table["attention"] = table["policy"].map(needs).fillna("")
     groups = [c for c in ("model", "query_mode") if c in table.columns]
     table["front"] = ""
     for _, group in table.groupby(groups, sort=False):

@@ -271,3 +271,30 @@ def test_the_frontier_marks_the_pareto_front_and_compares_each_target_with_its_b
     assert decided["snapkv · 16 bits"] == "snapkv · 4 bits better"
     text = frontier.frontier_markdown(rows)
     assert "## Accuracy per byte" in text and "snapkv · 4 bits better" in text
+
+
+# --- bad input: one line, exit 2 -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--kv-bits", "3"], "--kv-bits 3: supported are 2, 4 and 8 (KIVI's integers), 16, and the model's own 32"),
+        (["--kv-bits", "32", "--dtype", "bfloat16", "--device", "cpu"], "the model computes in 16 bits"),
+        (["--kv-bits", "4", "--kv-group", "0"], "--kv-group 0: give an integer of at least 1"),
+        (["--memory", "0.05", "--budget", "64"], "--memory and --budget together"),
+        (["--memory", "0.05", "--policy", "full"], "full keeps a fixed set of entries"),
+        (["--memory", "1.5"], "a fraction is above 0 and at most 1"),
+        (["--memory", "2 parsecs"], "unknown unit 'parsecs'"),
+        (["--budget", "mem0.05"], "memory budgets go in --memory"),
+    ],
+)
+def test_bad_bits_and_memory_are_one_clear_line(args, expected, tmp_path, capsys):
+    from pkvbench.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", *args, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and expected in err, err
+    assert not (tmp_path / "o").exists()

@@ -113,5 +113,5 @@ def test_a_memory_grid_runs_on_one_prefill_per_sample_and_reports_its_frontier(t
     with pytest.raises(SystemExit):
         main(["report", str(out)])
     text = capsys.readouterr().out
-    assert "## Accuracy per byte" in text and "| snapkv | 4 | mem0.1 |" in text and " [" in text
+    assert "## Accuracy per byte" in text and "| snapkv | 4 r16 | mem0.1 |" in text and " [" in text
     assert json.loads((out / "run.json").read_text())["options"]["kv_bits"] == [32, 4, 2]
