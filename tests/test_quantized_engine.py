@@ -115,3 +115,22 @@ def test_a_memory_grid_runs_on_one_prefill_per_sample_and_reports_its_frontier(t
     text = capsys.readouterr().out
     assert "## Accuracy per byte" in text and "| snapkv | 4 r16 | mem0.1 |" in text and " [" in text
     assert json.loads((out / "run.json").read_text())["options"]["kv_bits"] == [32, 4, 2]
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--kv-bits", "4", "--kv-group", "48"], "--kv-group 48 does not divide the model's head size (64)"),
+        (["--kv-bits", "16", "--memory", "0.01"], "the smallest memory every cell of this grid can hold is 0.1"),
+    ],
+)
+def test_bad_input_the_model_decides_is_one_line_and_exit_2(args, expected, tmp_path, capsys, loaded):
+    """Refused before any prefill, after the model says its head size and the prompts their lengths."""
+    out = tmp_path / "o"
+    common = ["--task", "needle", "--policy", "snapkv:window=32", "--lengths", "300", "--depths", "50"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", *common, *args, "--quiet", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and expected in err, err
+    assert not (out / "samples.jsonl").exists()
