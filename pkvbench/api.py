@@ -19,7 +19,8 @@ from typing import Any
 
 import pandas as pd
 
-from pkvbench.budgets import Budget, parse_budgets
+from pkvbench import budgets as budget_rules
+from pkvbench.budgets import Budget, KVFormat, parse_budgets, parse_memory_budgets
 from pkvbench.config import MAX_LAYERS, SEED_MAX, option_name, parse_bool, parse_float, parse_int, shown
 from pkvbench.engine.models import (
     ALIASES,
@@ -217,7 +218,11 @@ _COMMON_CHECKS: dict[str, Check] = {
 RUN_CHECKS: dict[str, Check] = {
     **_COMMON_CHECKS,
     "policies": _optional(_listing),
-    "budgets": _listing,
+    "budgets": _optional(_listing),
+    "memory": _optional(_listing),
+    "kv_bits": _optional(_listing),
+    "kv_group": _whole(1),
+    "kv_residual": _whole(0),
     "policy_args": _pairs,
     "protocol": _name,
     "query_modes": _listing,
@@ -344,7 +349,14 @@ class RunConfig:
     model: str = DEFAULT_MODEL
     tasks: Sequence[str] | str = ("needle",)
     policies: Sequence[str] | str | None = None
-    budgets: Sequence[str | int | float] | str = (128,)
+    budgets: Sequence[str | int | float] | str | None = None  # None: 128 entries, unless memory is given
+    # Memory budgets instead of entry budgets: fractions of the full cache's bytes at 16 bits per value (0.05) or
+    # sizes ("2MiB"); each policy keeps as many entries as fit, in each of kv_bits' formats (docs/memory.md)
+    memory: Sequence[str | float] | str | None = None
+    # The bits each kept value is stored in: 16, or KIVI's 8, 4, 2 (None: the model's own cache, in its dtype)
+    kv_bits: Sequence[int] | str | None = None
+    kv_group: int = budget_rules.DEFAULT_GROUP  # KIVI's G: tokens per key group, channels per value group
+    kv_residual: int = budget_rules.DEFAULT_RESIDUAL  # KIVI's R: each head's last R kept entries stay in 16 bits
     policy_args: Mapping[str, Any] | Sequence[str] = ()
     # "exact": pkvbench's protocol; "reference": every policy selects as the PyramidKV paper's code (docs/protocol.md);
     # "kvpress": every policy with the settings of kvpress's press of the same rule (docs/kvpress-crosscheck.md)
@@ -406,16 +418,35 @@ class ResolvedRun:
     shard: Shard | None
     out: Path
     query_modes: list[str]
+    formats: list[KVFormat | None] = field(default_factory=lambda: [None])  # None: the model's own cache
+
+    @property
+    def memory(self) -> bool:
+        return any(b.memory for b in self.budgets)
 
     @property
     def cells(self) -> list[Cell]:
-        """The grid: every policy × budget × query mode."""
-        return [Cell(p, b, m) for p in self.policies for b in self.budgets for m in self.query_modes]
+        """The grid: every policy × budget × query mode × storage format. Under memory budgets a policy that keeps a
+        fixed set (the full cache) is one cell per format, whatever the budgets: it keeps ``all``."""
+        keep_all = [Budget.parse(budget_rules.ALL)]
+        return [
+            Cell(p, b, m, f)
+            for p in self.policies
+            for b in (keep_all if self.memory and budget_rules.keeps_fixed_set(p) else self.budgets)
+            for m in self.query_modes
+            for f in self.formats
+        ]
 
     @property
     def settings(self) -> RunSettings:
         c = self.config
-        return RunSettings(max_new_tokens=c.max_new_tokens, decode_batch=c.decode_batch, protocol=c.protocol)
+        return RunSettings(
+            max_new_tokens=c.max_new_tokens,
+            decode_batch=c.decode_batch,
+            protocol=c.protocol,
+            kv_group=c.kv_group,
+            kv_residual=c.kv_residual,
+        )
 
     @property
     def recorded_options(self) -> dict[str, Any]:
@@ -433,6 +464,13 @@ class ResolvedRun:
                 "shard": str(self.shard) if self.shard else None,
                 "protocol": c.protocol,
                 "query_modes": self.query_modes,
+                # only where given: a run folder of an earlier version, which had neither, resumes as the same run
+                "kv_bits": [f.bits if f else native_bits(c) for f in self.formats] if c.kv_bits is not None else None,
+                **(
+                    {"kv_group": c.kv_group, "kv_residual": c.kv_residual}
+                    if any(f and f.quantized for f in self.formats)
+                    else {}
+                ),
             },
         )
 
@@ -479,8 +517,8 @@ def resolve(config: RunConfig) -> ResolvedRun:
     tasks = expand_tasks(list(dict.fromkeys(as_list(config.tasks, "--task"))), tuple(config.include_paths))
     tasks = [with_task_args(task, parse_task_args(config.task_args)) for task in tasks]
     policies = parse_policies(config.policies, config.policy_args, config.protocol)
-    rounding = "half-even" if config.protocol == "reference" else "half-up"
-    budgets = parse_budgets(as_list(config.budgets, "--budget"), rounding)
+    budgets = resolve_budgets(config, policies)
+    formats = resolve_formats(config)
     shard = Shard.parse(config.shard) if config.shard is not None else None
     options = task_options(config)
     if config.executor not in EXECUTORS:
@@ -493,7 +531,57 @@ def resolve(config: RunConfig) -> ResolvedRun:
     unknown = [m for m in modes if m not in QUERY_MODES]
     if unknown:
         raise PkvError(f"unknown query mode {unknown[0]!r}; valid: {', '.join(QUERY_MODES)}")
-    return ResolvedRun(config, tasks, policies, budgets, options, shard, out, modes)
+    return ResolvedRun(config, tasks, policies, budgets, options, shard, out, modes, formats)
+
+
+def resolve_budgets(config: RunConfig, policies: list[Policy]) -> list[Budget]:
+    """``--budget`` (entries, fractions of the prompt), or ``--memory`` (bytes), never both."""
+    if config.memory is None:
+        rounding = "half-even" if config.protocol == "reference" else "half-up"
+        return parse_budgets(as_list(config.budgets if config.budgets is not None else "128", "--budget"), rounding)
+    if config.budgets is not None:
+        raise PkvError("--memory and --budget together: give one (--memory in bytes, --budget in entries)")
+    budgets = parse_memory_budgets(as_list(config.memory, "--memory"))
+    fixed = [p.label for p in policies if budget_rules.keeps_fixed_set(p)]
+    if len(fixed) == len(policies):
+        raise PkvError(
+            f"--memory: {', '.join(fixed)} keeps a fixed set of entries (every one), which no memory budget changes; "
+            "add a policy that drops entries, or leave out --memory (the full cache at each --kv-bits is one point)"
+        )
+    return budgets
+
+
+def native_bits(config: RunConfig) -> int:
+    """The width of the model's own cache values: its dtype's (``auto``: float32 on a CPU, bfloat16 on CUDA)."""
+    from pkvbench.engine.models import resolve_device, resolve_dtype
+
+    device = config.device
+    if device == "auto" and config.dtype == "auto":
+        device = resolve_device(device)  # imports torch: only here, where the answer depends on the machine
+    dtype = resolve_dtype(config.dtype, device if device != "auto" else "cpu")
+    return 32 if dtype == "float32" else 16
+
+
+def resolve_formats(config: RunConfig) -> list[KVFormat | None]:
+    """``--kv-bits``: each value's storage format; the model's own width is its own cache (None), token for
+    token."""
+    if config.kv_bits is None:
+        return [None]
+    native = native_bits(config)
+    formats: list[KVFormat | None] = []
+    for item in as_list(config.kv_bits, "--kv-bits"):
+        try:
+            bits = int(item)
+        except ValueError:
+            bits = None
+        if bits not in budget_rules.KV_BITS:
+            raise PkvError(f"--kv-bits {item}: supported are 2, 4 and 8 (KIVI's integers), 16, and the model's own 32")
+        if bits > native:
+            raise PkvError(
+                f"--kv-bits {bits}: the model computes in {native} bits; its own cache is --kv-bits {native}"
+            )
+        formats.append(None if bits == native else KVFormat(bits, config.kv_group, config.kv_residual))
+    return list(dict.fromkeys(formats))
 
 
 @dataclass

@@ -2,11 +2,18 @@
 
 A value below 1 is a fraction of the prompt (k = round(f·T) entries per KV head per layer, on average); a value of 1
 or more is an integer count of entries. The same functions back ``pkvbench budgets`` and the engine.
+
+A budget may also be memory (``--memory``, written ``mem0.05`` or ``mem2MiB`` in rows): bytes rather than entries.
+How many bytes a cache of some entries takes in a storage format (``KVFormat``: the model's own dtype, 16 bits, or
+KIVI's 8/4/2-bit integers) and how many entries a memory budget buys are here too (``memory_plan``), as pure
+arithmetic that a test holds against the stored tensors' own sizes (docs/memory.md).
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from pkvbench.errors import PkvError
@@ -19,6 +26,11 @@ ROUNDINGS = ("half-up", "half-even")
 # kvpress's spelling of a budget: the compression ratio r, the fraction of the cache *removed*; kept entries are
 # int(T·(1 − r)), truncated as kvpress's ScorerPress does. Written "cr0.25".
 REMOVED_PREFIX = "cr"
+# A memory budget in rows and keys: "mem0.05" (5% of the full cache's bytes at 16 bits per value) or "mem2MiB".
+MEMORY_PREFIX = "mem"
+# The budget that keeps every entry: the full cache's one point per storage format in a memory grid.
+ALL = "all"
+BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
 @dataclass(frozen=True)
@@ -28,10 +40,15 @@ class Budget:
     value: float | int
     rounding: str = field(default="half-up", compare=False)
     removed: bool = False  # value is kvpress's compression ratio: the fraction removed
+    memory: bool = False  # value is bytes: a fraction of the full cache at 16 bits (below 1) or a count (``int``)
 
     @classmethod
     def parse(cls, text: str) -> Budget:
         text = str(text).strip()
+        if text == ALL:
+            return cls(math.inf)
+        if text.startswith(MEMORY_PREFIX):
+            return parse_memory(text[len(MEMORY_PREFIX) :])
         if text.startswith(REMOVED_PREFIX):
             try:
                 ratio = float(text[len(REMOVED_PREFIX) :])
@@ -60,15 +77,29 @@ class Budget:
 
     @property
     def is_fraction(self) -> bool:
-        return isinstance(self.value, float) and not self.removed
+        return isinstance(self.value, float) and not self.removed and not self.keeps_all
+
+    @property
+    def keeps_all(self) -> bool:
+        return self.value == math.inf
 
     @property
     def recorded(self) -> float | int | str:
-        """What a result row's ``budget`` holds: the number as given, or the ``cr…`` spelling."""
-        return str(self) if self.removed else self.value
+        """What a result row's ``budget`` holds: the number as given, or the ``cr…`` / ``mem…`` / ``all`` spelling."""
+        return str(self) if self.removed or self.memory or self.keeps_all else self.value
+
+    def target_bytes(self, full_bytes: int) -> int:
+        """A memory budget's bytes, given the full cache's bytes at 16 bits per value."""
+        if not self.memory:
+            raise ValueError(f"budget {self} counts entries, not bytes")
+        return int(self.value) if isinstance(self.value, int) else math.floor(self.value * full_bytes)
 
     def entries(self, context_len: int) -> int:
         """Mean entries per KV head per layer for a prompt of ``context_len`` tokens (before any policy floor)."""
+        if self.memory:
+            raise ValueError(f"budget {self} is memory: the entries it buys depend on the cache's format")
+        if self.keeps_all:
+            return context_len
         if self.removed:
             return max(1, int(context_len * (1 - self.value)))
         if self.is_fraction:
@@ -77,9 +108,44 @@ class Budget:
         return int(self.value)
 
     def __str__(self) -> str:
+        if self.keeps_all:
+            return ALL
+        if self.memory:
+            return MEMORY_PREFIX + (f"{self.value:g}" if isinstance(self.value, float) else byte_size(self.value))
         if self.removed:
             return f"{REMOVED_PREFIX}{self.value:g}"
         return f"{self.value:g}" if self.is_fraction else str(self.value)
+
+
+def byte_size(count: int) -> str:
+    """Bytes in the largest unit that divides them exactly (binary units first): ``2MiB``, ``1500KB``, ``7B``."""
+    for unit in ("GiB", "MiB", "KiB", "GB", "MB", "KB"):
+        if count % BYTE_UNITS[unit] == 0:
+            return f"{count // BYTE_UNITS[unit]}{unit}"
+    return f"{count}B"
+
+
+def parse_memory(text: str) -> Budget:
+    """``--memory`` values: a fraction of the full cache's bytes at 16 bits per value (0.05), or a size with a unit
+    (2MiB, 500KB, 65536B)."""
+    text = str(text).strip()
+    hint = "a fraction of the full cache's bytes (0.05 = 5%), or a size with a unit (2MiB, 500KB)"
+    sized = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]+)", text)
+    if sized:
+        unit = {name.lower(): name for name in BYTE_UNITS}.get(sized.group(2).lower())
+        if unit is None:
+            raise PkvError(f"--memory {text!r}: unknown unit {sized.group(2)!r}; valid: {', '.join(BYTE_UNITS)}")
+        count = float(sized.group(1)) * BYTE_UNITS[unit]
+        if not math.isfinite(count) or count < 1:
+            raise PkvError(f"--memory {text!r}: a size must be at least one byte")
+        return Budget(round(count), memory=True)
+    try:
+        fraction = float(text)
+    except ValueError:
+        raise PkvError(f"--memory {text!r} is not {hint}") from None
+    if not (math.isfinite(fraction) and 0 < fraction <= 1):
+        raise PkvError(f"--memory {text!r}: give {hint}; a fraction is above 0 and at most 1")
+    return Budget(fraction, memory=True)
 
 
 def budget_label(value: float | int | str) -> str:
@@ -93,7 +159,18 @@ def parse_budgets(values: list[str] | str, rounding: str = "half-up") -> list[Bu
         raise PkvError("--budget is empty; give one or more budgets, e.g. 128,0.12")
     if not all(items):
         raise PkvError(f"--budget {','.join(items)!r} has an empty item; remove the extra comma")
-    return list(dict.fromkeys(replace(Budget.parse(item), rounding=rounding) for item in items))
+    parsed = [replace(Budget.parse(item), rounding=rounding) for item in items]
+    if any(b.memory for b in parsed):
+        raise PkvError("--budget counts entries; memory budgets go in --memory (0.05, 2MiB)")
+    return list(dict.fromkeys(parsed))
+
+
+def parse_memory_budgets(values: list[str] | str) -> list[Budget]:
+    """``--memory 0.05,0.12`` or ``--memory 2MiB``: memory budgets, each once."""
+    items = [str(v).strip() for v in (values.split(",") if isinstance(values, str) else values)]
+    if not all(items):
+        raise PkvError(f"--memory {','.join(items)!r} is empty or has an empty item; e.g. --memory 0.05,0.12")
+    return list(dict.fromkeys(parse_memory(item) for item in items))
 
 
 def uniform(k: int, context_len: int, num_layers: int) -> list[int]:
@@ -167,6 +244,7 @@ class LayerPlan:
     effective: int  # after the policy's floor and the prompt length
     per_layer: list[int]
     context_len: int
+    target_bytes: int | None = None  # a memory budget's bytes (the entries are what they buy)
 
     @property
     def compressed(self) -> bool:
@@ -183,3 +261,142 @@ def plan(policy, budget: Budget, context_len: int, num_layers: int) -> LayerPlan
     effective = min(max(requested, policy.min_budget), context_len)
     per_layer = policy.layer_budgets(effective, context_len, num_layers)
     return LayerPlan(requested=requested, effective=effective, per_layer=per_layer, context_len=context_len)
+
+
+# --- memory: what a cache of some entries stores, and how many entries a memory budget buys -------------------------
+
+KV_BITS = (2, 4, 8, 16, 32)  # what --kv-bits accepts; below 16 KIVI's integers, 32 only where the model computes so
+QUANTIZED_BITS = (2, 4, 8)
+DEFAULT_GROUP = 32  # KIVI's G: tokens per key group (per channel), channels per value group (per token)
+DEFAULT_RESIDUAL = 128  # KIVI's R: the most recent entries kept at 16 bits
+SIXTEEN_BITS = 2  # bytes of a value at 16 bits: scales, minima, the residual, and the reference full cache
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """The shape of a model's cache: layers, KV heads per layer, values per head."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    def full_bytes(self, context_len: int) -> int:
+        """The full cache of ``context_len`` tokens at 16 bits per value: what memory fractions are of."""
+        return 2 * self.layers * self.kv_heads * context_len * self.head_dim * SIXTEEN_BITS
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How a compressed cache stores its kept entries.
+
+    ``native``: the model's own cache at its dtype (``bits`` is the dtype's width): today's cache, token for token.
+    ``bits`` 16 (where the model computes wider): every entry in 16 bits, widened for attention. ``bits`` 8/4/2:
+    KIVI — per head, the last ``residual`` kept entries in 16 bits, the ones before them as packed integers, keys per
+    channel in groups of ``group`` tokens, values per token in groups of ``group`` channels, each group's scale and
+    minimum in 16 bits (``pkvbench.quantize``)."""
+
+    bits: int
+    group: int = DEFAULT_GROUP
+    residual: int = DEFAULT_RESIDUAL
+    native: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits in QUANTIZED_BITS
+
+    def split(self, length: int) -> tuple[int, int]:
+        """A head's ``length`` kept entries → (quantized, residual): the last ``residual`` stay in 16 bits."""
+        if not self.quantized:
+            return 0, length
+        residual = min(self.residual, length)
+        return length - residual, residual
+
+    def layer_bytes(self, heads: int, head_dim: int, lengths: Sequence[int]) -> int:
+        """Bytes one layer's stored tensors hold when its ``heads`` heads keep ``lengths`` entries (each head's
+        count; heads that keep fewer are padded to the fullest, as stored), keys and values together."""
+        if self.native:  # [heads, n, dim] keys and values; a layer that keeps nothing still stores one masked slot
+            return 2 * heads * max(max(lengths), 1) * head_dim * self.bits // 8
+        parts = [self.split(n) for n in lengths]
+        quantized, residual = max(q for q, _ in parts), max(r for _, r in parts)
+        total = 2 * heads * residual * head_dim * SIXTEEN_BITS
+        if quantized:
+            total += 2 * heads * quantized * head_dim * self.bits // 8  # packed codes of keys and values
+            total += 2 * heads * -(-quantized // self.group) * head_dim * SIXTEEN_BITS  # keys' scales and minima
+            total += 2 * heads * quantized * (head_dim // self.group) * SIXTEEN_BITS  # values' scales and minima
+        return total
+
+    def __str__(self) -> str:
+        """``4`` (KIVI's defaults), ``4 g64 r32``, ``16``, ``32``."""
+        if not self.quantized:
+            return str(self.bits)
+        extra = (f" g{self.group}" if self.group != DEFAULT_GROUP else "") + (
+            f" r{self.residual}" if self.residual != DEFAULT_RESIDUAL else ""
+        )
+        return f"{self.bits}{extra}"
+
+
+def largest(low: int, high: int, fits: Callable[[int], bool]) -> int | None:
+    """The largest k in [low, high] with ``fits(k)``, for ``fits`` true up to some k and false after (binary
+    search, then a step up while the next one fits too: a few bytes of rounding may break monotony); None if even
+    ``low`` does not fit."""
+    if not fits(low):
+        return None
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def planned_bytes(fmt: KVFormat, per_layer: Sequence[int], heads: int, head_dim: int) -> int:
+    """Bytes of a cache whose layers keep ``per_layer`` entries in each of ``heads`` heads."""
+    return sum(fmt.layer_bytes(heads, head_dim, [n] * heads) for n in per_layer)
+
+
+def keeps_fixed_set(policy) -> bool:
+    """Whether ``policy`` keeps the same entries whatever its budget (the full cache): no memory budget changes it."""
+    length = 4 * max(policy.min_budget, 1) + 64
+    return policy.layer_budgets(max(policy.min_budget, 1), length, 2) == policy.layer_budgets(length, length, 2)
+
+
+class MemoryTooSmall(PkvError):
+    """A memory budget below what a policy's smallest cache takes (its floor: window, sinks) in a format."""
+
+    def __init__(self, budget: Budget, needed: int, full_bytes: int, what: str):
+        self.needed = needed  # bytes of the smallest cache
+        self.smallest = needed / full_bytes if isinstance(budget.value, float) else needed
+        super().__init__(
+            f"--memory {str(budget).removeprefix(MEMORY_PREFIX)}: {what} needs at least {needed} bytes "
+            f"({needed / full_bytes:.4g} of the full cache)"
+        )
+
+
+def floor_bytes(policy, context_len: int, geometry: CacheGeometry, fmt: KVFormat, heads: int | None = None) -> int:
+    """The bytes of the smallest cache ``policy`` keeps (its floor: window, sinks) in ``fmt``."""
+    floor = min(max(policy.min_budget, 1), context_len)
+    per_layer = policy.layer_budgets(floor, context_len, geometry.layers)
+    return planned_bytes(fmt, per_layer, heads or geometry.kv_heads, geometry.head_dim)
+
+
+def memory_plan(
+    policy, budget: Budget, context_len: int, geometry: CacheGeometry, fmt: KVFormat, heads: int | None = None
+) -> LayerPlan:
+    """The most entries ``policy`` can keep in ``fmt`` within a memory ``budget`` (as close to it as whole entries
+    allow): every layer's tensors counted (codes, scales, minima, residual, PyramidKV's per-layer budgets). ``heads``:
+    the cache's heads per layer (the query heads for a policy that keeps one set per query head). Raises
+    ``MemoryTooSmall`` when even the policy's floor does not fit."""
+    heads = heads or geometry.kv_heads
+    full = geometry.full_bytes(context_len)
+    target = budget.target_bytes(full)
+
+    def cost(k: int) -> int:
+        return planned_bytes(fmt, policy.layer_budgets(k, context_len, geometry.layers), heads, geometry.head_dim)
+
+    k = largest(min(max(policy.min_budget, 1), context_len), context_len, lambda k: cost(k) <= target)
+    if k is None:
+        needed = floor_bytes(policy, context_len, geometry, fmt, heads)
+        raise MemoryTooSmall(budget, needed, full, f"{policy.label} at {fmt} bits on {context_len} tokens")
+    per_layer = policy.layer_budgets(k, context_len, geometry.layers)
+    return LayerPlan(requested=k, effective=k, per_layer=per_layer, context_len=context_len, target_bytes=target)

@@ -235,6 +235,31 @@ def _default_policies() -> str:
     help="Budgets, comma-separated: below 1 a fraction of the prompt (0.007 = 0.7%), else entries per KV head per layer.",
 )
 @click.option(
+    "--memory",
+    help="Memory budgets instead of --budget, comma-separated: a fraction of the full cache's bytes at 16 bits per "
+    "value (0.05) or a size (2MiB); each policy keeps as many entries as fit, in each --kv-bits format "
+    "(docs/memory.md).",
+)
+@click.option(
+    "--kv-bits",
+    help="Bits each kept value is stored in, comma-separated: 16, or KIVI's 8, 4, 2 (keys per channel, values per "
+    "token) [default: the model's own cache, in its dtype: 32 on a CPU].",
+)
+@click.option(
+    "--kv-group",
+    type=int,
+    default=32,
+    show_default=True,
+    help="KIVI's group size G: tokens per key group, channels per value group (must divide the head size).",
+)
+@click.option(
+    "--kv-residual",
+    type=int,
+    default=128,
+    show_default=True,
+    help="KIVI's residual R: each head's last R kept entries stay in 16 bits, as do the answer's.",
+)
+@click.option(
     "--policy-arg",
     "policy_args",
     multiple=True,
@@ -329,6 +354,10 @@ def run(**options) -> None:
     """
     from pkvbench.api import RunConfig, evaluate, resolve
 
+    if options["memory"] is not None:  # --memory replaces the default budgets; budgets given too are refused
+        source = click.get_current_context().get_parameter_source("budgets")
+        if source == click.core.ParameterSource.DEFAULT:
+            options["budgets"] = None
     html_file = options.pop("html_file")
     config = RunConfig(**options)
     if html_file is not None:
@@ -442,11 +471,23 @@ def budgets(policy, budget, policy_args, layers, context, protocol, as_json, plo
     help="Write one self-contained HTML page instead of the table (tables, figures, every sample's predictions, "
     "run metadata; opens offline). With --out the table is written too.",
 )
-def report(folders, fmt, out_file, html_file, intervals, power) -> None:
-    """One table from run folders: rows model × policy × budget (× query mode), a column per task (score × 100,
-    with its 95% interval), LongBench-E length buckets, avg (mean over tasks, its interval resampled within tasks;
-    missing if a task is), tasks filled and n samples. Missing cells stay missing. A folder above run folders is
-    searched for them."""
+@click.option(
+    "--view",
+    type=click.Choice(["table", "frontier", "memory-diff"]),
+    default="table",
+    show_default=True,
+    help="frontier: each cell's bytes and score, the Pareto front marked (runs with --kv-bits or --memory); "
+    "memory-diff: per memory target, its best cell against every other, paired.",
+)
+def report(folders, fmt, out_file, html_file, intervals, power, view) -> None:
+    """One table from run folders: rows model × policy × budget (× the bits values were stored in, × query mode),
+    a column per task (score × 100, with its 95% interval), LongBench-E length buckets, avg (mean over tasks, its
+    interval resampled within tasks; missing if a task is), tasks filled and n samples. Missing cells stay
+    missing. A folder above run folders is searched for them.
+
+    Runs with --kv-bits or --memory also get the frontier (Markdown: after the table; --view frontier alone): each
+    cell's bytes against its score, the Pareto front marked, and per memory target its best cell against every
+    other (--view memory-diff: that comparison as a table)."""
     from pkvbench.report import load_runs, render, report_table, uneven_counts
 
     runs = load_runs(list(folders))
@@ -455,7 +496,26 @@ def report(folders, fmt, out_file, html_file, intervals, power) -> None:
         _write_html_report(list(folders), html_file, runs)
         if out_file is None:
             return
+    if view != "table":
+        from pkvbench import frontier
+
+        if not frontier.has_frontier(runs.rows):
+            raise PkvError(f"--view {view}: the runs have no storage bits or memory budgets (--kv-bits, --memory)")
+        table = frontier.points(runs.rows) if view == "frontier" else frontier.comparisons(runs.rows)
+        if table.empty:
+            raise PkvError(f"--view {view}: no memory target with two cells to compare")
+        _write_or_echo(
+            frontier.frontier_markdown(runs.rows) if fmt == "markdown" and view == "frontier" else render(table, fmt),
+            out_file,
+            outputs,
+        )
+        return
     text = render(report_table(runs.rows, intervals=intervals), fmt)
+    if fmt == "markdown":
+        from pkvbench import frontier
+
+        if frontier.has_frontier(runs.rows):
+            text += "\n" + frontier.frontier_markdown(runs.rows)
     if power is not None:
         from pkvbench.paired import pairwise, power_table
 
@@ -720,13 +780,19 @@ def list_(include_paths) -> None:
     click.echo("Task groups (--task GROUP):")
     for group, members in tasks.groups.items():
         click.echo(f"  {group:14} {', '.join(members)}")
-    click.echo("Policies (options with defaults):")
+    click.echo(
+        "Policies (options with defaults; the attention weights each needs, which kernels such as FlashAttention"
+    )
+    click.echo("and paged engines do not give: none, a window's, all, a repeat pass's):")
     for name, cls in registry().items():
         options = [f for f in dataclasses.fields(cls) if f.name != "inner"]
         defaults = " ".join(f"{f.name}={f.default}" for f in options)
+        attention = "as its policy" if getattr(cls, "wraps", False) else cls().needs.attention_weights
         if getattr(cls, "wraps", False):
             name = f"{name}(policy)"
-        click.echo(f"  {name:14} {cls.summary}" + (f"\n  {'':14} [{defaults}]" if defaults else ""))
+        click.echo(
+            f"  {name:14} {cls.summary}" + f"\n  {'':14} [{defaults + '; ' if defaults else ''}attention: {attention}]"
+        )
     click.echo("Models:")
     for name, alias in ALIASES.items():
         click.echo(f"  {name:14} {alias.description} (from {alias.distribution}=={alias.version})")

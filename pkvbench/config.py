@@ -26,7 +26,18 @@ from pkvbench.errors import PkvError
 from pkvbench.io import read_yaml
 
 FLAGS = {"overwrite", "quiet", "verify"}
-LISTS = {"tasks", "policies", "budgets", "lengths", "depths", "sample_ids", "include_paths", "query_modes"}
+LISTS = {
+    "tasks",
+    "policies",
+    "budgets",
+    "memory",
+    "kv_bits",
+    "lengths",
+    "depths",
+    "sample_ids",
+    "include_paths",
+    "query_modes",
+}
 PAIRS = {"policy_args", "task_args"}
 # Spellings other than the field's own name (and its dashed form).
 ALIASES = {

@@ -29,7 +29,9 @@ import vl_convert
 from altair.utils.html import vl_version_for_vl_convert
 from matplotlib.colors import to_hex
 
+from pkvbench import frontier
 from pkvbench._version import __version__
+from pkvbench.budgets import ALL, MEMORY_PREFIX, Budget
 from pkvbench.errors import PkvError
 from pkvbench.plots import NEEDLE_CMAP, needle_rows
 from pkvbench.report import (
@@ -43,8 +45,9 @@ from pkvbench.report import (
     report_table,
     task_order,
     uneven_counts,
+    with_bits_in_policy,
 )
-from pkvbench.results import ROWS, RUN, read_run_record, summarize
+from pkvbench.results import ROWS, RUN, bits_sort_key, read_run_record, summarize
 
 ASSETS = "html_assets"  # inside the pkvbench package: the page's skeleton, style sheet and script
 PAPER_REFERENCE = "pyramidkv-table1"
@@ -72,6 +75,14 @@ CONFIG_FIELDS = {
     "kv_bytes",
     "kv_entries",
     "kept_fingerprint",
+    "kv_bits",
+    "kv_native",
+    "kv_group",
+    "kv_residual",
+    "kv_stored",
+    "memory_target",
+    "memory_fraction",
+    "attention_weights",
     "pred",
     "answers",
     "score",
@@ -178,17 +189,27 @@ def _script_text(code: str) -> str:
 def page_data(runs: Runs) -> dict[str, Any]:
     rows = runs.rows
     summary = summary_table(rows)
+    tables = {"summary": table_json(summary), "report": table_json(report_table(rows, intervals=True))}
+    figures = budget_curve_figures(with_bits_in_policy(summary))
+    if frontier.has_frontier(rows):  # runs with --kv-bits or --memory: accuracy per byte (docs/memory.md)
+        points = frontier.points(rows)
+        tables["frontier"] = table_json(points)
+        compared = frontier.comparisons(rows)
+        if not compared.empty:
+            tables["memory_diff"] = table_json(compared)
+        figures += frontier_figures(points)
+    labelled = with_bits_in_policy(rows)
     return {
         "title": page_title(rows),
         "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "pkvbench": __version__,
         "notes": runs.notes + uneven_counts(rows),
         "runs": [run_metadata(folder) for folder in runs.folders],
-        "tables": {"summary": table_json(summary), "report": table_json(report_table(rows, intervals=True))},
+        "tables": tables,
         "comparison": paper_comparison(runs),
         "ranks": sort_ranks(rows),
-        "figures": budget_curve_figures(summary) + needle_heatmap_figures(rows) + layer_budget_figures(rows),
-        "samples": sample_view(rows),
+        "figures": figures + needle_heatmap_figures(labelled) + layer_budget_figures(labelled),
+        "samples": sample_view(labelled),
     }
 
 
@@ -217,7 +238,7 @@ def _query_modes(rows: pd.DataFrame) -> pd.Series:
 
 
 def _is_full(policy: str) -> bool:
-    return str(policy).split(":")[0] == FULL
+    return str(policy).split(":")[0].split(" ")[0] == FULL
 
 
 def summary_table(rows: pd.DataFrame) -> pd.DataFrame:
@@ -485,6 +506,11 @@ def budget_axis(label: str) -> tuple[str, float]:
     label = str(label)
     if label.startswith("cr"):
         return "compression ratio", float(label[2:])
+    if label == ALL:
+        return "every entry", 1.0
+    if label.startswith(MEMORY_PREFIX):
+        memory = Budget.parse(label)
+        return ("memory share", memory.value) if isinstance(memory.value, float) else ("memory bytes", memory.value)
     value = float(label)
     return ("entries per head", value) if value >= 1 else ("fraction of the prompt", value)
 
@@ -608,6 +634,73 @@ def _curve_chart(points: list[dict], panels: list[str], interval: bool):
         .facet(facet=alt.Facet("panel:N", sort=panels, title=None), columns=3)
         .resolve_scale(x="independent")
     )
+
+
+def frontier_figures(points: pd.DataFrame) -> list[dict]:
+    """Per model (and query mode): score (the mean over tasks) vs bytes on a log axis, a line per policy × bits
+    through its budgets, whiskers for the interval, the Pareto front's points ringed."""
+    figures = []
+    groups = [c for c in ("model", "query_mode") if c in points.columns]
+    for key, table in points.groupby(groups, sort=False):
+        key = key if isinstance(key, tuple) else (key,)
+        records = [
+            {
+                "policy": row["policy"],
+                "bits": str(row["kv_bits"]),
+                "series": f"{row['policy']} · {row['kv_bits']} bits",
+                "budget": row["budget"],
+                "bytes": json_value(row["kv_bytes"]),
+                "memory": json_value(row["memory"]),
+                "score": json_value(row["avg"]),
+                "ci_low": json_value(row["avg ci_low"]),
+                "ci_high": json_value(row["avg ci_high"]),
+                "front": row["front"] == "*",
+                "n": int(row["n"]),
+            }
+            for row in table.to_dict("records")
+            if row["kv_bytes"] == row["kv_bytes"] and row["avg"] == row["avg"]
+        ]
+        if not records:
+            continue
+        base = alt.Chart(alt.Data(values=records))
+        x = alt.X("bytes:Q", scale=alt.Scale(type="log", nice=False, padding=16), title="KV cache bytes (log)")
+        y = alt.Y("score:Q", scale=alt.Scale(domain=[0, 100]), title="score (× 100, mean over tasks)")
+        colour = alt.Color("policy:N", scale=_policy_scale(r["policy"] for r in records), title="policy")
+        dash = alt.StrokeDash("bits:N", sort=sorted({r["bits"] for r in records}, key=bits_sort_key), title="bits")
+        tooltip = [
+            "policy:N",
+            "bits:N",
+            "budget:N",
+            alt.Tooltip("bytes:Q", format=",.0f"),
+            alt.Tooltip("memory:Q", format=".2f", title="memory %"),
+            alt.Tooltip("score:Q", format=".2f"),
+            alt.Tooltip("ci_low:Q", format=".2f"),
+            alt.Tooltip("ci_high:Q", format=".2f"),
+            "n:Q",
+        ]
+        shape = alt.Shape("bits:N", sort=sorted({r["bits"] for r in records}, key=bits_sort_key), title="bits")
+        chart = alt.layer(
+            base.mark_rule(strokeWidth=1, opacity=0.5).encode(x=x, y="ci_low:Q", y2="ci_high:Q", color=colour),
+            base.mark_line().encode(x=x, y=y, color=colour, strokeDash=dash, detail="series:N", order="bytes:Q"),
+            base.mark_point(size=60, filled=True).encode(x=x, y=y, color=colour, shape=shape, tooltip=tooltip),
+            base.transform_filter("datum.front")
+            .mark_point(size=220, shape="circle", filled=False, strokeWidth=2, color="black")
+            .encode(x=x, y=y, tooltip=tooltip),
+            width=560,
+            height=320,
+        )
+        where = " · ".join([model_display_name(key[0]), *(f"query-{m}" for m in key[1:])])
+        figures.append(
+            _figure(
+                "frontier",
+                f"Accuracy per byte · {where}",
+                "Mean score over tasks × 100 against the mean bytes of the cells' caches (log axis); a line per policy "
+                "× bits through its budgets (dashes and marks: bits), whiskers for the 95% interval, black rings on the Pareto "
+                "front (no cell smaller and at least as good). Hover a point for its memory share and n.",
+                chart,
+            )
+        )
+    return figures
 
 
 def needle_heatmap_figures(rows: pd.DataFrame) -> list[dict]:

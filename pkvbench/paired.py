@@ -103,7 +103,7 @@ def pairwise(rows: pd.DataFrame, policies: list[str] | None = None, against: str
     points = ["a", "b", "diff", "ci_low", "ci_high", "sd_diff"]
     table[points] = table[points].astype(float).round(2) + 0.0  # + 0.0: no "-0.00"
     table[["p", "p_holm"]] = table[["p", "p_holm"]].astype(float).round(4)
-    order = [c for c in ("model", "budget", "query_mode") if c in table.columns]
+    order = [c for c in ("model", "kv_bits", "budget", "query_mode") if c in table.columns]
     place = {task: i for i, task in enumerate(task_order(set(table["task"]) - {ALL_TASKS}))}
     table["_task"] = [place.get(task, len(place)) for task in table["task"]]  # the group row after its tasks
     return sort_rows(table, columns=[*order, "_task", "policy_a", "policy_b"]).drop(columns="_task")
@@ -141,7 +141,7 @@ def _entry(diff: float, low: float, high: float, mark: str) -> str:
 def matrix_markdown(comparisons: pd.DataFrame) -> str:
     """One matrix per model × budget (× query mode) × task: row policy minus column policy, ``+5.00 [1.2, 9.3]``,
     with ``*`` where the verdict is decided."""
-    cell = [c for c in ("model", "budget", "query_mode", "task") if c in comparisons.columns]
+    cell = [c for c in ("model", "kv_bits", "budget", "query_mode", "task") if c in comparisons.columns]
     blocks = []
     for where, block in comparisons.groupby(cell, sort=False):
         title = " · ".join(f"{k} {v}" for k, v in zip(cell, where))

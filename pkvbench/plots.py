@@ -33,6 +33,7 @@ from pkvbench.report import (
     model_display_name,
     policy_sort_key,
     task_order,
+    with_bits_in_policy,
 )
 from pkvbench.stats import group_interval, mean_interval
 
@@ -46,10 +47,21 @@ def slug(text: str) -> str:
 
 
 def budget_title(label: str) -> str:
+    label = str(label)
+    if not _plain_number(label):  # "all", a memory budget, kvpress's compression ratio: as written
+        return f"budget {label}"
     value = float(label)
     if value < 1:
         return f"budget {value * 100:g}% of the prompt"
     return f"budget {int(value)}"
+
+
+def _plain_number(label) -> bool:
+    try:
+        float(label)
+    except ValueError:
+        return False
+    return True
 
 
 def _drawn(fig, path: Path) -> bytes:
@@ -334,9 +346,13 @@ def plot_runs(runs: Runs, out_dir: str | Path, outputs: Outputs | None = None) -
     rows = runs.rows[runs.rows["score"].notna()]
     if rows.empty:
         raise PkvError("no scored rows to plot")
-    rows = with_query_modes(rows)
+    rows = with_query_modes(with_bits_in_policy(rows))
+    # score-vs-budget curves need budgets on a number line: entries and fractions of the prompt (the frontier of
+    # memory budgets is the report's and the HTML page's)
+    numbered = rows[rows["budget"].map(_plain_number)]
     with _under_rule(outputs, "--out") as outputs:
-        return plot_needle_heatmaps(rows, out_dir, outputs) + plot_budget_curves(rows, out_dir, outputs)
+        curves = plot_budget_curves(numbered, out_dir, outputs) if len(numbered) else []
+        return plot_needle_heatmaps(rows, out_dir, outputs) + curves
 
 
 # --- per-layer budgets -----------------------------------------------------------------------------------------------

@@ -22,7 +22,16 @@ from pkvbench.budgets import budget_label
 from pkvbench.errors import PkvError
 from pkvbench.lock import FolderLock
 from pkvbench.policies.registry import policy_order
-from pkvbench.results import ROWS, RUN, read_rows, repeated_rows_note, unique_rows
+from pkvbench.results import (
+    ROWS,
+    RUN,
+    bits_label,
+    bits_sort_key,
+    read_rows,
+    repeated_rows_note,
+    stored_as,
+    unique_rows,
+)
 from pkvbench.stats import group_interval, mean_interval
 
 # LongBench v1's 21 tasks in the order of its own tables (the paper's 16 English tasks keep their Table 1 order).
@@ -137,6 +146,13 @@ def load_runs(paths: list[str | os.PathLike], strict: bool = False) -> Runs:
             frame["model"] = _run_model(folder)
         frame["model"] = frame["model"].fillna(_run_model(folder))
         frame["folder"] = str(folder)
+        # How each row's cache was stored (docs/memory.md): "" for the model's own, and the bits tables show; a row
+        # written before storage formats is the model's own cache, at the width of the run's dtype.
+        native = _run_native_bits(folder)
+        frame["kv_stored"] = [stored_as(row) for row in raw]
+        frame["kv_bits"] = [
+            bits_label(row) if stored_as(row) or "kv_bits" in row or native is None else str(native) for row in raw
+        ]
         frames.append(frame)
     if not frames:
         raise PkvError(f"no result rows in {', '.join(map(str, folders))}")
@@ -146,7 +162,7 @@ def load_runs(paths: list[str | os.PathLike], strict: bool = False) -> Runs:
     merged["score"] = pd.to_numeric(merged["score"], errors="coerce")
     # rows written before the query mode was recorded are query-aware
     merged["query_mode"] = merged["query_mode"].fillna("aware") if "query_mode" in merged else "aware"
-    keys = ["model", "task", "sample_id", "policy", "budget", "query_mode"]
+    keys = ["model", "task", "sample_id", "policy", "budget", "query_mode", "kv_stored"]
     conflict = _disagreement(merged, keys)
     if conflict:
         if strict:
@@ -186,6 +202,15 @@ def _run_model(folder: Path) -> str:
         return "unknown"
 
 
+def _run_native_bits(folder: Path) -> int | None:
+    """The width of the model's own cache values in a run (its dtype, from run.json), or None if it does not say."""
+    try:
+        dtype = json.loads((folder / RUN).read_text())["model"]["dtype"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {"float32": 32, "bfloat16": 16, "float16": 16}.get(dtype)
+
+
 # --- ordering --------------------------------------------------------------------------------------------------------
 
 
@@ -223,7 +248,12 @@ def task_order(tasks) -> list[str]:
 
 
 def sort_rows(frame: pd.DataFrame, columns=KEY) -> pd.DataFrame:
-    keys = {"policy": policy_sort_key, "budget": budget_sort_key, "query_mode": query_mode_sort_key}
+    keys = {
+        "policy": policy_sort_key,
+        "budget": budget_sort_key,
+        "query_mode": query_mode_sort_key,
+        "kv_bits": bits_sort_key,
+    }
     order = sorted(
         range(len(frame)),
         key=lambda i: tuple(keys.get(c, lambda v: v)(frame.iloc[i][c]) for c in columns),
@@ -247,11 +277,26 @@ def length_bucket(length) -> str | None:
     return None
 
 
+def stores_formats(rows: pd.DataFrame) -> bool:
+    """Whether any row's cache was stored in other bits than the model's own (``--kv-bits``)."""
+    return "kv_stored" in rows.columns and bool((rows["kv_stored"] != "").any())
+
+
+def with_bits_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
+    """Where rows' caches were stored in several formats, each policy × bits as a policy of its own (``snapkv ·
+    4 bits``): for the figures and views that key on the policy alone."""
+    if "kv_bits" not in frame.columns or frame["kv_bits"].nunique() < 2:
+        return frame
+    return frame.assign(policy=[f"{p} · {b} bits" for p, b in zip(frame["policy"], frame["kv_bits"])])
+
+
 def row_axes(rows: pd.DataFrame) -> list[str]:
-    """A table row's key: model × policy × budget, and the query mode when any row's question came after
-    compression (``agnostic``; a query-aware-only table, the paper's protocol, keeps the paper's shape)."""
+    """A table row's key: model × policy × budget; the bits its values were stored in when any row's were not the
+    model's own (``kv_bits``); and the query mode when any row's question came after compression (``agnostic``;
+    a query-aware-only table, the paper's protocol, keeps the paper's shape)."""
     agnostic = "query_mode" in rows.columns and (rows["query_mode"] != "aware").any()
-    return [*KEY, "query_mode"] if agnostic else list(KEY)
+    key = ["model", "policy", "kv_bits", "budget"] if stores_formats(rows) else list(KEY)
+    return [*key, "query_mode"] if agnostic else key
 
 
 def interval_columns(column: str) -> tuple[str, str]:
@@ -328,14 +373,18 @@ def _with_intervals(table: pd.DataFrame, scores, rows: pd.DataFrame, key: list[s
 
 def uneven_counts(rows: pd.DataFrame) -> list[str]:
     """Cells with fewer samples than the fullest cell of their task (a run stopped early, a --limit): worth a note."""
-    counts = rows.groupby(["task", *row_axes(rows)]).size()
+    axes = row_axes(rows)
+    counts = rows.groupby(["task", *axes]).size()
     notes = []
     for task, per_task in counts.groupby(level="task"):
         most = per_task.max()
-        for (_, model, policy, budget, *mode), n in per_task.items():
+        for key, n in per_task.items():
             if n < most:
-                where = f"{policy} @ {budget}" + (f" ({mode[0]})" if mode else "")
-                notes.append(f"{task}: {model} {where} has {n} samples, others up to {most}")
+                cell = dict(zip(["task", *axes], key))
+                bits = f" ({cell['kv_bits']} bits)" if "kv_bits" in cell else ""
+                mode = f" ({cell['query_mode']})" if "query_mode" in cell else ""
+                where = f"{cell['policy']}{bits} @ {cell['budget']}{mode}"
+                notes.append(f"{task}: {cell['model']} {where} has {n} samples, others up to {most}")
     return notes
 
 

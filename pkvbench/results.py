@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 
 import pandas as pd
 
-from pkvbench.budgets import REMOVED_PREFIX, Budget, budget_label
+from pkvbench.budgets import ALL, MEMORY_PREFIX, REMOVED_PREFIX, Budget, KVFormat, budget_label
 from pkvbench.errors import PkvError
 from pkvbench.io import (
     atomic_write,
@@ -40,7 +41,7 @@ RUN = "run.json"
 RUN_FOLDER_FILES = (ROWS, SUMMARY, RUN, LOCK_NAME)  # what pkvbench keeps in a run folder (nothing else is its own)
 # Options whose order carries no meaning: the same policies or budgets in another order are the same grid. Tasks,
 # lengths, depths and sample ids too, unless the run is sharded: then their order decides which shard takes a sample.
-ORDERLESS = ("policies", "budgets", "query_modes")
+ORDERLESS = ("policies", "budgets", "query_modes", "kv_bits")
 ORDERLESS_UNLESS_SHARDED = ("tasks", "lengths", "depths", "sample_ids")
 # The recorded versions under which rows may come out otherwise (kernels, model code, weights, pkvbench's own rules):
 # a folder's rows are not resumed or merged across a change of one. Others (python) are noted.
@@ -49,16 +50,49 @@ DECISIVE_VERSIONS = ("pkvbench", "torch", "transformers", "model_package")
 Row = dict[str, Any]
 
 
-def row_key(row: Row) -> tuple[str, str, str, str, str]:
-    """What makes a row unique: task, sample, policy, budget and query mode (rows written before the query mode was
-    recorded are query-aware)."""
+def row_key(row: Row) -> tuple[str, ...]:
+    """What makes a row unique: task, sample, policy, budget, query mode and, for a cache not stored as the model's
+    own, how it was stored (rows written before the query mode was recorded are query-aware; before storage
+    formats, the model's own cache)."""
+    stored = stored_as(row)
     return (
         row["task"],
         str(row["sample_id"]),
         row["policy"],
         budget_label(row["budget"]),
         row.get("query_mode", "aware"),
+        *((stored,) if stored else ()),
     )
+
+
+def _given(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def stored_as(row: Row) -> str:
+    """How a row's cache was stored, as keys name it: "" for the model's own cache, else its ``KVFormat``: ``16``,
+    ``4``, ``4 g64 r32``."""
+    if "kv_stored" in row:  # a row as report.load_runs reads it: already said
+        return row["kv_stored"] or ""
+    native = row.get("kv_native")
+    if not _given(row.get("kv_bits")) or not _given(native) or native:
+        return ""
+    return str(KVFormat(int(row["kv_bits"]), int(row["kv_group"]), int(row["kv_residual"])))
+
+
+def bits_label(row: Row) -> str:
+    """How tables name a row's storage: its format (``4``, ``16``), the width of the model's own cache (``32``), or
+    ``native`` where a row written before storage formats does not say."""
+    label = stored_as(row)
+    if label or isinstance(row.get("kv_bits"), str):  # report.load_runs's rows carry the label already
+        return label or row["kv_bits"]
+    return str(int(row["kv_bits"])) if _given(row.get("kv_bits")) else "native"
+
+
+def bits_sort_key(label: str) -> tuple[float, str]:
+    """Widest first: 32, 16, 8, 4, 2 (``native`` first of all: the model's own cache, width unknown)."""
+    head = str(label).split(" ")[0]
+    return (-float(head) if head.replace(".", "").isdigit() else -math.inf, str(label))
 
 
 def differing_keys(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
@@ -93,7 +127,8 @@ def check_result_row(row: Row, where: str) -> None:
         if not isinstance(row[name], kinds) or isinstance(row[name], bool):
             raise PkvError(f"{where}: {name} must be {what}, got {row[name]!r}")
     budget = row["budget"]
-    if not _is_number(budget) and not (isinstance(budget, str) and budget.startswith(REMOVED_PREFIX)):
+    spelled = isinstance(budget, str) and (budget.startswith((REMOVED_PREFIX, MEMORY_PREFIX)) or budget == ALL)
+    if not _is_number(budget) and not spelled:
         raise PkvError(f"{where}: budget must be a number, got {budget!r}")
     if "query_mode" in row and row["query_mode"] not in ("aware", "agnostic"):
         raise PkvError(f"{where}: query_mode must be aware or agnostic, got {row['query_mode']!r}")
@@ -393,12 +428,16 @@ def summarize(rows: list[Row]) -> pd.DataFrame:
     ``query_mode`` when the rows record it."""
     from pkvbench.stats import cell_scores
 
-    axes = ["task", "policy", "budget"] + (["query_mode"] if any("query_mode" in row for row in rows) else [])
+    stored = any(stored_as(row) for row in rows)
+    axes = ["task", "policy", *(["kv_bits"] if stored else []), "budget"]
+    axes += ["query_mode"] if any("query_mode" in row for row in rows) else []
     columns = [*axes, "n", "score", "ci_low", "ci_high"]
     if not rows:
         return pd.DataFrame(columns=columns)
     frame = pd.DataFrame(rows)
     frame["budget"] = [budget_label(row["budget"]) for row in rows]
+    if stored:  # the bits each value was stored in are an axis of the grid (docs/memory.md)
+        frame["kv_bits"] = [bits_label(row) for row in rows]
     if "query_mode" in axes:
         frame["query_mode"] = frame["query_mode"].fillna("aware")
     frame["score"] = pd.to_numeric(frame["score"], errors="coerce")

@@ -6,6 +6,8 @@ every n-th unit, and ``run_sample`` is all an executor needs to run one.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -13,12 +15,13 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from pkvbench.budgets import Budget
+from pkvbench import budgets
+from pkvbench.budgets import Budget, KVFormat
 from pkvbench.engine.generation import CompressedCache, Engine, Prefill
 from pkvbench.errors import PkvError
 from pkvbench.fingerprints import fingerprint
 from pkvbench.metrics import METRICS, prepare_prediction
-from pkvbench.policies.base import Policy
+from pkvbench.policies.base import LayerStats, Policy
 from pkvbench.results import ResultStore, row_key
 from pkvbench.tasks.base import Question, Sample, TaskOptions, TaskSpec
 from pkvbench.tasks.registry import build_samples, check_selection
@@ -76,21 +79,29 @@ QUERY_MODES = ("aware", "agnostic")
 @dataclass(frozen=True)
 class Cell:
     """One configuration of the grid: a policy at a budget, with the question inside the compressed prompt
-    (``aware``) or added after compression (``agnostic``)."""
+    (``aware``) or added after compression (``agnostic``), its kept entries stored as ``kv`` says (None: the
+    model's own cache, in its dtype; docs/memory.md)."""
 
     policy: Policy
     budget: Budget
     query_mode: str = "aware"
+    kv: KVFormat | None = None
 
 
 def row_identity(task: TaskSpec, sample_id: str, cell: Cell) -> dict:
+    stored = {} if cell.kv is None else {"kv_native": False, **kv_fields(cell.kv)}
     return {
         "task": task.name,
         "sample_id": sample_id,
         "policy": cell.policy.label,
         "budget": cell.budget.recorded,
         "query_mode": cell.query_mode,
+        **stored,
     }
+
+
+def kv_fields(fmt: KVFormat) -> dict:
+    return {"kv_bits": fmt.bits, "kv_group": fmt.group, "kv_residual": fmt.residual}
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,8 @@ class RunSettings:
     max_new_tokens: int | None = None  # instead of the task's answer length
     decode_batch: int | None = None  # at most this many configurations decode together (None: as memory allows)
     protocol: str = "exact"  # recorded in every row: the policies were parsed under it
+    kv_group: int = budgets.DEFAULT_GROUP  # recorded in every row (the model's own cache has no use for them)
+    kv_residual: int = budgets.DEFAULT_RESIDUAL
 
 
 @dataclass
@@ -112,6 +125,7 @@ class _Job:
     selection_s: float
     request: int
     prefill: Prefill
+    fmt: KVFormat  # how the cache is stored (the engine's native format for the model's own cache)
 
 
 def run_sample(
@@ -138,11 +152,12 @@ def run_sample(
     )
     jobs: list[_Job] = []
     requests = []
-    shared: dict[tuple, int] = {}  # uncompressed caches decode to the same tokens: one request per mode and question
+    # uncompressed caches stored alike decode to the same tokens: one request per mode, question and format
+    shared: dict[tuple, int] = {}
 
     def add(cell: Cell, question: Question, source: Prefill, cache: CompressedCache, selection_s: float) -> None:
         agnostic = cell.query_mode == "agnostic"
-        key = (cell.query_mode, question.question_id, id(source))
+        key = (cell.query_mode, question.question_id, id(source), cell.kv)
         if cache.plan.compressed or key not in shared:
             requests.append(
                 engine.request(
@@ -157,12 +172,12 @@ def run_sample(
             if not cache.plan.compressed:
                 shared[key] = len(requests) - 1
         which = shared[key] if not cache.plan.compressed else len(requests) - 1
-        jobs.append(_Job(cell, question, cache, selection_s, which, source))
+        jobs.append(_Job(cell, question, cache, selection_s, which, source, cell.kv or engine.native_format))
 
     for cell in cells:
         started = time.perf_counter()
         cut = context_len if cell.query_mode == "agnostic" else aware_len
-        cache = engine.compress(prefill, cell.policy, cell.budget, cut)
+        cache = engine.compress(prefill, cell.policy, cell.budget, cut, cell.kv)
         selection_s = time.perf_counter() - started
         for question in sample.questions if cell.query_mode == "agnostic" else [first]:
             add(cell, question, prefill, cache, selection_s)
@@ -175,7 +190,7 @@ def run_sample(
         own = engine.prefill(_as_tensor(sample.prompt(question)), [cell.policy for cell in aware_cells])
         for cell in aware_cells:
             started = time.perf_counter()
-            cache = engine.compress(own, cell.policy, cell.budget)
+            cache = engine.compress(own, cell.policy, cell.budget, fmt=cell.kv)
             add(cell, question, own, cache, time.perf_counter() - started)
         decoded = engine.decode_many(requests, settings.decode_batch)
         yield from (_row(engine, task, sample, job, decoded[job.request], settings, texts) for job in jobs)
@@ -186,6 +201,7 @@ def _row(
 ) -> dict:
     cache, question = job.cache, job.question
     metric = METRICS[task.metric]
+    full_bytes = engine.geometry.full_bytes(cache.plan.context_len)
     return {
         **row_identity(task, sample.row_id(question), job.cell),
         "model": engine.loaded.name,
@@ -200,6 +216,12 @@ def _row(
         "kv_bytes": cache.nbytes,
         "kv_entries": cache.kept.entries,
         "kept_fingerprint": fingerprint(cache.kept_positions()),  # what the gate compares (pkvbench/fingerprints.py)
+        # how the entries are stored, and the bytes against the full cache's at 16 bits per value (docs/memory.md)
+        "kv_native": job.fmt.native,
+        **kv_fields(dataclasses.replace(job.fmt, group=settings.kv_group, residual=settings.kv_residual)),
+        "memory_target": cache.plan.target_bytes,
+        "memory_fraction": round(cache.nbytes / full_bytes, 6),
+        "attention_weights": job.cell.policy.needs.attention_weights,
         "pred": answer.text,
         "answers": question.answers,
         "score": metric(prepare_prediction(answer.text, task.postprocess), question.answers, sample.meta),
@@ -341,6 +363,8 @@ def run_grid(
     """The local executor: every pending sample in order, in this process (``items``: the samples, if built)."""
     started = time.perf_counter()
     plan = plan_grid(tasks, engine.tokenizer, cells, options, store, shard, items)
+    check_formats(engine, cells)
+    check_memory(engine, plan.pending)
     writer = RowWriter(store, plan, started=started, quiet=quiet, on_row=on_row)
     try:
         for task, sample, pending in plan.pending:
@@ -350,6 +374,50 @@ def run_grid(
     finally:
         writer.close()
     return writer.stats
+
+
+def check_formats(engine: Engine, cells: list[Cell]) -> None:
+    """Refuse, before any prefill, a KIVI group that does not fit the model's heads: values are quantized per token
+    in groups of G channels, so G must divide the head size."""
+    head_dim = engine.loaded.head_dim
+    for fmt in {cell.kv for cell in cells if cell.kv is not None and cell.kv.quantized}:
+        if head_dim % fmt.group or head_dim * fmt.bits % 8:
+            raise PkvError(
+                f"--kv-group {fmt.group} does not divide the model's head size ({head_dim}): values are quantized "
+                f"per token in groups of G channels; try {', '.join(str(g) for g in (16, 32, 64) if head_dim % g == 0)}"
+            )
+
+
+def check_memory(engine: Engine, pending: list[tuple[TaskSpec, Sample, list[Cell]]]) -> None:
+    """Refuse, before any prefill, a memory budget that some cell cannot hold on some prompt (a policy's floor — its
+    window, its sinks — stored in the cell's format takes more): a memory column must hold every cell. The message
+    names the smallest value every cell can hold."""
+    geometry, loaded = engine.geometry, engine.loaded
+    short: dict[Budget, tuple[float, str]] = {}
+    for _task, sample, cells in pending:
+        for cell in cells:
+            if not cell.budget.memory:
+                continue
+            prompts = [sample.context_ids] if cell.query_mode == "agnostic" else map(sample.prompt, sample.questions)
+            fmt = cell.kv or engine.native_format
+            for length in {len(ids) for ids in prompts}:
+                stats = LayerStats(length, loaded.num_kv_heads, loaded.num_query_heads)
+                needed = budgets.floor_bytes(cell.policy, length, geometry, fmt, cell.policy.cache_heads(stats))
+                full = geometry.full_bytes(length)
+                if needed > cell.budget.target_bytes(full):
+                    smallest = needed / full if isinstance(cell.budget.value, float) else needed
+                    if smallest > short.get(cell.budget, (0.0, ""))[0]:
+                        short[cell.budget] = (smallest, f"{cell.policy.label} at {fmt} bits on {length} tokens")
+    if short:
+        budget, (smallest, what) = next(iter(short.items()))
+        if isinstance(smallest, float):
+            value = f"{math.ceil(smallest * 1e4) / 1e4:g}"
+        else:
+            value = budgets.byte_size(-(-smallest // 1024) * 1024)
+        raise PkvError(
+            f"--memory {str(budget).removeprefix(budgets.MEMORY_PREFIX)} is below what {what} can hold (its "
+            f"smallest cache); the smallest memory every cell of this grid can hold is {value}"
+        )
 
 
 def _as_tensor(ids: list[int]):

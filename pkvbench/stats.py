@@ -121,7 +121,7 @@ def sign_flip_p(differences: np.ndarray, weights: np.ndarray | None = None) -> f
     """Two-sided p-value of a weighted mean of paired differences against "no difference": the share of sign flips
     whose statistic is at least as far from 0 as the observed one."""
     differences = np.asarray(differences, dtype=float)
-    if not differences.size or np.all(differences == 0):
+    if differences.size < 2 or np.all(differences == 0):  # one pair: its two flips are equally far from 0
         return 1.0
     weights = np.full(differences.size, 1.0 / differences.size) if weights is None else np.asarray(weights)
     result = scipy_stats.permutation_test(

@@ -16,7 +16,8 @@ Row groups (``--only``):
    ≤ 1.05× for SnapKV); KVzip's repeat passes vs. a plain prefill (goal ≤ 2.5×: its authors report 2×).
 3. modes: the same grid query-aware, query-agnostic, and both from one prefill.
 4. bytes: KV bytes kept vs. the nominal budget. decode: decode time per token at a long context, budget 128 vs.
-   full cache. memory: the growth of peak resident memory while the grid decodes (the peak reset after the
+   full cache, and of a cache stored in KIVI's 4 and 2 bits (dequantized at every step) vs. the same cache in 16 bits
+   (``--quantized-only`` runs this row alone, at ``--decode-length``, and writes nothing). memory: the growth of peak resident memory while the grid decodes (the peak reset after the
    prefill), batched vs. one at a time, and with decode-batch caps; the cap that keeps it within 1.5×.
 5. startup: the README's demo ``pkvbench run`` from launch to its first prefill, by phase (``scripts/startup_probe.py``:
    imports, checks, model config / tokenizer / weights, task build), best of 3, against a bare transformers load of
@@ -46,7 +47,7 @@ import click
 import pandas as pd
 import torch
 
-from pkvbench.budgets import Budget
+from pkvbench.budgets import Budget, KVFormat
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import load_model
 from pkvbench.policies import parse_policy
@@ -253,6 +254,31 @@ def decode_speed(engine: Engine, length: int, new_tokens: int = 32) -> list[dict
             ">= 2x",
             "seconds per token",
         )
+    ]
+
+
+def quantized_decode_speed(engine: Engine, length: int, new_tokens: int = 32, budget: str = "all") -> list[dict]:
+    """Decode time per token of one cache (the full prompt's, by default) stored in KIVI's 4 and 2 bits against the
+    same cache in 16 bits: the price of dequantizing the packed entries at every step (docs/memory.md)."""
+    _, sample = needle_sample(engine, length)
+    policy = parse_policy("full" if budget == "all" else "snapkv")
+    prefill = engine.prefill(torch.tensor([sample.input_ids]), [policy])
+    per_token, stored = {}, {}
+    for bits in (16, 4, 2):
+        cache = engine.compress(prefill, policy, Budget.parse(budget), fmt=KVFormat(bits))
+        decoded = min((engine.decode(prefill, cache, new_tokens) for _ in range(2)), key=lambda d: d.seconds)
+        per_token[bits] = decoded.seconds / max(1, len(decoded.tokens) - 1)
+        stored[bits] = cache.nbytes
+    return [
+        row(
+            f"decode per token, {bits}-bit vs 16-bit cache ({policy.label} @ {budget})",
+            length,
+            per_token[16],
+            per_token[bits],
+            "report",
+            f"seconds per token; {stored[bits]} B vs {stored[16]} B stored",
+        )
+        for bits in (4, 2)
     ]
 
 
@@ -653,6 +679,9 @@ def write_table(rows: list[dict], out: Path, merge: bool) -> pd.DataFrame:
 @click.option("--leaderboard-limit", default=1, show_default=True, help="Samples per task of the leaderboard row.")
 @click.option("--leaderboard-length", default=4000, show_default=True, help="Prompt tokens of the leaderboard row.")
 @click.option("--memory-probe", hidden=True)
+@click.option(
+    "--quantized-only", is_flag=True, help="Only the quantized-cache decode row, at --decode-length; writes nothing."
+)
 def main(
     lengths,
     decode_length,
@@ -665,11 +694,15 @@ def main(
     leaderboard_limit,
     leaderboard_length,
     memory_probe,
+    quantized_only,
 ):
     torch.manual_seed(0)
     lengths = [int(x) for x in lengths.split(",")]
     if memory_probe:
         print(json.dumps(decode_memory(Engine(load_model()), lengths[0], memory_probe)))
+        return
+    if quantized_only:
+        print(pd.DataFrame(quantized_decode_speed(Engine(load_model()), decode_length)).to_string(index=False))
         return
     groups = [g.strip() for g in only.split(",")] if only else list(ROW_GROUPS)
     unknown = sorted(set(groups) - set(ROW_GROUPS))
@@ -690,6 +723,7 @@ def main(
     rows += query_modes(engine, lengths[0]) if "modes" in groups else []
     rows += kv_bytes(engine, lengths[0]) if "bytes" in groups else []
     rows += decode_speed(engine, decode_length) if "decode" in groups else []
+    rows += quantized_decode_speed(engine, decode_length) if "decode" in groups else []
     rows += memory(lengths[0], sys.executable) if "memory" in groups else []
     rows += startup() if "startup" in groups else []
     rows += whole_process(lengths[0]) if "process" in groups else []

@@ -96,9 +96,10 @@ POLICIES = ["full", "streamingllm", "h2o", "snapkv", "pyramidkv", "h2o:scores=wi
 
 @pytest.mark.model
 def test_batched_decoding_gives_the_tokens_of_one_at_a_time(engine, loaded):
-    """Every policy × budget on two needle prompts, with a stop string and a minimum length in play: decoding all
-    configurations of a sample together yields exactly the tokens each gives alone."""
-    from pkvbench.budgets import Budget
+    """Every policy × budget on two needle prompts, with a stop string and a minimum length in play, and some of them
+    stored in fewer bits: decoding all configurations of a sample together yields exactly the tokens each gives
+    alone."""
+    from pkvbench.budgets import Budget, KVFormat
     from pkvbench.policies import parse_policy, registry
     from pkvbench.tasks.base import TaskOptions
     from pkvbench.tasks.registry import build_samples, get_task
@@ -118,6 +119,13 @@ def test_batched_decoding_gives_the_tokens_of_one_at_a_time(engine, loaded):
             engine.request(prefill, engine.compress(prefill, p, Budget(b)), 16, stop_strings=(".",), min_new_tokens=2)
             for p in policies
             for b in (16, 0.1)
+        ]
+        # caches stored in 16 bits and KIVI's integers (engine/quantized.py): uniform, head-wise and per-query-head
+        requests += [
+            engine.request(prefill, engine.compress(prefill, p, Budget(0.1), fmt=f), 16, stop_strings=(".",))
+            for p in policies
+            if p.label in ("full", "snapkv", "kvzip", "adakv(snapkv)", "snapkv:gqa=query")
+            for f in (KVFormat(16), KVFormat(4, residual=8), KVFormat(2, group=16, residual=0))
         ]
         alone = [engine.decoder.decode_batch([r])[0] for r in requests]
         together = engine.decode_many(requests)

@@ -6,9 +6,9 @@ and each head where heads keep different numbers of entries, sees exactly its ow
 see them alone. Positions are the original ones. Each row stops on its own (an end token, a stop string, its token
 limit) and leaves the batch. A batch of one is the plain one-configuration-at-a-time path.
 
-Which rows share a batch (``plan_batches``): rows whose caches have the same number of heads and that feed the same
-tokens first (query-agnostic rows feed their question on top of the compressed context), at most ``max_rows`` rows,
-and no more padding than one full cache of the prompt or ``PADDING_ALLOWANCE`` times what the rows keep themselves,
+Which rows share a batch (``plan_batches``): rows whose caches have the same number of heads, are stored alike (the
+model's dtype, or one ``budgets.KVFormat``: ``engine/quantized.py``) and feed the same tokens first (query-agnostic
+rows feed their question on top of the compressed context), at most ``max_rows`` rows, and no more padding than one full cache of the prompt or ``PADDING_ALLOWANCE`` times what the rows keep themselves,
 whichever is more. So a full-cache row never pads a batch of small caches to its length, while a grid's budgets
 (64 to 512 entries of a 2000-token prompt) share one or two batches: on 2 CPU cores a decode step of 12 rows costs
 2.6 times one of 1 (``scripts/profile_decode.py``, ``docs/benchmark.md``), so splitting a grid by budget, as the
@@ -25,6 +25,7 @@ import torch
 
 from pkvbench.engine.attention import decoding
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
+from pkvbench.engine.quantized import StoredEntries, quantized_layers
 
 # A batch may pad by this fraction of the entries its rows keep, or by one full cache of the prompt if more.
 PADDING_ALLOWANCE = 0.5
@@ -59,7 +60,7 @@ class DecodeRequest:
     """Decode from ``kept`` at original positions starting at ``position``: first run ``feed`` through the model (if
     any), then generate greedily from ``first_logits`` (when nothing is fed) or from the feed's last logits."""
 
-    kept: KeptEntries
+    kept: KeptEntries | StoredEntries  # the latter: stored in fewer bits (engine/quantized.py)
     position: int
     max_new_tokens: int
     first_logits: torch.Tensor | None = None
@@ -88,7 +89,8 @@ def plan_batches(requests: list[DecodeRequest], max_rows: int | None) -> list[li
     """Indices of ``requests`` grouped into batches (see the module docstring)."""
     groups: dict[tuple, list[int]] = {}
     for index, request in enumerate(requests):
-        groups.setdefault((request.kept.heads, request.feed, request.position), []).append(index)
+        stored_as = getattr(request.kept, "format", None)  # rows of one batch share how their caches are stored
+        groups.setdefault((request.kept.heads, stored_as, request.feed, request.position), []).append(index)
     batches = []
     for members in groups.values():
         members.sort(key=lambda i: requests[i].kept.entries)
@@ -140,6 +142,8 @@ class BatchDecoder:
         return results
 
     def _cache(self, requests: list[DecodeRequest], room: int) -> RaggedCache:
+        if isinstance(requests[0].kept, StoredEntries):
+            return RaggedCache(quantized_layers([r.kept for r in requests], room, self.kv_heads))
         layers = []
         for layer in range(len(requests[0].kept.keys)):
             keys = [r.kept.keys[layer] for r in requests]

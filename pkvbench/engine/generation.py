@@ -19,6 +19,7 @@ from pkvbench import budgets
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries
 from pkvbench.engine.models import LoadedModel
+from pkvbench.engine.quantized import StoredEntries
 from pkvbench.engine.reconstruction import SINK, ReconstructionRecorder, repeat_inputs
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs, Policy
@@ -69,9 +70,10 @@ def ragged_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class CompressedCache:
-    """The entries one policy keeps at one budget, per layer ``[heads, n, dim]`` (batch dimension dropped)."""
+    """The entries one policy keeps at one budget, per layer ``[heads, n, dim]`` (batch dimension dropped), in the
+    model's dtype (``KeptEntries``) or stored in fewer bits (``quantized.StoredEntries``)."""
 
-    kept: KeptEntries
+    kept: KeptEntries | StoredEntries
     plan: budgets.LayerPlan
     # What the policy chose, per layer: kept indices ``[heads, k]``, a keep mask ``[heads, T]``, or None where the
     # layer keeps every entry; None for the whole cache when nothing was compressed.
@@ -101,7 +103,18 @@ class CompressedCache:
     @property
     def nbytes(self) -> int:
         """Physical bytes of the stored keys and values (padding included)."""
+        if isinstance(self.kept, StoredEntries):
+            return self.kept.nbytes
         return sum(t.numel() * t.element_size() for t in (*self.kept.keys, *self.kept.values))
+
+
+def kept_bytes(kept: KeptEntries, fmt: budgets.KVFormat) -> int:
+    """What ``kept`` will take once stored in ``fmt`` (``budgets.KVFormat.layer_bytes``, layer by layer)."""
+    total = 0
+    for index, keys in enumerate(kept.keys):
+        lengths = kept.lengths[index].tolist() if kept.lengths is not None else [keys.shape[1]] * keys.shape[0]
+        total += fmt.layer_bytes(keys.shape[0], keys.shape[-1], lengths)
+    return total
 
 
 class Engine:
@@ -120,6 +133,21 @@ class Engine:
         self.decoder = BatchDecoder(
             self._forward, self.tokenizer, self.stop_ids, loaded.num_kv_heads, self.device, self._sync
         )
+
+    @property
+    def geometry(self) -> budgets.CacheGeometry:
+        return budgets.CacheGeometry(self.loaded.num_layers, self.loaded.num_kv_heads, self.loaded.head_dim)
+
+    @property
+    def native_format(self) -> budgets.KVFormat:
+        """The model's own cache: its dtype's width, stored as computed."""
+        return budgets.KVFormat(self.model.dtype.itemsize * 8, native=True)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The 16 bits of a stored cache (scales, minima, residual): the model's dtype where it has 16 bits, else
+        float16 (of the 16-bit formats, the one with the finer steps)."""
+        return self.model.dtype if self.model.dtype.itemsize == 2 else torch.float16
 
     def rope(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's RoPE cos and sin ``[count, head_dim]`` (float32) at positions start, start + 1, …"""
@@ -237,35 +265,94 @@ class Engine:
     def select(
         self, prefill: Prefill, policy: Policy, budget: budgets.Budget, cut: int | None = None
     ) -> tuple[budgets.LayerPlan, dict[int, torch.Tensor]]:
-        """What ``policy`` keeps at ``budget`` of the whole prompt or of its first ``cut`` tokens: the layer plan and,
-        for each layer it compresses, the selection (kept positions ``[heads, k]``, or a keep mask ``[heads, T]``
-        where heads keep different numbers of entries)."""
-        length = cut or prefill.context_len
-        stats = prefill.stats_at[length]
-        plan = budgets.plan(policy, budget, length, self.loaded.num_layers)
+        """What ``policy`` keeps at ``budget`` (in entries) of the whole prompt or of its first ``cut`` tokens: the
+        layer plan and, for each layer it compresses, the selection (kept positions ``[heads, k]``, or a keep mask
+        ``[heads, T]`` where heads keep different numbers of entries)."""
+        plan = budgets.plan(policy, budget, cut or prefill.context_len, self.loaded.num_layers)
+        return plan, self._choose(prefill, policy, plan)
+
+    def _choose(self, prefill: Prefill, policy: Policy, plan: budgets.LayerPlan) -> dict[int, torch.Tensor]:
+        """Each compressed layer's selection under ``plan``."""
         if not plan.compressed:
-            return plan, {}
+            return {}
+        length = plan.context_len
+        stats = prefill.stats_at[length]
         compressed = [layer for layer, k in enumerate(plan.per_layer) if k < length]
         kept = policy.select_layers([stats[i] for i in compressed], [plan.per_layer[i] for i in compressed])
-        return plan, dict(zip(compressed, kept))
+        return dict(zip(compressed, kept))
 
     def compress(
-        self, prefill: Prefill, policy: Policy, budget: budgets.Budget, cut: int | None = None
+        self,
+        prefill: Prefill,
+        policy: Policy,
+        budget: budgets.Budget,
+        cut: int | None = None,
+        fmt: budgets.KVFormat | None = None,
     ) -> CompressedCache:
         """Gather the entries ``policy`` keeps at ``budget`` from the full cache (no second forward pass): of the
-        whole prompt, or of its first ``cut`` tokens (the context, when the question comes after compression)."""
+        whole prompt, or of its first ``cut`` tokens (the context, when the question comes after compression); then
+        store them in ``fmt`` (default: the model's own cache). A memory budget keeps as many entries as fit its
+        bytes in ``fmt`` (``budgets.memory_plan``)."""
+        fmt = fmt or self.native_format
         length = cut or prefill.context_len
-        plan, chosen = self.select(prefill, policy, budget, cut)
+        heads = policy.cache_heads(prefill.stats_at[length][0])
+        if budget.memory:
+            plan = budgets.memory_plan(policy, budget, length, self.geometry, fmt, heads)
+        else:
+            plan = budgets.plan(policy, budget, length, self.loaded.num_layers)
+        kept, selected = self._gather(prefill, policy, plan, heads)
+        if budget.memory and kept.lengths is not None and kept_bytes(kept, fmt) > plan.target_bytes:
+            plan, (kept, selected) = self._fit_head_wise(prefill, policy, budget, plan, heads, fmt)
+        if not fmt.native:
+            kept = StoredEntries.store(kept, fmt, self.storage_dtype)
+        return CompressedCache(kept, plan, selected)
+
+    def _fit_head_wise(
+        self,
+        prefill: Prefill,
+        policy: Policy,
+        budget: budgets.Budget,
+        plan: budgets.LayerPlan,
+        heads: int,
+        fmt: budgets.KVFormat,
+    ) -> tuple[budgets.LayerPlan, tuple[KeptEntries, list | None]]:
+        """A policy whose heads keep different numbers of entries is stored padded to each layer's fullest head:
+        the bytes depend on what it selects. The most entries whose selection fits the memory budget."""
+        layers, length = self.loaded.num_layers, plan.context_len
+        tried: dict[int, tuple[budgets.LayerPlan, tuple[KeptEntries, list | None]]] = {}
+
+        def fits(k: int) -> bool:
+            per_layer = policy.layer_budgets(k, length, layers)
+            smaller = dataclasses.replace(plan, requested=k, effective=k, per_layer=per_layer)
+            tried[k] = (smaller, self._gather(prefill, policy, smaller, heads))
+            return kept_bytes(tried[k][1][0], fmt) <= plan.target_bytes
+
+        floor = min(max(policy.min_budget, 1), length)
+        k = budgets.largest(floor, plan.effective - 1, fits)
+        if k is None:
+            needed, full = kept_bytes(tried[floor][1][0], fmt), self.geometry.full_bytes(length)
+            raise budgets.MemoryTooSmall(budget, needed, full, f"{policy.label} at {fmt} bits on {length} tokens")
+        if k not in tried:
+            fits(k)
+        return tried[k]
+
+    def _gather(
+        self, prefill: Prefill, policy: Policy, plan: budgets.LayerPlan, heads: int
+    ) -> tuple[KeptEntries, list[torch.Tensor | None] | None]:
+        """The entries ``policy`` keeps under ``plan``, gathered from the full cache, and what it chose per layer
+        (None where a layer keeps everything; None in all when nothing is compressed)."""
+        length = plan.context_len
+        chosen = self._choose(prefill, policy, plan)
         full_keys = [k[0, :, :length] for k in prefill.keys]
         full_values = [v[0, :, :length] for v in prefill.values]
         # One kept set per KV head, or (the reference's gqa=query) one per query head, from keys and values repeated
         # to every query head of their group as transformers' repeat_kv does.
-        group = policy.cache_heads(prefill.stats_at[length][0]) // self.loaded.num_kv_heads
+        group = heads // self.loaded.num_kv_heads
         if group > 1:
             full_keys = [k.repeat_interleave(group, dim=0) for k in full_keys]
             full_values = [v.repeat_interleave(group, dim=0) for v in full_values]
         if not plan.compressed:
-            return CompressedCache(KeptEntries(full_keys, full_values), plan)
+            return KeptEntries(full_keys, full_values), None
         keys, values = [], []
         lengths: list[torch.Tensor | None] = [None] * len(plan.per_layer)
         selected: list[torch.Tensor | None] = [None] * len(plan.per_layer)
@@ -281,9 +368,9 @@ class Engine:
             keys.append(full_keys[layer].gather(1, index))
             values.append(full_values[layer].gather(1, index))
         if not any(n is not None for n in lengths):
-            return CompressedCache(KeptEntries(keys, values), plan, selected)
+            return KeptEntries(keys, values), selected
         filled = [n if n is not None else torch.full((k.shape[0],), k.shape[1]) for n, k in zip(lengths, keys)]
-        return CompressedCache(KeptEntries(keys, values, filled), plan, selected)
+        return KeptEntries(keys, values, filled), selected
 
     def request(
         self,

@@ -107,6 +107,32 @@
     }
     document.getElementById("summary-table").append(renderTable(data.tables.summary, "summary-data"));
     document.getElementById("report-table").append(renderTable(data.tables.report, "report-data"));
+    if (data.tables.frontier) {
+      append(
+        document.getElementById("frontier"),
+        el("h2", {}, "Accuracy per byte"),
+        el(
+          "p",
+          { class: "hint" },
+          "Each cell's mean bytes (kv_bytes; memory: % of the full cache at 16 bits per value), its scores with " +
+            "95% intervals, and * on the Pareto front (no cell smaller and at least as good). The figure is in the " +
+            "Figures tab.",
+        ),
+        renderTable(data.tables.frontier, "frontier-data"),
+      );
+    }
+    if (data.tables.memory_diff) {
+      append(
+        document.getElementById("frontier"),
+        el(
+          "p",
+          { class: "hint" },
+          "Per memory target, its best cell against each other cell that fits it, paired on the same samples " +
+            "(diff in points, 95% interval, Holm over every comparison); the full cache counts where all its caches fit.",
+        ),
+        renderTable(data.tables.memory_diff, "memory-diff-data"),
+      );
+    }
     const comparison = data.comparison;
     if (!comparison) return;
     append(
@@ -127,6 +153,7 @@
 
   const FIGURE_GROUPS = [
     ["curves", "Score vs budget", "no policy other than the full cache"],
+    ["frontier", "Accuracy per byte", "no storage bits or memory budgets (--kv-bits, --memory)"],
     ["heatmap", "Needle heatmaps", "no task laid out on a length × depth grid (the needle tasks)"],
     ["layers", "Entries kept per layer", "no row records kv_kept of a compressing policy"],
   ];

@@ -43,6 +43,18 @@ class Needs:
         """Everything either needs (flags or'ed, sets joined)."""
         return Needs(**{f.name: getattr(self, f.name) | getattr(other, f.name) for f in dataclasses.fields(self)})
 
+    @property
+    def attention_weights(self) -> str:
+        """Which attention weights the policy needs, a cost of its own: kernels such as FlashAttention and paged
+        serving engines return none. ``none``; ``window`` (the last queries' softmax, recomputed from their queries
+        and the keys); ``all`` (every query's: the whole T×T attention, in chunks); ``repeat pass`` (a second pass's,
+        KVzip's)."""
+        if self.accumulated or self.bidirectional:
+            return "all"
+        if self.reconstruction:
+            return "repeat pass"
+        return "window" if self.windows else "none"
+
     @staticmethod
     def union(needs: Iterable[Needs]) -> Needs:
         total = Needs()

@@ -1,0 +1,246 @@
+"""Compressed caches stored in fewer bits: one row's stored form, and the layer a batch of them decodes from.
+
+A policy selects its entries from full-precision statistics; ``StoredEntries.store`` then keeps them in a
+``budgets.KVFormat``: 16 bits (every entry, widened for attention where the model computes in float32), or KIVI's
+8/4/2-bit integers (``pkvbench.quantize``) for all but each head's last R entries, which stay in 16 bits (the
+residual). The stored tensors are all there is: ``nbytes`` is their sum, what a row's ``kv_bytes`` records.
+
+``QuantizedLayer`` (in the style of transformers' ``cache_utils`` quantized layers) holds one layer of a batch of
+stored caches — rows of one sample's grid, padded to the batch's longest and masked — and attends over them by
+dequantizing the packed entries at every step: nothing wider than the stored form is kept between steps. New tokens
+(a fed question, the answer) go into the residual in 16 bits, through a ``RaggedLayer`` that already knows how rows
+and heads of different lengths take new tokens and how to mask them. Keys are stored after RoPE, so attention does
+not depend on the order of the columns: the packed part comes first, then the residual, with masked padding between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from pkvbench.budgets import KVFormat
+from pkvbench.engine.cache import RaggedLayer
+from pkvbench.errors import PkvError
+from pkvbench.quantize import Quantized, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+
+
+@dataclass
+class StoredLayer:
+    """One layer of one row: per head, ``quantized[h]`` entries packed (``keys``/``values``: None when no head has
+    any) and then ``residual[h]`` entries in 16 bits (``residual_keys``/``residual_values`` ``[heads, r, dim]``);
+    heads with fewer are padded to the fullest."""
+
+    keys: Quantized | None
+    values: Quantized | None
+    quantized: torch.Tensor  # [heads] long
+    residual_keys: torch.Tensor
+    residual_values: torch.Tensor
+    residual: torch.Tensor  # [heads] long
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """What the layer stores: packed codes, scales and minima, and the residual."""
+        packed = [t for q in (self.keys, self.values) if q is not None for t in q.tensors]
+        return [*packed, self.residual_keys, self.residual_values]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.quantized + self.residual
+
+    @property
+    def columns(self) -> int:
+        """Stored entries per head, padding included."""
+        return (self.keys.codes.shape[1] if self.keys is not None else 0) + self.residual_keys.shape[1]
+
+
+def _gather(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return tensor.gather(1, index[:, :, None].expand(-1, -1, tensor.shape[-1]))
+
+
+def _sixteen_bits(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    stored = tensor.to(dtype)
+    if not bool(torch.isfinite(stored).all()):
+        raise PkvError(f"the cache holds values beyond {dtype}'s range; it cannot be stored in 16 bits")
+    return stored
+
+
+def store_layer(
+    keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, fmt: KVFormat, dtype: torch.dtype
+) -> StoredLayer:
+    """Store one layer's kept ``keys``/``values`` ``[heads, n, dim]`` (head h's in ``[:lengths[h]]``) in ``fmt``,
+    16-bit parts in ``dtype``."""
+    lengths = lengths.to(device=keys.device, dtype=torch.long)
+    residual = lengths.clamp(max=fmt.residual) if fmt.quantized else lengths
+    quantized = lengths - residual
+    width, tail = int(quantized.max()), int(residual.max())
+    # Each head's packed part is its first quantized[h] entries, padded with its last one (a group's minimum and
+    # maximum stay its own entries'); its residual the entries after them, padded likewise. Padding is masked.
+    tail_index = (quantized[:, None] + torch.arange(tail, device=keys.device)).minimum(
+        (lengths - 1).clamp(min=0)[:, None]
+    )
+    packed_keys = packed_values = None
+    if width:
+        index = torch.arange(width, device=keys.device).minimum((quantized - 1).clamp(min=0)[:, None])
+        packed_keys = quantize_keys(_gather(keys, index), fmt.bits, fmt.group, dtype)
+        packed_values = quantize_values(_gather(values, index), fmt.bits, fmt.group, dtype)
+    return StoredLayer(
+        packed_keys,
+        packed_values,
+        quantized,
+        _sixteen_bits(_gather(keys, tail_index), dtype),
+        _sixteen_bits(_gather(values, tail_index), dtype),
+        residual,
+    )
+
+
+@dataclass
+class StoredEntries:
+    """One row's compressed cache as stored in ``format`` (the decoder's counterpart of ``decoding.KeptEntries``):
+    per layer a ``StoredLayer``; ``dtype`` is what attention computes in."""
+
+    layers: list[StoredLayer]
+    format: KVFormat
+    dtype: torch.dtype
+
+    @classmethod
+    def store(cls, kept, fmt: KVFormat, dtype: torch.dtype) -> StoredEntries:
+        """``kept`` (``KeptEntries``, the gathered full-precision entries) stored in ``fmt``, 16 bits as ``dtype``."""
+        layers = []
+        for index, (keys, values) in enumerate(zip(kept.keys, kept.values)):
+            lengths = kept.lengths[index] if kept.lengths is not None else torch.full((keys.shape[0],), keys.shape[1])
+            layers.append(store_layer(keys, values, lengths, fmt, dtype))
+        return cls(layers, fmt, kept.keys[0].dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the stored tensors hold (codes, scales, minima, residual, padding), from the tensors themselves."""
+        return sum(t.nbytes for layer in self.layers for t in layer.tensors)
+
+    @property
+    def heads(self) -> tuple[int, ...]:
+        return tuple(layer.residual_keys.shape[0] for layer in self.layers)
+
+    def stored(self, layer: int) -> int:
+        return self.layers[layer].columns
+
+    @property
+    def entries(self) -> int:
+        return int(sum(int(layer.lengths.sum()) for layer in self.layers))
+
+    @property
+    def lengths(self) -> list[torch.Tensor]:
+        return [layer.lengths for layer in self.layers]
+
+
+def _padded(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """Row tensors stacked along a new batch axis, each zero-padded along ``dim`` (of the row) to the longest."""
+    longest = max(t.shape[dim] for t in tensors)
+    out = tensors[0].new_zeros((len(tensors), *tensors[0].shape[:dim], longest, *tensors[0].shape[dim + 1 :]))
+    for row, tensor in enumerate(tensors):
+        out[row].narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
+    return out
+
+
+class QuantizedLayer(CacheLayerMixin):
+    """One layer of a batch of stored caches (rows of one format), decoded from their packed form at every step."""
+
+    is_sliding = False
+
+    def __init__(self, rows: list[StoredLayer], fmt: KVFormat, dtype: torch.dtype, room: int, kv_heads: int):
+        super().__init__()
+        self.format, self.dtype = fmt, dtype
+        self.is_initialized = True
+        self.quantized = torch.stack([row.quantized for row in rows])  # [batch, heads]
+        self.packed_columns = max((row.keys.codes.shape[1] if row.keys is not None else 0) for row in rows)
+        # Columns of the packed part as attention sees it: whole key groups (the last one's padding is masked).
+        self.width = -(-self.packed_columns // fmt.group) * fmt.group
+        self.packed: list[torch.Tensor] = []  # key codes, scale, minimum, then the values'
+        if self.width:
+            for part in ("keys", "values"):
+                stored = [getattr(row, part) or _empty_like(rows, part) for row in rows]
+                self.packed += [
+                    _padded([getattr(s, name) for s in stored], 1) for name in ("codes", "scale", "minimum")
+                ]
+        residual_keys = _padded([row.residual_keys for row in rows], 1)
+        residual_values = _padded([row.residual_values for row in rows], 1)
+        lengths = torch.stack([row.residual for row in rows])
+        self.residual = RaggedLayer(residual_keys, residual_values, lengths, room, kv_heads)
+        self.device = residual_keys.device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.residual.lengths
+
+    def _assemble(self, tail: torch.Tensor, part: int) -> torch.Tensor:
+        """What attention reads: the packed keys (``part`` 0) or values (1) dequantized into the first ``width``
+        columns of a fresh buffer, the residual widened after them."""
+        fmt = self.format
+        batch, heads, columns, dim = tail.shape
+        out = torch.empty((batch, heads, self.width + columns, dim), dtype=self.dtype, device=tail.device)
+        packed = Quantized(*self.packed[3 * part : 3 * part + 3])
+        if part == 0:
+            dequantize_keys(packed, fmt.bits, fmt.group, self.dtype, out=out[:, :, : self.width])
+        else:
+            dequantize_values(packed, fmt.bits, fmt.group, self.dtype, out=out[:, :, : self.packed_columns])
+            out[:, :, self.packed_columns : self.width].zero_()  # masked, but a value must be finite all the same
+        out[:, :, self.width :].copy_(tail)
+        return out
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        stored = self.residual.keys.dtype
+        tail_keys, tail_values = self.residual.update(key_states.to(stored), value_states.to(stored))
+        if not self.width:
+            return tail_keys.to(self.dtype), tail_values.to(self.dtype)
+        return self._assemble(tail_keys, 0), self._assemble(tail_values, 1)
+
+    def attention_mask(self) -> torch.Tensor | None:
+        """As ``RaggedLayer.attention_mask``, over the packed columns (each row and head its own count) followed by
+        the residual's."""
+        tail = self.residual.attention_mask()
+        if not self.width:
+            return tail
+        full = bool((self.quantized == self.width).all())
+        if full and tail is None:
+            return None
+        batch, new = self.quantized.shape[0], self.residual._new
+        counts = self.quantized[:, :1] if bool((self.quantized == self.quantized[:, :1]).all()) else self.quantized
+        packed = torch.arange(self.width, device=counts.device) < counts[..., None]  # [batch, 1 or heads, width]
+        if tail is None:
+            tail = torch.ones((batch, 1, new, self.residual.keys.shape[2]), dtype=torch.bool, device=counts.device)
+        heads = max(packed.shape[1], tail.shape[1])
+        packed = packed[:, :, None].expand(batch, heads, new, self.width)
+        return torch.cat([packed, tail.expand(batch, heads, -1, -1)], dim=-1)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.quantized = self.quantized[rows]
+        self.packed = [tensor[rows] for tensor in self.packed]
+        self.residual.select_rows(rows)
+
+    def get_seq_length(self) -> int:
+        return self.width + self.residual.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.width + self.residual.get_mask_sizes(query_length)[0], 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def _empty_like(rows: list[StoredLayer], part: str) -> Quantized:
+    """A row of a batch whose other rows pack entries but it packs none: zero-length packed tensors of their shape."""
+    model = next(getattr(row, part) for row in rows if getattr(row, part) is not None)
+    return Quantized(*(t[:, :0] for t in model.tensors))
+
+
+def quantized_layers(entries: list[StoredEntries], room: int, kv_heads: int) -> list[QuantizedLayer]:
+    """The layers of a batch of rows stored in one format."""
+    first = entries[0]
+    return [
+        QuantizedLayer([e.layers[index] for e in entries], first.format, first.dtype, room, kv_heads)
+        for index in range(len(first.layers))
+    ]

@@ -1,0 +1,300 @@
+"""Memory budgets and stored caches, without a model: parsing, the byte arithmetic against the stored tensors, the
+entries a memory budget buys, a batch of stored caches attending as each row alone would, and the frontier view."""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from pkvbench.budgets import (
+    Budget,
+    CacheGeometry,
+    KVFormat,
+    MemoryTooSmall,
+    keeps_fixed_set,
+    memory_plan,
+    parse_budgets,
+    parse_memory,
+    planned_bytes,
+)
+from pkvbench.engine.decoding import KeptEntries
+from pkvbench.engine.generation import kept_bytes
+from pkvbench.engine.quantized import StoredEntries, quantized_layers
+from pkvbench.errors import PkvError
+from pkvbench.policies import parse_policy
+from pkvbench.quantize import dequantize_keys, dequantize_values
+
+GEOMETRY = CacheGeometry(layers=4, kv_heads=3, head_dim=64)
+FORMATS = [KVFormat(16), KVFormat(8), KVFormat(4, group=16, residual=5), KVFormat(2, group=32, residual=0)]
+
+
+# --- parsing -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text,value,label",
+    [("0.05", 0.05, "mem0.05"), ("1", 1.0, "mem1"), ("2MiB", 2 * 2**20, "mem2MiB"), ("2048KiB", 2**21, "mem2MiB")],
+)
+def test_memory_budgets_are_fractions_or_sizes_with_a_unit(text, value, label):
+    budget = parse_memory(text)
+    assert budget.memory and budget.value == value and str(budget) == label
+    assert Budget.parse(label) == budget and budget.recorded == label
+    assert str(parse_memory("1500KB")) == "mem1500KB" and str(parse_memory("7B")) == "mem7B"
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("0", "a fraction is above 0 and at most 1"),
+        ("1.5", "a fraction is above 0 and at most 1"),
+        ("lots", "is not a fraction"),
+        ("2XB", "unknown unit 'XB'"),
+        ("0.1B", "at least one byte"),
+    ],
+)
+def test_bad_memory_budgets_say_what_is_wrong(text, message):
+    with pytest.raises(PkvError, match=message):
+        parse_memory(text)
+
+
+def test_entry_budgets_refuse_memory_and_keep_all_keeps_every_entry():
+    with pytest.raises(PkvError, match="memory budgets go in --memory"):
+        parse_budgets("128,mem0.05")
+    every = Budget.parse("all")
+    assert every.keeps_all and every.entries(700) == 700 and every.recorded == "all"
+    with pytest.raises(ValueError):
+        parse_memory("0.1").entries(700)
+
+
+def test_only_the_full_cache_keeps_a_fixed_set():
+    assert keeps_fixed_set(parse_policy("full"))
+    for spec in ("snapkv", "pyramidkv", "streamingllm", "kvzip", "snapkv:window=64"):
+        assert not keeps_fixed_set(parse_policy(spec)), spec
+
+
+# --- bytes: the formula against the stored tensors -------------------------------------------------------------------
+
+
+def kept_entries(lengths_per_layer: list[list[int]], heads=3, dim=64, seed=0) -> KeptEntries:
+    """Hand-made kept entries: per layer, heads keeping the given numbers (padded to the fullest with their last)."""
+    generator = torch.Generator().manual_seed(seed)
+    keys, values, lengths = [], [], []
+    for counts in lengths_per_layer:
+        stored = max(max(counts), 1)
+        keys.append(torch.randn(heads, stored, dim, generator=generator) * 3)
+        values.append(torch.randn(heads, stored, dim, generator=generator))
+        lengths.append(torch.tensor(counts))
+    ragged = any(len(set(c)) > 1 for c in lengths_per_layer)
+    return KeptEntries(keys, values, lengths if ragged else None)
+
+
+LAYOUTS = [
+    [[40, 40, 40], [7, 7, 7]],  # uniform layers of different sizes
+    [[40, 12, 3], [0, 5, 33], [0, 0, 0]],  # heads keeping different numbers, one keeping none, a layer keeping none
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_byte_formula_is_what_the_stored_tensors_hold(fmt, layout):
+    kept = kept_entries(layout)
+    stored = StoredEntries.store(kept, fmt, torch.float16)
+    held = sum(t.numel() * t.element_size() for layer in stored.layers for t in layer.tensors)
+    assert stored.nbytes == held == kept_bytes(kept, fmt)
+    assert stored.entries == sum(sum(counts) for counts in layout)
+    # quantized formats store each head's last R entries in 16 bits, the rest packed
+    for layer, counts in zip(stored.layers, layout):
+        assert layer.residual.tolist() == [min(n, fmt.residual) if fmt.quantized else n for n in counts]
+
+
+def test_the_model_dtype_format_is_the_kept_tensors_bytes():
+    for layout in LAYOUTS:
+        kept = kept_entries(layout)
+        own = sum(t.numel() * t.element_size() for t in (*kept.keys, *kept.values))
+        assert kept_bytes(kept, KVFormat(32, native=True)) == own
+
+
+def test_a_stored_head_reads_back_its_own_entries_in_order():
+    kept = kept_entries([[40, 12, 3]])
+    fmt = KVFormat(8, group=8, residual=5)
+    layer = StoredEntries.store(kept, fmt, torch.float16).layers[0]
+    keys = dequantize_keys(layer.keys, fmt.bits, fmt.group, torch.float32)
+    values = dequantize_values(layer.values, fmt.bits, fmt.group, torch.float32)
+    for head, n in enumerate([40, 12, 3]):
+        q = n - min(n, 5)
+        restored = torch.cat([keys[head, :q], layer.residual_keys[head, : n - q].float()])
+        assert torch.allclose(restored, kept.keys[0][head, :n], atol=0.1)  # 8 bits of a range of about 20
+        assert torch.equal(layer.residual_keys[head, : n - q], kept.keys[0][head, q:n].half())
+        assert torch.allclose(
+            torch.cat([values[head, :q], layer.residual_values[head, : n - q].float()]),
+            kept.values[0][head, :n],
+            atol=0.03,
+        )
+
+
+# --- what a memory budget buys ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "pyramidkv", "streamingllm", "snapkv:gqa=query"])
+@pytest.mark.parametrize("fmt", [KVFormat(32, native=True), *FORMATS], ids=str)
+@pytest.mark.parametrize("memory", ["0.05", "0.12", "0.25", "300KiB"])
+def test_a_memory_budget_keeps_the_most_entries_that_fit(spec, fmt, memory):
+    policy, length = parse_policy(spec), 1000
+    heads = 9 if "gqa=query" in spec else 3
+    budget = parse_memory(memory)
+    full = GEOMETRY.full_bytes(length)
+    assert full == 2 * 4 * 3 * 1000 * 64 * 2
+    target = budget.target_bytes(full)
+    try:
+        plan = memory_plan(policy, budget, length, GEOMETRY, fmt, heads)
+    except MemoryTooSmall as exc:
+        assert exc.needed > target
+        return
+    spent = planned_bytes(fmt, plan.per_layer, heads, 64)
+    assert plan.target_bytes == target and spent <= target
+    if plan.requested < length:  # one more entry per head and layer would not fit
+        more = policy.layer_budgets(plan.requested + 1, length, GEOMETRY.layers)
+        assert planned_bytes(fmt, more, heads, 64) > target
+    if spec == "pyramidkv" and plan.requested < length:
+        assert plan.per_layer[0] > plan.per_layer[-1]  # the pyramid's own per-layer budgets are what is counted
+
+
+def test_fewer_bits_buy_more_entries_and_the_residual_is_paid_in_16_bits():
+    policy, budget = parse_policy("snapkv"), parse_memory("0.12")
+    kept = {
+        str(fmt): memory_plan(policy, budget, 2000, GEOMETRY, fmt).requested
+        for fmt in (KVFormat(32, native=True), KVFormat(16), KVFormat(4), KVFormat(2), KVFormat(2, residual=32))
+    }
+    assert kept["32"] == 120 and kept["16"] == 240  # 12% of 2000 tokens at 16 bits
+    # 4 bits, per head and channel, in bits: the residual's 128 keys and values at 16, then per packed entry a key
+    # and a value code of 4, a value group's scale and minimum (32 bits per 32 channels: 1), and per 32 packed
+    # entries a key group's (32): of 0.12·2000·2·16 = 7680
+    packed = max(q for q in range(2000) if 2 * 16 * 128 + 9 * q + 32 * -(-q // 32) <= 7680)
+    assert kept["4"] == 128 + packed == 483
+    assert kept["2 r32"] > kept["2"] > kept["4"]
+
+
+def test_a_memory_budget_below_a_policys_floor_names_what_it_needs():
+    with pytest.raises(MemoryTooSmall, match=r"--memory 0.001: snapkv:window=32 at 16 bits .* needs at least"):
+        memory_plan(parse_policy("snapkv:window=32"), parse_memory("0.001"), 2000, GEOMETRY, KVFormat(16))
+
+
+# --- a batch of stored caches attends as each row alone ------------------------------------------------------------
+
+
+def attend(query, keys, values, visible):
+    """One query ``[heads, dim]`` over ``[heads, n, dim]`` keys and values where ``visible`` ``[heads, n]``."""
+    logits = torch.einsum("hd,hnd->hn", query, keys).masked_fill(~visible, -math.inf)
+    return torch.einsum("hn,hnd->hd", logits.softmax(-1), values)
+
+
+def test_a_batch_of_stored_caches_attends_to_each_rows_own_entries():
+    fmt = KVFormat(4, group=16, residual=5)
+    rows = [kept_entries(layout, seed=i) for i, layout in enumerate([[[40, 12, 3]], [[9, 9, 9]], [[70, 1, 30]]])]
+    stored = [StoredEntries.store(kept, fmt, torch.float16) for kept in rows]
+    layer = quantized_layers(stored, room=4, kv_heads=3)[0]
+    generator = torch.Generator().manual_seed(7)
+    new_keys, new_values = torch.randn(3, 3, 1, 64, generator=generator), torch.randn(3, 3, 1, 64, generator=generator)
+    keys, values = layer.update(new_keys, new_values)
+    mask = layer.attention_mask()
+    assert keys.dtype == torch.float32 and mask.shape == (3, 3, 1, keys.shape[2])
+    query = torch.randn(3, 3, 64, generator=generator)
+    for row, (kept, own) in enumerate(zip(rows, stored)):
+        # alone: the row's own entries, dequantized, then the new token (in 16 bits, as the residual keeps it)
+        one = quantized_layers([own], room=4, kv_heads=3)[0]
+        alone_keys, alone_values = one.update(new_keys[row : row + 1], new_values[row : row + 1])
+        alone_mask = one.attention_mask()
+        alone_visible = alone_mask[0, :, 0] if alone_mask is not None else torch.ones(alone_keys.shape[1:3], dtype=bool)
+        expected = attend(query[row], alone_keys[0], alone_values[0], alone_visible.expand(3, -1))
+        got = attend(query[row], keys[row], values[row], mask[row, :, 0])
+        assert torch.allclose(got, expected, atol=1e-6)
+        assert int(mask[row, :, 0].sum()) == sum(kept.lengths[0].tolist() if kept.lengths else [9, 9, 9]) + 3
+    layer.select_rows(torch.tensor([2]))
+    keys, _ = layer.update(new_keys[2:], new_values[2:])
+    assert keys.shape[0] == 1 and int(layer.attention_mask()[0, :, 0].sum()) == 70 + 1 + 30 + 6
+
+
+# --- the frontier ----------------------------------------------------------------------------------------------------
+
+
+def frontier_rows() -> pd.DataFrame:
+    """Two targets, SnapKV at 16 and 4 bits, and the full cache at 16 (too big) and 2 bits (fits the larger target):
+    twenty samples of one task, SnapKV at 4 bits right on all of them at 12%."""
+    rows = []
+    for sample in range(20):
+        for policy, bits, budget, size, target, score in [
+            ("snapkv", 16, "mem0.05", 48, 50, sample % 2),
+            ("snapkv", 4, "mem0.05", 49, 50, sample % 3 == 0),
+            ("snapkv", 16, "mem0.12", 110, 120, sample % 2),
+            ("snapkv", 4, "mem0.12", 118, 120, 1),
+            ("full", 16, "all", 1000, None, 1),
+            ("full", 2, "all", 115, None, sample % 2),
+        ]:
+            rows.append(
+                {
+                    "model": "m",
+                    "task": "needle",
+                    "sample_id": str(sample),
+                    "policy": policy,
+                    "budget": budget,
+                    "query_mode": "aware",
+                    "kv_bits": str(bits),
+                    "kv_stored": "" if bits == 32 else str(bits),
+                    "kv_bytes": size,
+                    "memory_target": target,
+                    "memory_fraction": size / 1000,
+                    "budget_tokens": size,
+                    "score": float(score),
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def test_the_frontier_marks_the_pareto_front_and_compares_each_target_with_its_best():
+    from pkvbench import frontier
+
+    rows = frontier_rows()
+    assert frontier.has_frontier(rows)
+    points = frontier.points(rows).set_index(["policy", "kv_bits", "budget"])
+    front = points.index[points["front"] == "*"].tolist()
+    # 16-bit SnapKV at 5% scores as well as at 12% and as the full cache at 2 bits, on fewer bytes; 4-bit SnapKV at
+    # 12% as well as the full cache, on a tenth of its bytes
+    assert front == [("snapkv", "16", "mem0.05"), ("snapkv", "4", "mem0.12")]
+    assert points.loc[("snapkv", "4", "mem0.12"), "memory"] == 11.8
+    compared = frontier.comparisons(rows)
+    at_12 = compared[compared["target"] == "mem0.12"]
+    assert set(at_12["best"]) == {"snapkv · 4 bits"}
+    assert set(at_12["cell"]) == {"snapkv · 16 bits", "full · 2 bits"}  # the full cache at 2 bits fits 12%
+    assert set(compared[compared["target"] == "mem0.05"]["cell"]) == {"snapkv · 4 bits"}
+    decided = at_12.set_index("cell")["verdict"]
+    assert decided["snapkv · 16 bits"] == "snapkv · 4 bits better"
+    text = frontier.frontier_markdown(rows)
+    assert "## Accuracy per byte" in text and "snapkv · 4 bits better" in text
+
+
+# --- bad input: one line, exit 2 -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--kv-bits", "3"], "--kv-bits 3: supported are 2, 4 and 8 (KIVI's integers), 16, and the model's own 32"),
+        (["--kv-bits", "32", "--dtype", "bfloat16", "--device", "cpu"], "the model computes in 16 bits"),
+        (["--kv-bits", "4", "--kv-group", "0"], "--kv-group 0: must be at least 1"),
+        (["--memory", "0.05", "--budget", "64"], "--memory and --budget together"),
+        (["--memory", "0.05", "--policy", "full"], "full keeps a fixed set of entries"),
+        (["--memory", "1.5"], "a fraction is above 0 and at most 1"),
+        (["--memory", "2 parsecs"], "unknown unit 'parsecs'"),
+        (["--budget", "mem0.05"], "memory budgets go in --memory"),
+    ],
+)
+def test_bad_bits_and_memory_are_one_clear_line(args, expected, tmp_path, capsys):
+    from pkvbench.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", *args, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and expected in err, err
+    assert not (tmp_path / "o").exists()
