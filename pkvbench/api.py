@@ -26,7 +26,7 @@ from pkvbench.policies.base import Policy
 from pkvbench.policies.registry import default_grid
 from pkvbench.policies.spec import check_shared_options, parse_option_pairs, parse_policy
 from pkvbench.provenance import make_deterministic, provenance
-from pkvbench.results import ResultStore
+from pkvbench.results import ResultStore, decode_budget_label
 from pkvbench.runner import QUERY_MODES, Cell, RunSettings, RunStats, Shard
 from pkvbench.tasks.base import TaskOptions, TaskSpec
 from pkvbench.tasks.registry import check_sample_options, expand_tasks, requested_prompt_tokens, validate
@@ -218,7 +218,8 @@ class RunConfig:
     model: str = DEFAULT_MODEL
     tasks: Sequence[str] | str = ("needle",)
     policies: Sequence[str] | str | None = None
-    budgets: Sequence[str | int | float] | str = (128,)
+    # None: 128, or with a decode budget cr0 (the prefill keeps everything: compression only while decoding)
+    budgets: Sequence[str | int | float] | str | None = None
     policy_args: Mapping[str, Any] | Sequence[str] = ()
     # "exact": pkvbench's protocol; "reference": every policy selects as the PyramidKV paper's code (docs/protocol.md)
     protocol: str = "exact"
@@ -230,6 +231,11 @@ class RunConfig:
     task_args: Mapping[str, Any] | Sequence[str] = ()
     max_new_tokens: int | None = None
     decode_batch: int | None = None  # at most this many configurations of a sample decode together; 1: one at a time
+    # Cut the cache back to this many entries per KV head while the answer is written (an axis: "none" for no cut),
+    # every decode_interval new tokens, the newest decode_buffer entries always kept (docs/decoding.md)
+    decode_budgets: Sequence[str | int] | str | None = None
+    decode_interval: int = 16
+    decode_buffer: int = 8
     # which samples
     lengths: Sequence[int] | str | None = None
     depths: Sequence[float] | str | None = None
@@ -279,16 +285,29 @@ class ResolvedRun:
     shard: Shard | None
     out: Path
     query_modes: list[str]
+    decode_budgets: list[int | None] = field(default_factory=lambda: [None])
 
     @property
     def cells(self) -> list[Cell]:
-        """The grid: every policy × budget × query mode."""
-        return [Cell(p, b, m) for p in self.policies for b in self.budgets for m in self.query_modes]
+        """The grid: every policy × budget × query mode × decode budget."""
+        return [
+            Cell(p, b, m, d)
+            for p in self.policies
+            for b in self.budgets
+            for m in self.query_modes
+            for d in self.decode_budgets
+        ]
 
     @property
     def settings(self) -> RunSettings:
         c = self.config
-        return RunSettings(max_new_tokens=c.max_new_tokens, decode_batch=c.decode_batch, protocol=c.protocol)
+        return RunSettings(
+            max_new_tokens=c.max_new_tokens,
+            decode_batch=c.decode_batch,
+            protocol=c.protocol,
+            decode_interval=c.decode_interval,
+            decode_buffer=c.decode_buffer,
+        )
 
     @property
     def recorded_options(self) -> dict[str, Any]:
@@ -306,6 +325,16 @@ class ResolvedRun:
                 "shard": str(self.shard) if self.shard else None,
                 "protocol": c.protocol,
                 "query_modes": self.query_modes,
+                # recorded only when cutting while decoding, so that runs from before the option resume as they were
+                **(
+                    {
+                        "decode_budgets": [decode_budget_label(d) for d in self.decode_budgets],
+                        "decode_interval": c.decode_interval,
+                        "decode_buffer": c.decode_buffer,
+                    }
+                    if self.decode_budgets != [None]
+                    else {}
+                ),
             },
         )
 
@@ -352,7 +381,10 @@ def resolve(config: RunConfig) -> ResolvedRun:
     tasks = [with_task_args(task, parse_task_args(config.task_args)) for task in tasks]
     policies = parse_policies(config.policies, config.policy_args, config.protocol)
     rounding = "half-even" if config.protocol == "reference" else "half-up"
-    budget_texts = config.budgets if isinstance(config.budgets, str) else [str(b) for b in config.budgets]
+    decode_budgets = parse_decode_budgets(config.decode_budgets)
+    check_decoding(policies, decode_budgets, config.decode_interval, config.decode_buffer)
+    budget_given = config.budgets if config.budgets is not None else ("cr0" if decode_budgets != [None] else "128")
+    budget_texts = budget_given if isinstance(budget_given, str) else [str(b) for b in budget_given]
     budgets = parse_budgets(budget_texts, rounding)
     shard = Shard.parse(config.shard) if config.shard is not None else None
     options = task_options(config)
@@ -370,7 +402,48 @@ def resolve(config: RunConfig) -> ResolvedRun:
     unknown = [m for m in modes if m not in QUERY_MODES]
     if unknown:
         raise PkvError(f"unknown query mode {unknown[0]!r}; valid: {', '.join(QUERY_MODES)}")
-    return ResolvedRun(config, tasks, policies, budgets, options, shard, out, modes)
+    return ResolvedRun(config, tasks, policies, budgets, options, shard, out, modes, decode_budgets)
+
+
+def parse_decode_budgets(value: Any) -> list[int | None]:
+    """``--decode-budget 128,512`` (entries per KV head; ``none``: no cut while decoding) → each once, in order."""
+    if value is None:
+        return [None]
+    parsed: list[int | None] = []
+    for item in as_list(value, "--decode-budget"):
+        if item.lower() == "none":
+            parsed.append(None)
+            continue
+        try:
+            number = int(item)
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise PkvError(f"--decode-budget {item!r}: give entries per KV head (a positive integer) or none")
+        parsed.append(number)
+    return list(dict.fromkeys(parsed))
+
+
+def check_decoding(policies: list[Policy], decode_budgets: list[int | None], interval: int, buffer: int) -> None:
+    """Refuse a decode-time schedule that cannot run: a policy with no decode-time rule, a non-positive interval, a
+    negative buffer, a target below the buffer or the policy's own window."""
+    targets = [d for d in decode_budgets if d is not None]
+    if not targets:
+        return
+    if interval < 1:
+        raise PkvError(f"--decode-interval {interval}: the cache is cut every N new tokens, N at least 1")
+    if buffer < 0:
+        raise PkvError(f"--decode-buffer {buffer}: the newest entries always kept cannot be negative")
+    for policy in policies:
+        refusal = policy.decoding_refusal()
+        if refusal:
+            raise PkvError(f"--decode-budget: {refusal}")
+        floor = max(buffer, policy.min_budget)
+        if min(targets) < floor:
+            what = f"the buffer ({buffer})" if buffer >= policy.min_budget else f"{policy.label}'s window ({floor})"
+            raise PkvError(
+                f"--decode-budget {min(targets)} is below {what}: a cut keeps at least that many newest entries"
+            )
 
 
 @dataclass

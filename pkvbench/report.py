@@ -21,7 +21,7 @@ import pandas as pd
 from pkvbench.budgets import budget_label
 from pkvbench.errors import PkvError
 from pkvbench.policies.registry import policy_order
-from pkvbench.results import ROWS, RUN, read_rows, repeated_rows_note, unique_rows
+from pkvbench.results import ROWS, RUN, decode_budget_label, read_rows, repeated_rows_note, unique_rows
 from pkvbench.stats import group_interval, mean_interval
 
 # LongBench v1's 21 tasks in the order of its own tables (the paper's 16 English tasks keep their Table 1 order).
@@ -139,7 +139,10 @@ def load_runs(paths: list[str | os.PathLike]) -> Runs:
     merged["score"] = pd.to_numeric(merged["score"], errors="coerce")
     # rows written before the query mode was recorded are query-aware
     merged["query_mode"] = merged["query_mode"].fillna("aware") if "query_mode" in merged else "aware"
-    keys = ["model", "task", "sample_id", "policy", "budget", "query_mode"]
+    # rows written before decode budgets existed never cut their cache while decoding
+    raw = merged["decode_budget"] if "decode_budget" in merged else [None] * len(merged)
+    merged["decode_budget"] = [decode_budget_label(v) for v in raw]
+    keys = ["model", "task", "sample_id", "policy", "budget", "query_mode", "decode_budget"]
     duplicated = merged.duplicated(keys, keep="first")
     if duplicated.any():
         notes.append(
@@ -182,6 +185,11 @@ def query_mode_sort_key(mode: str) -> int:
     return {"aware": 0, "agnostic": 1}.get(mode, 2)
 
 
+def decode_budget_sort_key(label: str) -> tuple[int, int]:
+    """No cut while decoding first, then the decode budgets ascending."""
+    return (0, 0) if not str(label).isdigit() else (1, int(label))
+
+
 def task_order(tasks) -> list[str]:
     def key(task: str) -> tuple[int, int, str]:
         base = task[:-2] if task.endswith("_e") else task
@@ -193,7 +201,12 @@ def task_order(tasks) -> list[str]:
 
 
 def sort_rows(frame: pd.DataFrame, columns=KEY) -> pd.DataFrame:
-    keys = {"policy": policy_sort_key, "budget": budget_sort_key, "query_mode": query_mode_sort_key}
+    keys = {
+        "policy": policy_sort_key,
+        "budget": budget_sort_key,
+        "query_mode": query_mode_sort_key,
+        "decode_budget": decode_budget_sort_key,
+    }
     order = sorted(
         range(len(frame)),
         key=lambda i: tuple(keys.get(c, lambda v: v)(frame.iloc[i][c]) for c in columns),
@@ -218,10 +231,12 @@ def length_bucket(length) -> str | None:
 
 
 def row_axes(rows: pd.DataFrame) -> list[str]:
-    """A table row's key: model × policy × budget, and the query mode when any row's question came after
-    compression (``agnostic``; a query-aware-only table, the paper's protocol, keeps the paper's shape)."""
+    """A table row's key: model × policy × budget, the query mode when any row's question came after compression
+    (``agnostic``; a query-aware-only table, the paper's protocol, keeps the paper's shape), and the decode budget
+    when any row cut its cache while decoding."""
     agnostic = "query_mode" in rows.columns and (rows["query_mode"] != "aware").any()
-    return [*KEY, "query_mode"] if agnostic else list(KEY)
+    decoding = "decode_budget" in rows.columns and (rows["decode_budget"] != "none").any()
+    return [*KEY, *(["query_mode"] if agnostic else []), *(["decode_budget"] if decoding else [])]
 
 
 def interval_columns(column: str) -> tuple[str, str]:
@@ -298,13 +313,16 @@ def _with_intervals(table: pd.DataFrame, scores, rows: pd.DataFrame, key: list[s
 
 def uneven_counts(rows: pd.DataFrame) -> list[str]:
     """Cells with fewer samples than the fullest cell of their task (a run stopped early, a --limit): worth a note."""
-    counts = rows.groupby(["task", *row_axes(rows)]).size()
+    axes = row_axes(rows)
+    counts = rows.groupby(["task", *axes]).size()
     notes = []
     for task, per_task in counts.groupby(level="task"):
         most = per_task.max()
-        for (_, model, policy, budget, *mode), n in per_task.items():
+        for (_, model, policy, budget, *rest), n in per_task.items():
             if n < most:
-                where = f"{policy} @ {budget}" + (f" ({mode[0]})" if mode else "")
+                extra = dict(zip(axes[3:], rest))
+                where = f"{policy} @ {budget}" + (f" ({extra['query_mode']})" if "query_mode" in extra else "")
+                where += f", decode budget {extra['decode_budget']}" if "decode_budget" in extra else ""
                 notes.append(f"{task}: {model} {where} has {n} samples, others up to {most}")
     return notes
 

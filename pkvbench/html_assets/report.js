@@ -129,6 +129,7 @@
     ["curves", "Score vs budget", "no policy other than the full cache"],
     ["heatmap", "Needle heatmaps", "no task laid out on a length × depth grid (the needle tasks)"],
     ["layers", "Entries kept per layer", "no row records kv_kept of a compressing policy"],
+    ["memory", "Cache size while the answer is written", "no row cut its cache while decoding (--decode-budget)"],
   ];
   let figuresDrawn = false;
 

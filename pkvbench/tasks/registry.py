@@ -24,7 +24,9 @@ from pkvbench.errors import PkvError
 from pkvbench.metrics import METRICS, PREDICTION_RULES
 from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec
 from pkvbench.tasks.longbench import longbench_samples
+from pkvbench.tasks.longout import chain_trace_samples, list_recall_samples
 from pkvbench.tasks.needle import needle_samples
+from pkvbench.tasks.reasoning import reasoning_samples
 from pkvbench.tasks.ruler import cwe_samples, fwe_samples, niah_samples, vt_samples
 from pkvbench.tasks.trec import trec_samples
 
@@ -63,6 +65,14 @@ GENERATORS: dict[str, Generator] = {
     "ruler_vt": Generator(vt_samples, (*_RULER, "noise", "num_chains", "num_hops"), ("lengths",), _NUMBERED),
     "ruler_cwe": Generator(cwe_samples, (*_RULER, "num_cw", "short", "long"), ("lengths",), _NUMBERED),
     "ruler_fwe": Generator(fwe_samples, (*_RULER, "alpha", "coded_wordlen"), ("lengths",), _NUMBERED),
+    "list_recall": Generator(list_recall_samples, ("items", "prompt", "defaults"), (), "n<number>"),
+    "chain_trace": Generator(chain_trace_samples, ("steps", "prompt", "defaults"), (), "n<number>"),
+    "reasoning": Generator(
+        reasoning_samples,
+        ("file", "hub", "prompt", "question_fields", "answer_field"),
+        (),
+        "the row's id field, or its line number from 0",
+    ),
     "trec_fewshot": Generator(
         trec_samples,
         ("train_file", "test_file", "prompt", "example", "input", "classes", "defaults"),

@@ -1,0 +1,82 @@
+"""Long-output tasks: answers of hundreds of tokens whose every line depends on tokens far back in the prompt (and
+on the answer's own previous line), for measuring compression while the answer is written (``--decode-budget``).
+
+- ``list_recall``: the prompt holds a numbered list of ``items`` distinct words; the answer is the whole list again,
+  in order, one numbered word per line. Each line's word can only be copied from the list in the prompt.
+- ``chain_trace``: the prompt holds ``steps`` facts "After X comes Y." over distinct words, in a random order; the
+  answer walks the chain from its first word, one fact per line in the facts' own words. Each line starts with the
+  previous line's last word (the answer's own tokens) and ends with a word found only by looking that fact up.
+
+Both are scored by ``line_sequence`` (metrics.py): the longest common subsequence of the answer's lines and the
+prediction's, over the answer's lines, so a skipped or repeated line costs one line, not the rest of the list. The
+words are wonderwords' nouns, drawn per sample from a generator seeded by ``--seed`` and the sample's number.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec, chat_ids, chat_messages, context_length
+from pkvbench.tasks.ruler import _wonderwords
+
+
+def _words(rng: random.Random, count: int) -> list[str]:
+    """``count`` distinct lower-case one-word nouns."""
+    vocabulary = [w for w in _wonderwords("noun") if w.isalpha() and w.islower() and 3 <= len(w) <= 9]
+    return rng.sample(vocabulary, count)
+
+
+def _sample(tokenizer, spec: TaskSpec, sample_id: str, context: str, answer: str, **fields) -> Sample:
+    """A one-turn chat prompt (the task's ``prompt`` with the context and ``fields``) and its one answer."""
+    config = spec.config
+    template = config["prompt"]
+    head = template[: template.index("{context}")].format(**fields)
+    user = head + context + template[template.index("{context}") + len("{context}") :].format(**fields)
+    messages = chat_messages(config.get("system"), [user])
+    ids = chat_ids(tokenizer, messages)
+    return Sample.one_question(
+        sample_id,
+        ids,
+        context_length(tokenizer, ids, messages, None, len(head) + len(context)),
+        [answer],
+        extras={"answer_lines": answer.count("\n") + 1},
+    )
+
+
+def _count(spec: TaskSpec, options: TaskOptions) -> int:
+    samples = int(spec.config["defaults"]["samples"])
+    return min(samples, options.limit) if options.limit else samples
+
+
+def list_recall_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]:
+    items = int(spec.config["items"])
+    samples = []
+    for number in range(_count(spec, options)):
+        rng = random.Random(f"{options.seed}/{spec.name}/{number}")
+        lines = [f"{i + 1}. {word}" for i, word in enumerate(_words(rng, items))]
+        listing = "\n".join(lines)
+        samples.append(_sample(tokenizer, spec, f"n{number}", listing, listing, items=items))
+    return _selected(samples, options)
+
+
+def chain_trace_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]:
+    steps = int(spec.config["steps"])
+    samples = []
+    for number in range(_count(spec, options)):
+        rng = random.Random(f"{options.seed}/{spec.name}/{number}")
+        chain = _words(rng, steps + 1)
+        facts = [f"After {a} comes {b}." for a, b in itertools.pairwise(chain)]
+        shuffled = facts[:]
+        rng.shuffle(shuffled)
+        samples.append(
+            _sample(tokenizer, spec, f"n{number}", "\n".join(shuffled), "\n".join(facts), start=chain[0], steps=steps)
+        )
+    return _selected(samples, options)
+
+
+def _selected(samples: list[Sample], options: TaskOptions) -> list[Sample]:
+    if options.sample_ids is None:
+        return samples
+    wanted = set(options.sample_ids)
+    return [s for s in samples if s.sample_id in wanted]
