@@ -134,14 +134,17 @@ def _as_number(text: str):
 
 
 def final_number(text: str) -> str | None:
-    """A prediction's final answer as a number: in its last ``\\boxed{}`` if it has one, else after its last
-    GSM8K ``####``, else the last number in it (lm-evaluation-harness's flexible extraction); commas dropped."""
+    """A prediction's final answer as a number: the last number in its last ``\\boxed{}`` if it has one, else the
+    first after its last GSM8K ``####``, else the last number in it (lm-evaluation-harness's flexible extraction);
+    commas dropped."""
     boxed = last_boxed(text)
-    for part in (boxed, text.rsplit("####", 1)[1] if "####" in text else None, text):
-        if part is not None:
-            numbers = _NUMBER.findall(part)
-            if numbers:
-                return numbers[-1].replace(",", "")
+    marked = text.rsplit("####", 1)[1] if "####" in text else None
+    # the boxed expression's last number; the first number after "####" (GSM8K's own "#### (-?[0-9.,]+)"); the
+    # text's last number
+    for part, which in ((boxed, -1), (marked, 0), (text, -1)):
+        numbers = _NUMBER.findall(part) if part is not None else []
+        if numbers:
+            return numbers[which].replace(",", "")
     return None
 
 
