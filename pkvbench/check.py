@@ -27,7 +27,7 @@ import yaml
 
 from pkvbench.errors import PkvError
 from pkvbench.io import atomic_write
-from pkvbench.report import load_runs, sort_rows
+from pkvbench.report import load_runs, refuse_decode_budgets, sort_rows
 from pkvbench.stats import ALPHA, cell_scores, holm, paired_difference
 
 CELL = ["model", "task", "policy", "budget", "query_mode"]
@@ -46,6 +46,7 @@ def samples_path(baseline: str | os.PathLike) -> Path:
 def run_samples(results: list[str]) -> pd.DataFrame:
     """The run's rows as the gate reads them: one per model × cell × sample, score in [0, 1]."""
     rows = load_runs(results).rows
+    refuse_decode_budgets(rows, "the CI gate")
     return rows[SAMPLE_COLUMNS].reset_index(drop=True)
 
 

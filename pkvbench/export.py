@@ -32,7 +32,15 @@ import pandas as pd
 import yaml
 
 from pkvbench.io import atomic_write
-from pkvbench.report import Runs, budget_sort_key, interval_columns, model_display_name, to_csv, to_markdown
+from pkvbench.report import (
+    Runs,
+    budget_sort_key,
+    interval_columns,
+    model_display_name,
+    refuse_decode_budgets,
+    to_csv,
+    to_markdown,
+)
 from pkvbench.stats import group_interval
 
 KVPRESS_NAMES = {
@@ -74,6 +82,7 @@ def dataset_name(tasks: list[str]) -> str:
 
 def export_kvpress(runs: Runs, out: str | Path) -> list[Path]:
     """One kvpress folder per model × policy × budget × query mode of ``runs``; returns the folders written."""
+    refuse_decode_budgets(runs.rows, "the kvpress export")
     rows = runs.rows.copy()
     if "query_mode" not in rows.columns:
         rows["query_mode"] = "aware"
@@ -161,6 +170,7 @@ def leaderboard_ranking(rows: pd.DataFrame) -> pd.DataFrame:
 
 def write_ranking(runs: Runs, out: str | Path) -> pd.DataFrame:
     """``ranking.md`` and ``ranking.csv`` in ``out``; returns the table."""
+    refuse_decode_budgets(runs.rows, "the kvpress ranking")
     table = leaderboard_ranking(runs.rows)
     out = Path(out)
     atomic_write(out / "ranking.md", to_markdown(table))

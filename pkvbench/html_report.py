@@ -44,6 +44,7 @@ from pkvbench.report import (
     report_table,
     task_order,
     uneven_counts,
+    with_decode_in_policy,
 )
 from pkvbench.results import ROWS, RUN, read_run_record, summarize
 
@@ -536,6 +537,7 @@ def budget_curve_figures(summary: pd.DataFrame) -> list[dict]:
     """Per model, score vs budget: a panel per task and budget kind, a line per policy, the full cache dashed;
     whiskers for the interval when the summary has one (``ci_low``, ``ci_high``). Hover shows n and the interval."""
     interval = {"ci_low", "ci_high"} <= set(summary.columns)
+    summary = with_decode_in_policy(summary)
     figures = []
     for model, table in summary.groupby("model", sort=False):
         modes = table["query_mode"] if "query_mode" in table.columns else pd.Series(DEFAULT_MODE, index=table.index)

@@ -152,6 +152,25 @@ def load_runs(paths: list[str | os.PathLike]) -> Runs:
     return Runs(merged, folders, notes)
 
 
+def with_decode_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with each policy that cut its cache while decoding named with its decode budget (``snapkv (decode
+    64)``), for figures whose lines are policies over the prefill budget; the full cache, never cut, keeps its name."""
+    if "decode_budget" not in frame.columns:
+        return frame
+    labels = [
+        p if d == "none" or p.split(":")[0] == "full" else f"{p} (decode {d})"
+        for p, d in zip(frame["policy"], frame["decode_budget"])
+    ]
+    return frame.assign(policy=labels)
+
+
+def refuse_decode_budgets(rows: pd.DataFrame, what: str) -> None:
+    """``what`` has no decode-budget axis yet: refuse rows that cut their cache while decoding rather than pool them
+    with the rows that did not."""
+    if "decode_budget" in rows.columns and (rows["decode_budget"] != "none").any():
+        raise PkvError(f"{what} does not handle rows with a decode budget yet; run it on a run without --decode-budget")
+
+
 def _run_model(folder: Path) -> str:
     try:
         return json.loads((folder / RUN).read_text())["options"]["model"]

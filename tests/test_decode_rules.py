@@ -286,3 +286,18 @@ def test_the_trace_keeps_the_start_the_end_and_at_most_64_cuts():
     trace = memory.compact_trace()
     assert trace[0] == [0, 1000] and trace[-1] == [803, 650] and len(trace) <= 2 * 64 + 4
     assert memory.peak_entries == 700
+
+
+def test_the_attention_wrapper_hands_each_steps_queries_to_a_shrinking_layer():
+    from types import SimpleNamespace
+
+    from pkvbench.engine.attention import _decoding_attention
+
+    cache = layer([[3, 3]], accumulate=True)
+    new = torch.ones((1, 2, 1, 2))
+    cache.update(new, new)
+    query = torch.randn(1, 4, 1, 2)
+    module = SimpleNamespace(scaling=0.5, num_key_value_groups=2)
+    _decoding_attention(lambda *args, **kwargs: (None, None), "sdpa", cache, module, query, cache.keys, cache.values)
+    assert torch.equal(cache._queries[0, :, -1], query[0, :, 0]) and cache.query_counts.tolist() == [2]
+    assert torch.allclose(cache._accumulated[0, :, :4].sum(-1), torch.full((4,), 4.0))

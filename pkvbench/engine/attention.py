@@ -3,7 +3,8 @@
 transformers looks up each attention module's kernel by ``config._attn_implementation`` in its
 ``AttentionInterface`` registry. We register ``pkvbench+<kernel>`` (e.g. ``pkvbench+sdpa``), which calls the
 chosen kernel unchanged and, only while a ``StatsRecorder`` is active (the prefill), records attention statistics
-from the post-RoPE queries and keys it is handed. The switch is made on one model's config: nothing global is
+from the post-RoPE queries and keys it is handed; while a batch decodes with rows that cut their caches
+(``--decode-budget``), it hands each step's queries to the cache's ``ShrinkingLayer``. The switch is made on one model's config: nothing global is
 patched, and other models in the process keep their own kernels.
 """
 
@@ -307,7 +308,11 @@ class _OneSetPerQueryHead:
 
 
 def _decoding_attention(kernel, base: str, layer, module, query, key, value, **kwargs):
-    """Attention of new tokens over a ``RaggedLayer``: each row and head sees its own entries and nothing else."""
+    """Attention of new tokens over a ``RaggedLayer``: each row and head sees its own entries and nothing else. A
+    layer that records for cuts while the answer is written (``shrinking.ShrinkingLayer``) sees the new queries."""
+    observe = getattr(layer, "observe", None)
+    if observe is not None:
+        observe(query, kwargs.get("scaling", module.scaling))
     mask = layer.attention_mask()
     groups = getattr(module, "num_key_value_groups", 1)
     if key.shape[1] == query.shape[1] and groups > 1:
