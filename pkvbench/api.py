@@ -192,6 +192,11 @@ def fit_to_model(
         return options
     for task in tasks:
         answer = (max_new_tokens or task.max_new_tokens) if decodes else 0
+        if answer >= window:  # the reasoning sets' answers (up to 32k tokens) are for models with the room
+            raise PkvError(
+                f"{task.name}'s answers of up to {answer} tokens exceed the context window of {model} ({window} "
+                "tokens); pass --max-new-tokens below it, or use a model with a longer window"
+            )
         for tokens, asked_by in requested_prompt_tokens(task, options):
             if tokens + answer > window:
                 room = f"its {answer}-token answer" if answer else "nothing else"

@@ -21,7 +21,17 @@ from pkvbench.errors import PkvError
 from pkvbench.io import read_text
 
 FLAGS = {"overwrite", "quiet", "verify"}
-LISTS = {"tasks", "policies", "budgets", "lengths", "depths", "sample_ids", "include_paths", "query_modes"}
+LISTS = {
+    "tasks",
+    "policies",
+    "budgets",
+    "lengths",
+    "depths",
+    "sample_ids",
+    "include_paths",
+    "query_modes",
+    "decode_budgets",
+}
 PAIRS = {"policy_args", "task_args"}
 # Spellings other than the field's own name (and its dashed form).
 ALIASES = {
@@ -33,6 +43,7 @@ ALIASES = {
     "sample-id": "sample_ids",
     "include-path": "include_paths",
     "query-mode": "query_modes",
+    "decode-budget": "decode_budgets",
 }
 NEGATED = {"no-verify": "verify", "no_verify": "verify"}
 

@@ -95,7 +95,18 @@ def test_a_reasoning_set_without_its_file_says_where_to_put_it(tokenizer, tmp_pa
 def test_a_reasoning_run_without_data_or_hub_is_one_line_and_exit_2(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PATH": "/usr/bin"}
     run = subprocess.run(
-        [sys.executable, "-m", "pkvbench", "run", "--task", "aime25", "--policy", "full", "--out", str(tmp_path / "r")],
+        [
+            sys.executable,
+            "-m",
+            "pkvbench",
+            "run",
+            "--task",
+            "aime25",
+            "--max-new-tokens",
+            "64",
+            "--out",
+            str(tmp_path / "r"),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -104,3 +115,12 @@ def test_a_reasoning_run_without_data_or_hub_is_one_line_and_exit_2(tmp_path):
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "aime25.jsonl" in lines[0] and "--data-dir" in lines[0], run.stderr
+
+
+def test_answers_longer_than_the_models_window_are_refused_before_anything_runs(capsys, tmp_path):
+    from pkvbench.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--task", "aime25", "--data-dir", str(DATA), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "exceed the context window" in err, err
