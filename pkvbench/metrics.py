@@ -100,7 +100,16 @@ def line_sequence(prediction: str, answers: list[str], meta: Mapping[str, Any] |
     return max([0.0] + [longest_common_subsequence(lines, predicted) / len(lines) for lines in expected])
 
 
+def word_sequence(prediction: str, answers: list[str], meta: Mapping[str, Any] | None = None) -> float:
+    """The answer's words found in the prediction in the answer's order: the longest common subsequence of the two
+    texts' lower-cased, whitespace-split words over the answer's words, best over the answers."""
+    predicted = prediction.lower().split()
+    expected = [words for words in (a.lower().split() for a in answers) if words]
+    return max([0.0] + [longest_common_subsequence(words, predicted) / len(words) for words in expected])
+
+
 METRICS["line_sequence"] = line_sequence
+METRICS["word_sequence"] = word_sequence
 
 
 # --- reasoning sets: final answers ------------------------------------------------------------------------------

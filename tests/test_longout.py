@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pkvbench.errors import PkvError
-from pkvbench.metrics import METRICS, answer_lines, line_sequence, longest_common_subsequence
+from pkvbench.metrics import METRICS, answer_lines, line_sequence, longest_common_subsequence, word_sequence
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 
@@ -25,9 +25,10 @@ def test_line_sequence_counts_the_answers_lines_in_order():
     assert line_sequence("", [answer]) == 0.0
     assert answer_lines(" 12) After a comes b. \n\n") == ["after a comes b"]
     assert longest_common_subsequence(list("abcbdab"), list("bdcaba")) == 4
+    assert word_sequence("The cat sat on mat.", ["the cat sat on the mat."]) == 5 / 6
 
 
-@pytest.mark.parametrize("name", ["list-recall", "chain-trace"])
+@pytest.mark.parametrize("name", ["list-recall", "chain-trace", "passage-copy"])
 def test_long_output_samples_have_long_answers_that_only_the_prompt_holds(tokenizer, name):
     task = get_task(name)
     samples = build_samples(task, tokenizer, TaskOptions(limit=3, seed=1))
@@ -39,8 +40,10 @@ def test_long_output_samples_have_long_answers_that_only_the_prompt_holds(tokeni
         assert len(tokenizer.encode(answer, add_special_tokens=False)) >= 256
         lines = answer_lines(answer)
         context = tokenizer.decode(sample.context_ids)
-        assert all(line.split()[-1] in context for line in lines), "every line ends with a word of the context"
-        if name == "chain-trace":  # shuffled in the prompt, walked in order in the answer
+        assert all(line.split()[-1] in context.lower() for line in lines), "every line ends with a word of the context"
+        if name == "passage-copy":
+            assert answer in context and answer[0].isupper() and answer.endswith(".")
+        elif name == "chain-trace":  # shuffled in the prompt, walked in order in the answer
             assert lines[0].split()[-1] in lines[1] and answer not in context
         else:
             assert answer in context

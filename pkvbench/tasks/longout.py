@@ -3,13 +3,17 @@ on the answer's own previous line), for measuring compression while the answer i
 
 - ``list_recall``: the prompt holds a numbered list of ``items`` distinct words; the answer is the whole list again,
   in order, one numbered word per line. Each line's word can only be copied from the list in the prompt.
+- ``passage_copy``: the prompt holds a passage of about ``passage_tokens`` tokens of the needle task's essays (from a
+  paragraph start to a sentence end); the answer repeats it word for word. Each word can only be copied from the
+  prompt, the answer's own last words saying where.
 - ``chain_trace``: the prompt holds ``steps`` facts "After X comes Y." over distinct words, in a random order; the
   answer walks the chain from its first word, one fact per line in the facts' own words. Each line starts with the
   previous line's last word (the answer's own tokens) and ends with a word found only by looking that fact up.
 
-Both are scored by ``line_sequence`` (metrics.py): the longest common subsequence of the answer's lines and the
-prediction's, over the answer's lines, so a skipped or repeated line costs one line, not the rest of the list. The
-words are wonderwords' nouns, drawn per sample from a generator seeded by ``--seed`` and the sample's number.
+The lists are scored by ``line_sequence`` (metrics.py): the longest common subsequence of the answer's lines and the
+prediction's, over the answer's lines, so a skipped or repeated line costs one line, not the rest of the list; the
+passage by ``word_sequence``, the same over words. The words are wonderwords' nouns, passages' starts drawn per sample
+from a generator seeded by ``--seed`` and the sample's number.
 """
 
 from __future__ import annotations
@@ -72,6 +76,23 @@ def chain_trace_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list
         samples.append(
             _sample(tokenizer, spec, f"n{number}", "\n".join(shuffled), "\n".join(facts), start=chain[0], steps=steps)
         )
+    return _selected(samples, options)
+
+
+def passage_copy_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]:
+    from pkvbench.tasks.needle import haystack_text
+
+    config = spec.config
+    text = haystack_text(config["haystack"]["distribution"], config["haystack"]["folder"])
+    paragraphs = [i + 2 for i in range(len(text) - 2) if text[i : i + 2] == "\n\n" and text[i + 2 : i + 3].isupper()]
+    samples = []
+    for number in range(_count(spec, options)):
+        rng = random.Random(f"{options.seed}/{spec.name}/{number}")
+        start = rng.choice(paragraphs[:-20])
+        ids = tokenizer(text[start : start + 8 * config["passage_tokens"]], add_special_tokens=False)["input_ids"]
+        passage = tokenizer.decode(ids[: config["passage_tokens"]])
+        passage = " ".join(passage[: passage.rfind(".") + 1].split())  # whole sentences, one line
+        samples.append(_sample(tokenizer, spec, f"n{number}", passage, passage))
     return _selected(samples, options)
 
 

@@ -24,7 +24,7 @@ from pkvbench.errors import PkvError
 from pkvbench.metrics import METRICS, PREDICTION_RULES
 from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec
 from pkvbench.tasks.longbench import longbench_samples
-from pkvbench.tasks.longout import chain_trace_samples, list_recall_samples
+from pkvbench.tasks.longout import chain_trace_samples, list_recall_samples, passage_copy_samples
 from pkvbench.tasks.needle import needle_samples
 from pkvbench.tasks.reasoning import reasoning_samples
 from pkvbench.tasks.ruler import cwe_samples, fwe_samples, niah_samples, vt_samples
@@ -67,6 +67,9 @@ GENERATORS: dict[str, Generator] = {
     "ruler_fwe": Generator(fwe_samples, (*_RULER, "alpha", "coded_wordlen"), ("lengths",), _NUMBERED),
     "list_recall": Generator(list_recall_samples, ("items", "prompt", "defaults"), (), "n<number>"),
     "chain_trace": Generator(chain_trace_samples, ("steps", "prompt", "defaults"), (), "n<number>"),
+    "passage_copy": Generator(
+        passage_copy_samples, ("haystack", "passage_tokens", "prompt", "defaults"), (), "n<number>"
+    ),
     "reasoning": Generator(
         reasoning_samples,
         ("file", "hub", "prompt", "question_fields", "answer_field"),
