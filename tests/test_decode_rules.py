@@ -241,7 +241,10 @@ def test_the_prefill_records_the_prompts_last_queries_for_the_first_cuts():
     assert needs.windows == {16} and needs.queries == {16}
     assert prefill_needs(parse_policy("h2o")).accumulated
     assert prefill_needs(parse_policy("expected_attention:sink=4")).query_moments == {4}
-    assert DecodeSchedule.make(parse_policy("pyramidkv"), 64, 8, 8, 4).targets[0] > 64  # the pyramid of the target
+    pyramid = DecodeSchedule.make(parse_policy("pyramidkv"), 64, 8, 8, 4)
+    assert pyramid.targets(1000)[0] > 64 > pyramid.targets(1000)[-1] and sum(pyramid.targets(1000)) == 4 * 64
+    assert pyramid.targets(60) == [60] * 4  # a target that holds the whole cache cuts nothing
+    assert DecodeSchedule.make(parse_policy("full"), 64, 8, 8, 4).cuts_nothing
 
 
 def layer(lengths, accumulate=True, window=2):

@@ -309,7 +309,7 @@ class Engine:
         if target is None:
             return None
         schedule = DecodeSchedule.make(policy, target, interval, buffer, self.loaded.num_layers)
-        return None if min(schedule.targets) >= 1 << 40 else schedule
+        return None if schedule.cuts_nothing else schedule
 
     def decode_many(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:
         """Greedy decoding of every request, in batches of up to ``max_rows`` (``decoding.plan_batches``)."""

@@ -36,21 +36,29 @@ TRACE_CUTS = 64
 
 @dataclass(frozen=True)
 class DecodeSchedule:
-    """Cut a row's cache back to ``targets[layer]`` entries per head every ``interval`` new tokens, by ``policy``,
-    the newest ``buffer`` entries always kept. ``target`` is the budget as asked (``targets`` its per-layer split,
-    e.g. PyramidKV's pyramid)."""
+    """Cut a row's cache back to ``target`` entries per head (split over layers as the policy splits a budget, e.g.
+    PyramidKV's pyramid) every ``interval`` new tokens, by ``policy``, the newest ``buffer`` entries always kept."""
 
     policy: Policy
     target: int
-    targets: tuple[int, ...]
     interval: int
     buffer: int
+    num_layers: int
 
     @classmethod
     def make(cls, policy: Policy, target: int, interval: int, buffer: int, num_layers: int) -> DecodeSchedule:
-        # A length beyond any cache: the per-layer split of the target itself, never clamped to a prompt.
-        targets = tuple(policy.layer_budgets(target, 1 << 40, num_layers))
-        return cls(policy, target, targets, interval, buffer)
+        return cls(policy, target, interval, buffer, num_layers)
+
+    def targets(self, length: int) -> list[int]:
+        """Each layer's entries per head after a cut when the sequence (prompt and answer so far) holds ``length``
+        tokens: the policy's split of the target over a prompt of that length, as at the prefill (nothing is cut
+        where the target holds the whole sequence)."""
+        return self.policy.layer_budgets(self.target, length, self.num_layers)
+
+    @property
+    def cuts_nothing(self) -> bool:
+        """A policy that keeps everything at any budget (the full cache): no cut ever."""
+        return min(self.targets(1 << 40)) >= 1 << 40
 
     @property
     def needs(self) -> Needs:
@@ -58,8 +66,8 @@ class DecodeSchedule:
 
     def room(self, stored: int) -> int:
         """Columns a row needs beyond ``stored`` (its entries at the start): its cache never holds more than
-        max(stored, target) + interval."""
-        return max(0, max(self.targets) - stored) + self.interval
+        max(stored, its largest layer target) + interval."""
+        return max(0, max(self.targets(1 << 40)) - stored) + self.interval
 
 
 def query_window(needs: Needs) -> int:
@@ -310,7 +318,7 @@ class MemoryTracker:
 
     def cut(self, batch_row: int, schedule: DecodeSchedule, start: DecodeStart | None, end: int) -> None:
         needs = schedule.needs
-        for index, (layer, target) in enumerate(zip(self.cache.layers, schedule.targets)):
+        for index, (layer, target) in enumerate(zip(self.cache.layers, schedule.targets(end))):
             if int(layer.lengths[batch_row].max()) <= target:
                 continue
             stats = layer.row_stats(batch_row, index, needs, self.scaling, end, self.query_heads)

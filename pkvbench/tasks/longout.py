@@ -4,7 +4,8 @@ on the answer's own previous line), for measuring compression while the answer i
 - ``list_recall``: the prompt holds a numbered list of ``items`` distinct words; the answer is the whole list again,
   in order, one numbered word per line. Each line's word can only be copied from the list in the prompt.
 - ``passage_copy``: the prompt holds a passage of about ``passage_tokens`` tokens of the needle task's essays (from a
-  paragraph start to a sentence end); the answer repeats it word for word. Each word can only be copied from the
+  paragraph start to a sentence end); the assistant's turn starts with its first ``prefix_words`` words and the
+  answer repeats the rest word for word. Each word can only be copied from the
   prompt, the answer's own last words saying where.
 - ``chain_trace``: the prompt holds ``steps`` facts "After X comes Y." over distinct words, in a random order; the
   answer walks the chain from its first word, one fact per line in the facts' own words. Each line starts with the
@@ -31,21 +32,18 @@ def _words(rng: random.Random, count: int) -> list[str]:
     return rng.sample(vocabulary, count)
 
 
-def _sample(tokenizer, spec: TaskSpec, sample_id: str, context: str, answer: str, **fields) -> Sample:
-    """A one-turn chat prompt (the task's ``prompt`` with the context and ``fields``) and its one answer."""
+def _sample(tokenizer, spec: TaskSpec, sample_id: str, context: str, answer: str, prefix: str = "", **fields) -> Sample:
+    """A one-turn chat prompt (the task's ``prompt`` with the context and ``fields``) and its one answer; ``prefix``
+    starts the assistant's turn (RULER's answer prefix: the model goes on from it)."""
     config = spec.config
     template = config["prompt"]
     head = template[: template.index("{context}")].format(**fields)
     user = head + context + template[template.index("{context}") + len("{context}") :].format(**fields)
     messages = chat_messages(config.get("system"), [user])
     ids = chat_ids(tokenizer, messages)
-    return Sample.one_question(
-        sample_id,
-        ids,
-        context_length(tokenizer, ids, messages, None, len(head) + len(context)),
-        [answer],
-        extras={"answer_lines": answer.count("\n") + 1},
-    )
+    context_len = context_length(tokenizer, ids, messages, None, len(head) + len(context))
+    ids += tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
+    return Sample.one_question(sample_id, ids, context_len, [answer], extras={"answer_lines": answer.count("\n") + 1})
 
 
 def _count(spec: TaskSpec, options: TaskOptions) -> int:
@@ -53,12 +51,22 @@ def _count(spec: TaskSpec, options: TaskOptions) -> int:
     return min(samples, options.limit) if options.limit else samples
 
 
+def _adjectives(rng: random.Random, count: int) -> list[str]:
+    vocabulary = [w for w in _wonderwords("adjective") if w.isalpha() and w.islower() and 3 <= len(w) <= 9]
+    return [rng.choice(vocabulary) for _ in range(count)]
+
+
 def list_recall_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]:
     items = int(spec.config["items"])
     samples = []
     for number in range(_count(spec, options)):
         rng = random.Random(f"{options.seed}/{spec.name}/{number}")
-        lines = [f"{i + 1}. {word}" for i, word in enumerate(_words(rng, items))]
+        words = _words(rng, items)
+        if spec.config.get("adjectives"):  # "brave lamp": two words an item, the nouns distinct
+            words = [f"{adjective} {noun}" for adjective, noun in zip(_adjectives(rng, items), words)]
+        lines = [
+            spec.config.get("line", "{number}. {item}").format(number=i + 1, item=word) for i, word in enumerate(words)
+        ]
         listing = "\n".join(lines)
         samples.append(_sample(tokenizer, spec, f"n{number}", listing, listing, items=items))
     return _selected(samples, options)
@@ -70,11 +78,22 @@ def chain_trace_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list
     for number in range(_count(spec, options)):
         rng = random.Random(f"{options.seed}/{spec.name}/{number}")
         chain = _words(rng, steps + 1)
-        facts = [f"After {a} comes {b}." for a, b in itertools.pairwise(chain)]
+        template = spec.config.get("fact", "After {a} comes {b}.")
+        facts = [template.format(a=a, b=b, A=a.capitalize()) for a, b in itertools.pairwise(chain)]
         shuffled = facts[:]
         rng.shuffle(shuffled)
+        # the assistant's turn starts with the first fact (how a line reads); the answer is the rest of the chain
         samples.append(
-            _sample(tokenizer, spec, f"n{number}", "\n".join(shuffled), "\n".join(facts), start=chain[0], steps=steps)
+            _sample(
+                tokenizer,
+                spec,
+                f"n{number}",
+                "\n".join(shuffled),
+                "\n".join(facts[1:]),
+                prefix=facts[0] + "\n",
+                start=chain[0],
+                steps=steps,
+            )
         )
     return _selected(samples, options)
 
@@ -92,7 +111,10 @@ def passage_copy_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> lis
         ids = tokenizer(text[start : start + 8 * config["passage_tokens"]], add_special_tokens=False)["input_ids"]
         passage = tokenizer.decode(ids[: config["passage_tokens"]])
         passage = " ".join(passage[: passage.rfind(".") + 1].split())  # whole sentences, one line
-        samples.append(_sample(tokenizer, spec, f"n{number}", passage, passage))
+        # the assistant's turn starts with the passage's first words; the answer is the rest
+        words = passage.split(" ")
+        prefix, rest = " ".join(words[: config["prefix_words"]]), " ".join(words[config["prefix_words"] :])
+        samples.append(_sample(tokenizer, spec, f"n{number}", passage, rest, prefix=prefix))
     return _selected(samples, options)
 
 
