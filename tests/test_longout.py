@@ -42,9 +42,8 @@ def test_long_output_samples_have_long_answers_that_only_the_prompt_holds(tokeni
         context = tokenizer.decode(sample.context_ids)
         assert all(line.split()[-1] in context.lower() for line in lines), "every line ends with a word of the context"
         if name == "passage-copy":
-            assert answer in context and answer.endswith(".")
-            prefix = tokenizer.decode(sample.questions[0].ids).rsplit("\n", 1)[-1]  # the assistant's first words
-            assert len(prefix.split()) == 6 and f"{prefix} {answer}" in context
+            first = tokenizer.decode(sample.questions[0].ids).rstrip("\n").rsplit("\n", 1)[-1]  # the assistant's
+            assert first[0].isupper() and f"{first}\n{answer}" in context  # first sentence, then the answer's lines
         elif name == "chain-trace":  # shuffled in the prompt, walked in order in the answer, after its first fact
             first = tokenizer.decode(sample.questions[0].ids).rstrip("\n").rsplit("\n", 1)[-1]
             assert first.startswith("After ") and lines[0].startswith("after " + first.split()[-1].rstrip("."))

@@ -3,13 +3,14 @@ on the answer's own previous line), for measuring compression while the answer i
 
 - ``list_recall``: the prompt holds a numbered list of ``items`` distinct words; the answer is the whole list again,
   in order, one numbered word per line. Each line's word can only be copied from the list in the prompt.
-- ``passage_copy``: the prompt holds a passage of about ``passage_tokens`` tokens of the needle task's essays (from a
-  paragraph start to a sentence end); the assistant's turn starts with its first ``prefix_words`` words and the
-  answer repeats the rest word for word. Each word can only be copied from the
-  prompt, the answer's own last words saying where.
+- ``passage_copy``: the prompt holds a passage of the needle task's essays (from a paragraph start, whole sentences
+  until the answer holds ``answer_tokens`` tokens), one sentence a line; the assistant's turn starts with its first
+  sentence and the answer repeats the rest word for word. Each word can only be copied from the prompt, the answer's
+  own last words saying where.
 - ``chain_trace``: the prompt holds ``steps`` facts "After X comes Y." over distinct words, in a random order; the
-  answer walks the chain from its first word, one fact per line in the facts' own words. Each line starts with the
-  previous line's last word (the answer's own tokens) and ends with a word found only by looking that fact up.
+  assistant's turn starts with the chain's first fact and the answer walks on, one fact per line in the facts' own
+  words. Each line starts with the previous line's last word (the answer's own tokens) and ends with a word found only
+  by looking that fact up.
 
 The lists are scored by ``line_sequence`` (metrics.py): the longest common subsequence of the answer's lines and the
 prediction's, over the answer's lines, so a skipped or repeated line costs one line, not the rest of the list; the
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec, chat_ids, chat_messages, context_length
 from pkvbench.tasks.ruler import _wonderwords
@@ -51,22 +53,12 @@ def _count(spec: TaskSpec, options: TaskOptions) -> int:
     return min(samples, options.limit) if options.limit else samples
 
 
-def _adjectives(rng: random.Random, count: int) -> list[str]:
-    vocabulary = [w for w in _wonderwords("adjective") if w.isalpha() and w.islower() and 3 <= len(w) <= 9]
-    return [rng.choice(vocabulary) for _ in range(count)]
-
-
 def list_recall_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]:
     items = int(spec.config["items"])
     samples = []
     for number in range(_count(spec, options)):
         rng = random.Random(f"{options.seed}/{spec.name}/{number}")
-        words = _words(rng, items)
-        if spec.config.get("adjectives"):  # "brave lamp": two words an item, the nouns distinct
-            words = [f"{adjective} {noun}" for adjective, noun in zip(_adjectives(rng, items), words)]
-        lines = [
-            spec.config.get("line", "{number}. {item}").format(number=i + 1, item=word) for i, word in enumerate(words)
-        ]
+        lines = [f"{i + 1}. {word}" for i, word in enumerate(_words(rng, items))]
         listing = "\n".join(lines)
         samples.append(_sample(tokenizer, spec, f"n{number}", listing, listing, items=items))
     return _selected(samples, options)
@@ -78,8 +70,7 @@ def chain_trace_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list
     for number in range(_count(spec, options)):
         rng = random.Random(f"{options.seed}/{spec.name}/{number}")
         chain = _words(rng, steps + 1)
-        template = spec.config.get("fact", "After {a} comes {b}.")
-        facts = [template.format(a=a, b=b, A=a.capitalize()) for a, b in itertools.pairwise(chain)]
+        facts = [f"After {a} comes {b}." for a, b in itertools.pairwise(chain)]
         shuffled = facts[:]
         rng.shuffle(shuffled)
         # the assistant's turn starts with the first fact (how a line reads); the answer is the rest of the chain
@@ -108,13 +99,25 @@ def passage_copy_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> lis
     for number in range(_count(spec, options)):
         rng = random.Random(f"{options.seed}/{spec.name}/{number}")
         start = rng.choice(paragraphs[:-20])
-        ids = tokenizer(text[start : start + 8 * config["passage_tokens"]], add_special_tokens=False)["input_ids"]
-        passage = tokenizer.decode(ids[: config["passage_tokens"]])
-        passage = " ".join(passage[: passage.rfind(".") + 1].split())  # whole sentences, one line
-        # the assistant's turn starts with the passage's first words; the answer is the rest
-        words = passage.split(" ")
-        prefix, rest = " ".join(words[: config["prefix_words"]]), " ".join(words[config["prefix_words"] :])
-        samples.append(_sample(tokenizer, spec, f"n{number}", passage, rest, prefix=prefix))
+        # one sentence a line (the essays' paragraphs are glued: "startup.If"), whole sentences until the answer (all
+        # but the first, which starts the assistant's turn) holds answer_tokens
+        text_ahead = " ".join(text[start : start + 8 * config["answer_tokens"]].split())
+        sentences = []
+        for sentence in re.split(r"(?<=[.!?])\s*(?=[A-Z\"\[])", text_ahead)[:-1]:
+            sentences.append(sentence)
+            answer_ids = tokenizer("\n".join(sentences[1:]), add_special_tokens=False)["input_ids"]
+            if len(answer_ids) >= config["answer_tokens"]:
+                break
+        samples.append(
+            _sample(
+                tokenizer,
+                spec,
+                f"n{number}",
+                "\n".join(sentences),
+                "\n".join(sentences[1:]),
+                prefix=sentences[0] + "\n",
+            )
+        )
     return _selected(samples, options)
 
 

@@ -68,7 +68,7 @@ GENERATORS: dict[str, Generator] = {
     "list_recall": Generator(list_recall_samples, ("items", "prompt", "defaults"), (), "n<number>"),
     "chain_trace": Generator(chain_trace_samples, ("steps", "prompt", "defaults"), (), "n<number>"),
     "passage_copy": Generator(
-        passage_copy_samples, ("haystack", "passage_tokens", "prefix_words", "prompt", "defaults"), (), "n<number>"
+        passage_copy_samples, ("haystack", "answer_tokens", "prompt", "defaults"), (), "n<number>"
     ),
     "reasoning": Generator(
         reasoning_samples,
