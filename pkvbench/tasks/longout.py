@@ -48,6 +48,14 @@ def _sample(tokenizer, spec: TaskSpec, sample_id: str, context: str, answer: str
     return Sample.one_question(sample_id, ids, context_len, [answer], extras={"answer_lines": answer.count("\n") + 1})
 
 
+def _continued(tokenizer, spec: TaskSpec, sample_id: str, context: list[str], answer: list[str], **fields) -> Sample:
+    """A prompt of ``context`` lines whose answer is ``answer``'s lines, the first of which starts the assistant's turn
+    (asked only to repeat, the model paraphrases; given the first line it goes on as it reads): the rest is scored."""
+    return _sample(
+        tokenizer, spec, sample_id, "\n".join(context), "\n".join(answer[1:]), prefix=answer[0] + "\n", **fields
+    )
+
+
 def _count(spec: TaskSpec, options: TaskOptions) -> int:
     samples = int(spec.config["defaults"]["samples"])
     return min(samples, options.limit) if options.limit else samples
@@ -73,19 +81,8 @@ def chain_trace_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list
         facts = [f"After {a} comes {b}." for a, b in itertools.pairwise(chain)]
         shuffled = facts[:]
         rng.shuffle(shuffled)
-        # the assistant's turn starts with the first fact (how a line reads); the answer is the rest of the chain
-        samples.append(
-            _sample(
-                tokenizer,
-                spec,
-                f"n{number}",
-                "\n".join(shuffled),
-                "\n".join(facts[1:]),
-                prefix=facts[0] + "\n",
-                start=chain[0],
-                steps=steps,
-            )
-        )
+        # the first fact starts the assistant's turn (how a line reads)
+        samples.append(_continued(tokenizer, spec, f"n{number}", shuffled, facts, start=chain[0], steps=steps))
     return _selected(samples, options)
 
 
@@ -108,16 +105,7 @@ def passage_copy_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> lis
             answer_ids = tokenizer("\n".join(sentences[1:]), add_special_tokens=False)["input_ids"]
             if len(answer_ids) >= config["answer_tokens"]:
                 break
-        samples.append(
-            _sample(
-                tokenizer,
-                spec,
-                f"n{number}",
-                "\n".join(sentences),
-                "\n".join(sentences[1:]),
-                prefix=sentences[0] + "\n",
-            )
-        )
+        samples.append(_continued(tokenizer, spec, f"n{number}", sentences, sentences))
     return _selected(samples, options)
 
 
