@@ -38,7 +38,7 @@ from pkvbench.policies.base import Policy
 from pkvbench.policies.registry import default_grid
 from pkvbench.policies.spec import check_shared_options, parse_option_pairs, parse_policy
 from pkvbench.provenance import git_commit, make_deterministic, package_version, provenance, versions
-from pkvbench.results import ResultStore
+from pkvbench.results import ResultStore, decode_budget_label
 from pkvbench.runner import QUERY_MODES, Cell, RunSettings, RunStats, Shard, work_items
 from pkvbench.tasks.base import TaskOptions, TaskSpec
 from pkvbench.tasks.registry import check_sample_options, expand_tasks, requested_prompt_tokens, validate
@@ -223,6 +223,9 @@ RUN_CHECKS: dict[str, Check] = {
     "kv_bits": _optional(_listing),
     "kv_group": _whole(1),
     "kv_residual": _whole(0),
+    "decode_budgets": _optional(_listing),
+    "decode_interval": _whole(1),
+    "decode_buffer": _whole(0),
     "policy_args": _pairs,
     "protocol": _name,
     "query_modes": _listing,
@@ -349,7 +352,9 @@ class RunConfig:
     model: str = DEFAULT_MODEL
     tasks: Sequence[str] | str = ("needle",)
     policies: Sequence[str] | str | None = None
-    budgets: Sequence[str | int | float] | str | None = None  # None: 128 entries, unless memory is given
+    # None: 128 entries, unless memory is given; with a decode budget cr0 (the prefill keeps everything:
+    # compression only while decoding)
+    budgets: Sequence[str | int | float] | str | None = None
     # Memory budgets instead of entry budgets: fractions of the full cache's bytes at 16 bits per value (0.05) or
     # sizes ("2MiB"); each policy keeps as many entries as fit, in each of kv_bits' formats (docs/memory.md)
     memory: Sequence[str | float] | str | None = None
@@ -369,6 +374,11 @@ class RunConfig:
     task_args: Mapping[str, Any] | Sequence[str] = ()
     max_new_tokens: int | None = None
     decode_batch: int | None = None  # at most this many configurations of a sample decode together; 1: one at a time
+    # Cut the cache back to this many entries per KV head while the answer is written (an axis: "none" for no cut),
+    # every decode_interval new tokens, the newest decode_buffer entries always kept (docs/decoding.md)
+    decode_budgets: Sequence[str | int] | str | None = None
+    decode_interval: int = 16
+    decode_buffer: int = 8
     # which samples
     lengths: Sequence[int] | str | None = None
     depths: Sequence[float] | str | None = None
@@ -419,6 +429,7 @@ class ResolvedRun:
     out: Path
     query_modes: list[str]
     formats: list[KVFormat | None] = field(default_factory=lambda: [None])  # None: the model's own cache
+    decode_budgets: list[int | None] = field(default_factory=lambda: [None])  # None: never cut while decoding
 
     @property
     def memory(self) -> bool:
@@ -426,15 +437,16 @@ class ResolvedRun:
 
     @property
     def cells(self) -> list[Cell]:
-        """The grid: every policy × budget × query mode × storage format. Under memory budgets a policy that keeps a
+        """The grid: every policy × budget × query mode × storage format × decode budget. Under memory budgets a policy that keeps a
         fixed set (the full cache) is one cell per format, whatever the budgets: it keeps ``all``."""
         keep_all = [Budget.parse(budget_rules.ALL)]
         return [
-            Cell(p, b, m, f)
+            Cell(p, b, m, f, d)
             for p in self.policies
             for b in (keep_all if self.memory and budget_rules.keeps_fixed_set(p) else self.budgets)
             for m in self.query_modes
             for f in self.formats
+            for d in self.decode_budgets
         ]
 
     @property
@@ -446,6 +458,8 @@ class ResolvedRun:
             protocol=c.protocol,
             kv_group=c.kv_group,
             kv_residual=c.kv_residual,
+            decode_interval=c.decode_interval,
+            decode_buffer=c.decode_buffer,
         )
 
     @property
@@ -469,6 +483,16 @@ class ResolvedRun:
                 **(
                     {"kv_group": c.kv_group, "kv_residual": c.kv_residual}
                     if any(f and f.quantized for f in self.formats)
+                    else {}
+                ),
+                # recorded only when cutting while decoding, so that runs from before the option resume as they were
+                **(
+                    {
+                        "decode_budgets": [decode_budget_label(d) for d in self.decode_budgets],
+                        "decode_interval": c.decode_interval,
+                        "decode_buffer": c.decode_buffer,
+                    }
+                    if self.decode_budgets != [None]
                     else {}
                 ),
             },
@@ -517,8 +541,12 @@ def resolve(config: RunConfig) -> ResolvedRun:
     tasks = expand_tasks(list(dict.fromkeys(as_list(config.tasks, "--task"))), tuple(config.include_paths))
     tasks = [with_task_args(task, parse_task_args(config.task_args)) for task in tasks]
     policies = parse_policies(config.policies, config.policy_args, config.protocol)
-    budgets = resolve_budgets(config, policies)
+    decode_budgets = parse_decode_budgets(config.decode_budgets)
+    check_decoding(policies, decode_budgets, config.decode_interval, config.decode_buffer)
+    budgets = resolve_budgets(config, policies, "cr0" if decode_budgets != [None] else "128")
     formats = resolve_formats(config)
+    if decode_budgets != [None] and formats != [None]:
+        raise PkvError("--decode-budget with --kv-bits: a cache stored in fewer bits is not cut while decoding yet")
     shard = Shard.parse(config.shard) if config.shard is not None else None
     options = task_options(config)
     if config.executor not in EXECUTORS:
@@ -531,14 +559,15 @@ def resolve(config: RunConfig) -> ResolvedRun:
     unknown = [m for m in modes if m not in QUERY_MODES]
     if unknown:
         raise PkvError(f"unknown query mode {unknown[0]!r}; valid: {', '.join(QUERY_MODES)}")
-    return ResolvedRun(config, tasks, policies, budgets, options, shard, out, modes, formats)
+    return ResolvedRun(config, tasks, policies, budgets, options, shard, out, modes, formats, decode_budgets)
 
 
-def resolve_budgets(config: RunConfig, policies: list[Policy]) -> list[Budget]:
-    """``--budget`` (entries, fractions of the prompt), or ``--memory`` (bytes), never both."""
+def resolve_budgets(config: RunConfig, policies: list[Policy], default: str = "128") -> list[Budget]:
+    """``--budget`` (entries, fractions of the prompt; ``default`` if not given), or ``--memory`` (bytes), never
+    both."""
     if config.memory is None:
         rounding = "half-even" if config.protocol == "reference" else "half-up"
-        return parse_budgets(as_list(config.budgets if config.budgets is not None else "128", "--budget"), rounding)
+        return parse_budgets(as_list(config.budgets if config.budgets is not None else default, "--budget"), rounding)
     if config.budgets is not None:
         raise PkvError("--memory and --budget together: give one (--memory in bytes, --budget in entries)")
     budgets = parse_memory_budgets(as_list(config.memory, "--memory"))
@@ -582,6 +611,47 @@ def resolve_formats(config: RunConfig) -> list[KVFormat | None]:
             )
         formats.append(None if bits == native else KVFormat(bits, config.kv_group, config.kv_residual))
     return list(dict.fromkeys(formats))
+
+
+def parse_decode_budgets(value: Any) -> list[int | None]:
+    """``--decode-budget 128,512`` (entries per KV head; ``none``: no cut while decoding) → each once, in order."""
+    if value is None:
+        return [None]
+    parsed: list[int | None] = []
+    for item in as_list(value, "--decode-budget"):
+        if item.lower() == "none":
+            parsed.append(None)
+            continue
+        try:
+            number = int(item)
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise PkvError(f"--decode-budget {item!r}: give entries per KV head (a positive integer) or none")
+        parsed.append(number)
+    return list(dict.fromkeys(parsed))
+
+
+def check_decoding(policies: list[Policy], decode_budgets: list[int | None], interval: int, buffer: int) -> None:
+    """Refuse a decode-time schedule that cannot run: a policy with no decode-time rule, a non-positive interval, a
+    negative buffer, a target below the buffer or the policy's own window."""
+    targets = [d for d in decode_budgets if d is not None]
+    if not targets:
+        return
+    if interval < 1:
+        raise PkvError(f"--decode-interval {interval}: the cache is cut every N new tokens, N at least 1")
+    if buffer < 0:
+        raise PkvError(f"--decode-buffer {buffer}: the newest entries always kept cannot be negative")
+    for policy in policies:
+        refusal = policy.decoding_refusal()
+        if refusal:
+            raise PkvError(f"--decode-budget: {refusal}")
+        floor = max(buffer, policy.min_budget)
+        if min(targets) < floor:
+            what = f"the buffer ({buffer})" if buffer >= policy.min_budget else f"{policy.label}'s window ({floor})"
+            raise PkvError(
+                f"--decode-budget {min(targets)} is below {what}: a cut keeps at least that many newest entries"
+            )
 
 
 @dataclass

@@ -36,7 +36,7 @@ from pkvbench.errors import PkvError
 from pkvbench.fingerprints import Fingerprint, compare
 from pkvbench.io import read_yaml
 from pkvbench.outputs import Kind, Outputs, csv_with_columns
-from pkvbench.report import load_runs, run_folders, sort_rows
+from pkvbench.report import load_runs, refuse_decode_budgets, run_folders, sort_rows
 from pkvbench.stats import ALPHA, cell_scores, holm, paired_difference
 
 CELL = ["model", "task", "policy", "budget", "query_mode"]
@@ -67,6 +67,7 @@ def run_samples(results: list[str]) -> pd.DataFrame:
     """The run's rows as the gate reads them: one per model × cell × sample, score in [0, 1], with the prediction
     (escaped to one line, as the baseline stores it) and the selection fingerprint where the rows have them."""
     rows = load_runs(results, strict=True).rows  # no run still being written, no two rows of a key that disagree
+    refuse_decode_budgets(rows, "the CI gate")
     samples = rows[SAMPLE_COLUMNS + [c for c in RECORDED if c in rows]].reset_index(drop=True)
     if "pred" in samples:
         samples["pred"] = [one_line(p) for p in samples["pred"]]

@@ -230,9 +230,9 @@ def _default_policies() -> str:
 @click.option(
     "--budget",
     "budgets",
-    default="128",
-    show_default=True,
-    help="Budgets, comma-separated: below 1 a fraction of the prompt (0.007 = 0.7%), else entries per KV head per layer.",
+    show_default="128; with --decode-budget cr0, nothing cut at the prefill",
+    help="Budgets, comma-separated: below 1 a fraction of the prompt (0.007 = 0.7%), else entries per KV head per layer "
+    "(cr0: the whole prompt).",
 )
 @click.option(
     "--memory",
@@ -298,6 +298,26 @@ def _default_policies() -> str:
     type=Number(int, minimum=1),
     help="At most this many configurations of a sample decode together (default: no cap; a batch pads its caches "
     "by at most one full cache of the prompt, or half what they keep if more); 1 decodes one configuration at a time.",
+)
+@click.option(
+    "--decode-budget",
+    "decode_budgets",
+    help="Also cut the cache while the answer is written, back to this many entries per KV head per layer "
+    "(comma-separated, an axis of the grid; none = never; docs/decoding.md).",
+)
+@click.option(
+    "--decode-interval",
+    type=Number(int),
+    default=16,
+    show_default=True,
+    help="With --decode-budget: cut every this many new tokens.",
+)
+@click.option(
+    "--decode-buffer",
+    type=Number(int),
+    default=8,
+    show_default=True,
+    help="With --decode-budget: the newest entries a cut always keeps.",
 )
 @click.option("--out", type=PathType(file_okay=False), help="Result folder (default: results/runs/<model>/<tasks>).")
 @click.option(
@@ -465,6 +485,12 @@ def budgets(policy, budget, policy_args, layers, context, protocol, as_json, plo
     help="Also say, for every pair of policies, how many samples would resolve a difference of POINTS.",
 )
 @click.option(
+    "--drift/--no-drift",
+    default=None,
+    help="Also the answers' length against the full cache's and the largest cache while decoding, per policy "
+    "(default: when any row cut its cache while decoding).",
+)
+@click.option(
     "--html",
     "html_file",
     type=PathType(dir_okay=False),
@@ -479,7 +505,7 @@ def budgets(policy, budget, policy_args, layers, context, protocol, as_json, plo
     help="frontier: each cell's bytes and score, the Pareto front marked (runs with --kv-bits or --memory); "
     "memory-diff: per memory target, its best cell against every other, paired.",
 )
-def report(folders, fmt, out_file, html_file, intervals, power, view) -> None:
+def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> None:
     """One table from run folders: rows model × policy × budget (× the bits values were stored in, × query mode),
     a column per task (score × 100, with its 95% interval), LongBench-E length buckets, avg (mean over tasks, its
     interval resampled within tasks; missing if a task is), tasks filled and n samples. Missing cells stay
@@ -487,7 +513,8 @@ def report(folders, fmt, out_file, html_file, intervals, power, view) -> None:
 
     Runs with --kv-bits or --memory also get the frontier (Markdown: after the table; --view frontier alone): each
     cell's bytes against its score, the Pareto front marked, and per memory target its best cell against every
-    other (--view memory-diff: that comparison as a table)."""
+    other (--view memory-diff: that comparison as a table). Runs with --decode-budget also get each policy's answer
+    length and largest cache while decoding, against the full cache's (--drift)."""
     from pkvbench.report import load_runs, render, report_table, uneven_counts
 
     runs = load_runs(list(folders))
@@ -522,6 +549,16 @@ def report(folders, fmt, out_file, html_file, intervals, power, view) -> None:
         needed = power_table(pairwise(runs.rows), power)
         heading = f"\nSamples needed to resolve {power:g} points (paired, alpha 0.05, power 0.8):\n\n"
         text += (heading if fmt == "markdown" else "\n") + render(needed, fmt)
+    if drift or (drift is None and (runs.rows["decode_budget"] != "none").any()):
+        from pkvbench.drift import length_table
+
+        lengths = length_table(runs.rows)
+        if lengths is not None:
+            heading = (
+                "\nAnswer length and the largest cache while decoding (mean [95% interval]; length_ratio: over the "
+                "full cache's answer to the same sample; peak_kv_entries: over layers and heads):\n\n"
+            )
+            text += (heading if fmt == "markdown" else "\n") + render(lengths, fmt)
     _write_or_echo(text, out_file, outputs)
     for note in runs.notes + uneven_counts(runs.rows):
         click.echo(f"note: {note}", err=True)

@@ -37,6 +37,7 @@ LISTS = {
     "sample_ids",
     "include_paths",
     "query_modes",
+    "decode_budgets",
 }
 PAIRS = {"policy_args", "task_args"}
 # Spellings other than the field's own name (and its dashed form).
@@ -49,6 +50,7 @@ ALIASES = {
     "sample-id": "sample_ids",
     "include-path": "include_paths",
     "query-mode": "query_modes",
+    "decode-budget": "decode_budgets",
 }
 NEGATED = {"no-verify": "verify", "no_verify": "verify"}
 # Options of the command only (not RunConfig fields): the key and the command's parameter it sets.

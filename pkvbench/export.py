@@ -36,7 +36,15 @@ import pandas as pd
 import yaml
 
 from pkvbench.outputs import Outputs
-from pkvbench.report import Runs, budget_sort_key, interval_columns, model_display_name, to_csv, to_markdown
+from pkvbench.report import (
+    Runs,
+    budget_sort_key,
+    interval_columns,
+    model_display_name,
+    refuse_decode_budgets,
+    to_csv,
+    to_markdown,
+)
 from pkvbench.stats import group_interval
 
 # kvpress's presses (the names of its evaluation/evaluate_registry.py) and the pkvbench policy that is each one under
@@ -107,6 +115,7 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
     rule."""
     own = outputs is None
     outputs = Outputs("--out") if own else outputs
+    refuse_decode_budgets(runs.rows, "the kvpress export")
     rows = runs.rows.copy()
     if "query_mode" not in rows.columns:
         rows["query_mode"] = "aware"
@@ -197,6 +206,7 @@ def leaderboard_ranking(rows: pd.DataFrame) -> pd.DataFrame:
 def write_ranking(runs: Runs, out: str | Path, outputs: Outputs | None = None) -> pd.DataFrame:
     """``ranking.md`` and ``ranking.csv`` in ``out`` (through ``outputs``, as ``export_kvpress``); returns the
     table."""
+    refuse_decode_budgets(runs.rows, "the kvpress ranking")
     table = leaderboard_ranking(runs.rows)
     out = Path(out)
     own = outputs is None

@@ -46,6 +46,7 @@ from pkvbench.report import (
     task_order,
     uneven_counts,
     with_bits_in_policy,
+    with_decode_in_policy,
 )
 from pkvbench.results import ROWS, RUN, bits_sort_key, read_run_record, summarize
 
@@ -92,6 +93,14 @@ CONFIG_FIELDS = {
     "selection_s",
     "decode_s",
     "decode_batch",
+    "decode_budget",
+    "decode_interval",
+    "decode_buffer",
+    "decode_cuts",
+    "kv_trace",
+    "hit_limit",
+    "peak_kv_entries",
+    "peak_kv_bytes",
 }
 # Where a row carries the text asked and the text read, shown in the per-sample view: pkvbench's rows have the
 # question's text and the context's first and last tokens (runner.sample_texts); rows of other tools may have a
@@ -208,7 +217,10 @@ def page_data(runs: Runs) -> dict[str, Any]:
         "tables": tables,
         "comparison": paper_comparison(runs),
         "ranks": sort_ranks(rows),
-        "figures": figures + needle_heatmap_figures(labelled) + layer_budget_figures(labelled),
+        "figures": figures
+        + needle_heatmap_figures(labelled)
+        + layer_budget_figures(labelled)
+        + decode_memory_figures(labelled),
         "samples": sample_view(labelled),
     }
 
@@ -384,10 +396,10 @@ def sample_view(rows: pd.DataFrame) -> dict[str, Any]:
 
     A sample's ``disagree`` says some policies of one model and query mode predicted different texts; ``lost`` that
     one scored below the full cache."""
-    rows = rows.assign(query_mode=_query_modes(rows))
+    rows = rows.assign(query_mode=_query_modes(rows), budget=_budget_and_decode(rows))
     configs = sorted(
         set(zip(rows["model"], rows["policy"], rows["budget"], rows["query_mode"])),
-        key=lambda c: (c[0], policy_sort_key(c[1]), budget_sort_key(c[2]), c[3]),
+        key=lambda c: (c[0], policy_sort_key(c[1]), budget_sort_key(c[2].split(",")[0]), c[2], c[3]),
     )
     config_index = {config: i for i, config in enumerate(configs)}
     by_sample: dict[tuple[str, str], list[dict]] = defaultdict(list)
@@ -426,6 +438,16 @@ def sample_view(rows: pd.DataFrame) -> dict[str, Any]:
         "configs": [{"model": m, "policy": p, "budget": b, "mode": q} for m, p, b, q in configs],
         "samples": samples,
     }
+
+
+def _budget_and_decode(rows: pd.DataFrame) -> pd.Series:
+    """A configuration's budget as the sample view names it: with its decode budget where the row had one."""
+    if "decode_budget" not in rows.columns:
+        return rows["budget"]
+    return pd.Series(
+        [b if d == "none" else f"{b}, decode {d}" for b, d in zip(rows["budget"], rows["decode_budget"])],
+        index=rows.index,
+    )
 
 
 def sample_flags(members: list[dict]) -> dict[str, bool]:
@@ -547,6 +569,7 @@ def budget_curve_figures(summary: pd.DataFrame) -> list[dict]:
     """Per model, score vs budget: a panel per task and budget kind, a line per policy, the full cache dashed;
     whiskers for the interval when the summary has one (``ci_low``, ``ci_high``). Hover shows n and the interval."""
     interval = {"ci_low", "ci_high"} <= set(summary.columns)
+    summary = with_decode_in_policy(summary)
     figures = []
     for model, table in summary.groupby("model", sort=False):
         modes = table["query_mode"] if "query_mode" in table.columns else pd.Series(DEFAULT_MODE, index=table.index)
@@ -810,6 +833,52 @@ def layer_budget_figures(rows: pd.DataFrame) -> list[dict]:
                 f"Entries kept per layer · {model_display_name(model)}",
                 "Mean over samples of the entries each layer kept per KV head (the rows' kv_kept); the full cache, "
                 "which keeps the whole prompt, is left out. Hover a point for the layer and n.",
+                chart,
+            )
+        )
+    return figures
+
+
+def decode_memory_figures(rows: pd.DataFrame) -> list[dict]:
+    """Per model and task, for one sample (the first with rows cut while decoding): the cache's entries (over layers
+    and heads) as the answer is written, a line per policy, a panel per budget and decode budget, from the rows'
+    ``kv_trace`` (the start, before and after each cut, the end: the cache grows one entry per head and layer per
+    token in between, so straight lines join the points)."""
+    if "kv_trace" not in rows.columns:
+        return []
+    traced = rows[rows["kv_trace"].map(lambda v: isinstance(v, list) and len(v) > 1)]
+    figures = []
+    for (model, task), per_task in traced.groupby(["model", "task"], sort=False):
+        cut = per_task[per_task["decode_budget"] != "none"]
+        if cut.empty:
+            continue
+        sample_id = cut["sample_id"].iloc[0]
+        points = []
+        for row in per_task[per_task["sample_id"] == sample_id].to_dict("records"):
+            panel = f"budget {row['budget']} · decode {row['decode_budget']}"
+            points += [
+                {"policy": row["policy"], "panel": panel, "token": step, "entries": entries, "order": i}
+                for i, (step, entries) in enumerate(row["kv_trace"])
+            ]
+        panels = sorted({p["panel"] for p in points}, key=lambda label: (len(label), label))
+        chart = (
+            alt.Chart(alt.Data(values=points), width=300, height=170)
+            .mark_line(point=alt.OverlayMarkDef(size=12, filled=True))
+            .encode(
+                x=alt.X("token:Q", title="answer tokens written"),
+                y=alt.Y("entries:Q", title="cache entries (all layers and heads)"),
+                color=alt.Color("policy:N", scale=_policy_scale(p["policy"] for p in points), title="policy"),
+                order="order:Q",
+                tooltip=["policy:N", "panel:N", "token:Q", "entries:Q"],
+            )
+            .facet(facet=alt.Facet("panel:N", sort=panels, title=None), columns=3)
+        )
+        figures.append(
+            _figure(
+                "memory",
+                f"Cache size while the answer is written · {task} · sample {sample_id} · {model_display_name(model)}",
+                "Entries in the cache (summed over layers and KV heads) against the answer's tokens: each cut "
+                "brings it back to the decode budget; the full cache grows by one entry per head and layer per token.",
                 chart,
             )
         )

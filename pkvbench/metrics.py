@@ -64,6 +64,136 @@ def string_match_part(prediction: str, answers: list[str], meta: Mapping[str, An
 METRICS.update({"string_match_all": string_match_all, "string_match_part": string_match_part})
 
 
+# --- long outputs: lines in order ------------------------------------------------------------------------------
+
+_LINE_NUMBER = re.compile(r"^\s*\d+\s*[.):]\s*")
+
+
+def answer_lines(text: str) -> list[str]:
+    """The non-empty lines of a text, each without a leading number ("12. ", "3) "), lower-cased, its whitespace
+    collapsed and a final full stop dropped."""
+    lines = []
+    for line in text.splitlines():
+        line = " ".join(_LINE_NUMBER.sub("", line).lower().split()).rstrip(".")
+        if line:
+            lines.append(line)
+    return lines
+
+
+def longest_common_subsequence(first: list[str], second: list[str]) -> int:
+    """The length of the longest common subsequence of two lists (dynamic programming, one row at a time)."""
+    previous = [0] * (len(second) + 1)
+    for item in first:
+        current = [0]
+        for j, other in enumerate(second):
+            current.append(previous[j] + 1 if item == other else max(previous[j + 1], current[j]))
+        previous = current
+    return previous[-1]
+
+
+def line_sequence(prediction: str, answers: list[str], meta: Mapping[str, Any] | None = None) -> float:
+    """The answer's lines found in the prediction in the answer's order: the longest common subsequence of the two
+    texts' lines (``answer_lines``) over the answer's lines, best over the answers. A skipped, wrong or repeated line
+    costs that line only."""
+    predicted = answer_lines(prediction)
+    expected = [lines for lines in map(answer_lines, answers) if lines]
+    return max([0.0] + [longest_common_subsequence(lines, predicted) / len(lines) for lines in expected])
+
+
+def word_sequence(prediction: str, answers: list[str], meta: Mapping[str, Any] | None = None) -> float:
+    """The answer's words found in the prediction in the answer's order: the longest common subsequence of the two
+    texts' lower-cased, whitespace-split words over the answer's words, best over the answers."""
+    predicted = prediction.lower().split()
+    expected = [words for words in (a.lower().split() for a in answers) if words]
+    return max([0.0] + [longest_common_subsequence(words, predicted) / len(words) for words in expected])
+
+
+METRICS["line_sequence"] = line_sequence
+METRICS["word_sequence"] = word_sequence
+
+
+# --- reasoning sets: final answers ------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{…}`` (or ``\\fbox{…}``) of a text, braces balanced; None if there is none."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    opening = text.find("{", start)
+    if opening < 0:
+        return None
+    depth = 0
+    for index in range(opening, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return text[opening + 1 : index]
+    return None
+
+
+def _as_number(text: str):
+    from decimal import Decimal, InvalidOperation
+
+    try:
+        return Decimal(text.replace(",", "").rstrip("."))
+    except InvalidOperation:
+        return None
+
+
+def final_number(text: str) -> str | None:
+    """A prediction's final answer as a number: the last number in its last ``\\boxed{}`` if it has one, else the
+    first after its last GSM8K ``####``, else the last number in it (lm-evaluation-harness's flexible extraction);
+    commas dropped."""
+    boxed = last_boxed(text)
+    marked = text.rsplit("####", 1)[1] if "####" in text else None
+    # the boxed expression's last number; the first number after "####" (GSM8K's own "#### (-?[0-9.,]+)"); the
+    # text's last number
+    for part, which in ((boxed, -1), (marked, 0), (text, -1)):
+        numbers = _NUMBER.findall(part) if part is not None else []
+        if numbers:
+            return numbers[which].replace(",", "")
+    return None
+
+
+def gsm8k_number(prediction: str, answers: list[str], meta: Mapping[str, Any] | None = None) -> float:
+    """1 if the prediction's final number (``final_number``) equals the reference's (GSM8K's number after ``####``,
+    as the task stores it) as numbers (72 = 72.0 = 72.00), else 0."""
+    found = final_number(prediction)
+    value = _as_number(found) if found is not None else None
+    return float(value is not None and any(_as_number(a.strip()) == value for a in answers))
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def math_equivalence(prediction: str, answers: list[str], meta: Mapping[str, Any] | None = None) -> float:
+    """1 if the prediction's final answer is mathematically equivalent to the reference, as math-verify decides:
+    the reference parsed as LaTeX (``\\boxed{answer}``), the prediction's last boxed (or final) expression parsed by
+    math-verify's default extraction, compared symbolically (14/3 = \\frac{14}{3} = \\dfrac{14}{3}, sets and
+    intervals, units and degree signs ignored) — MATH-500's and AIME's scoring in Hugging Face's open-r1 / lighteval.
+    Parsing and comparing have 5 s timeouts in the main thread (math-verify's signal alarm); elsewhere none."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise PkvError("scoring math answers needs the PyPI package math-verify: pip install math-verify") from None
+    timeout = 5 if _main_thread() else None
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    predicted = parse(prediction, parsing_timeout=timeout)
+    if not predicted:
+        return 0.0
+    for answer in answers:
+        gold = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
+        if gold and verify(gold, predicted, timeout_seconds=timeout):
+            return 1.0
+    return 0.0
+
+
+METRICS.update({"gsm8k_number": gsm8k_number, "math_equivalence": math_equivalence})
+
+
 # --- LongBench (v1 and LongBench-E): the official scorer's metrics, rule for rule -------------------------------
 #
 # Each function below scores one prediction against one answer the way LongBench's ``metrics.py`` does; the

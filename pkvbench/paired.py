@@ -103,7 +103,7 @@ def pairwise(rows: pd.DataFrame, policies: list[str] | None = None, against: str
     points = ["a", "b", "diff", "ci_low", "ci_high", "sd_diff"]
     table[points] = table[points].astype(float).round(2) + 0.0  # + 0.0: no "-0.00"
     table[["p", "p_holm"]] = table[["p", "p_holm"]].astype(float).round(4)
-    order = [c for c in ("model", "kv_bits", "budget", "query_mode") if c in table.columns]
+    order = [c for c in ("model", "kv_bits", "budget", "query_mode", "decode_budget") if c in table.columns]
     place = {task: i for i, task in enumerate(task_order(set(table["task"]) - {ALL_TASKS}))}
     table["_task"] = [place.get(task, len(place)) for task in table["task"]]  # the group row after its tasks
     return sort_rows(table, columns=[*order, "_task", "policy_a", "policy_b"]).drop(columns="_task")

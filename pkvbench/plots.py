@@ -34,6 +34,7 @@ from pkvbench.report import (
     policy_sort_key,
     task_order,
     with_bits_in_policy,
+    with_decode_in_policy,
 )
 from pkvbench.stats import group_interval, mean_interval
 
@@ -211,6 +212,7 @@ def curve_table(rows: pd.DataFrame) -> pd.DataFrame:
     task ``avg`` (mean over the model's tasks, only where every task has the cell; resampled within tasks)."""
     axes = ["model", "policy", "budget"]
     points = []
+    rows = with_decode_in_policy(rows)
     for _, per_model in rows.groupby("model", sort=False):
         tasks = list(per_model["task"].unique())
         for key, cell in per_model.groupby(axes, sort=False):

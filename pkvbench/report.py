@@ -27,6 +27,7 @@ from pkvbench.results import (
     RUN,
     bits_label,
     bits_sort_key,
+    decode_budget_label,
     read_rows,
     repeated_rows_note,
     stored_as,
@@ -162,7 +163,10 @@ def load_runs(paths: list[str | os.PathLike], strict: bool = False) -> Runs:
     merged["score"] = pd.to_numeric(merged["score"], errors="coerce")
     # rows written before the query mode was recorded are query-aware
     merged["query_mode"] = merged["query_mode"].fillna("aware") if "query_mode" in merged else "aware"
-    keys = ["model", "task", "sample_id", "policy", "budget", "query_mode", "kv_stored"]
+    # rows written before decode budgets existed never cut their cache while decoding
+    raw = merged["decode_budget"] if "decode_budget" in merged else [None] * len(merged)
+    merged["decode_budget"] = [decode_budget_label(v) for v in raw]
+    keys = ["model", "task", "sample_id", "policy", "budget", "query_mode", "decode_budget", "kv_stored"]
     conflict = _disagreement(merged, keys)
     if conflict:
         if strict:
@@ -193,6 +197,25 @@ def _disagreement(rows: pd.DataFrame, keys: list[str]) -> str | None:
     where = " and ".join(f"{row.folder} (score {row.score:g})" for row in versions.head(2).itertuples())
     label = " ".join(str(part) for part in first[1:5])
     return f"{int(differs.sum())} result(s) appear twice with another score or prediction, e.g. {label} in {where}"
+
+
+def with_decode_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with each policy that cut its cache while decoding named with its decode budget (``snapkv (decode
+    64)``), for figures whose lines are policies over the prefill budget; the full cache, never cut, keeps its name."""
+    if "decode_budget" not in frame.columns:
+        return frame
+    labels = [
+        p if d == "none" or p.split(":")[0] == "full" else f"{p} (decode {d})"
+        for p, d in zip(frame["policy"], frame["decode_budget"])
+    ]
+    return frame.assign(policy=labels)
+
+
+def refuse_decode_budgets(rows: pd.DataFrame, what: str) -> None:
+    """``what`` has no decode-budget axis yet: refuse rows that cut their cache while decoding rather than pool them
+    with the rows that did not."""
+    if "decode_budget" in rows.columns and (rows["decode_budget"] != "none").any():
+        raise PkvError(f"{what} does not handle rows with a decode budget yet; run it on a run without --decode-budget")
 
 
 def _run_model(folder: Path) -> str:
@@ -237,6 +260,11 @@ def query_mode_sort_key(mode: str) -> int:
     return {"aware": 0, "agnostic": 1}.get(mode, 2)
 
 
+def decode_budget_sort_key(label: str) -> tuple[int, int]:
+    """No cut while decoding first, then the decode budgets ascending."""
+    return (0, 0) if not str(label).isdigit() else (1, int(label))
+
+
 def task_order(tasks) -> list[str]:
     def key(task: str) -> tuple[int, int, str]:
         base = task[:-2] if task.endswith("_e") else task
@@ -253,6 +281,7 @@ def sort_rows(frame: pd.DataFrame, columns=KEY) -> pd.DataFrame:
         "budget": budget_sort_key,
         "query_mode": query_mode_sort_key,
         "kv_bits": bits_sort_key,
+        "decode_budget": decode_budget_sort_key,
     }
     order = sorted(
         range(len(frame)),
@@ -292,11 +321,13 @@ def with_bits_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
 
 def row_axes(rows: pd.DataFrame) -> list[str]:
     """A table row's key: model × policy × budget; the bits its values were stored in when any row's were not the
-    model's own (``kv_bits``); and the query mode when any row's question came after compression (``agnostic``;
-    a query-aware-only table, the paper's protocol, keeps the paper's shape)."""
+    model's own (``kv_bits``); the query mode when any row's question came after compression (``agnostic``; a
+    query-aware-only table, the paper's protocol, keeps the paper's shape); and the decode budget when any row cut
+    its cache while decoding."""
     agnostic = "query_mode" in rows.columns and (rows["query_mode"] != "aware").any()
+    decoding = "decode_budget" in rows.columns and (rows["decode_budget"] != "none").any()
     key = ["model", "policy", "kv_bits", "budget"] if stores_formats(rows) else list(KEY)
-    return [*key, "query_mode"] if agnostic else key
+    return [*key, *(["query_mode"] if agnostic else []), *(["decode_budget"] if decoding else [])]
 
 
 def interval_columns(column: str) -> tuple[str, str]:
@@ -384,6 +415,7 @@ def uneven_counts(rows: pd.DataFrame) -> list[str]:
                 bits = f" ({cell['kv_bits']} bits)" if "kv_bits" in cell else ""
                 mode = f" ({cell['query_mode']})" if "query_mode" in cell else ""
                 where = f"{cell['policy']}{bits} @ {cell['budget']}{mode}"
+                where += f", decode budget {cell['decode_budget']}" if "decode_budget" in cell else ""
                 notes.append(f"{task}: {cell['model']} {where} has {n} samples, others up to {most}")
     return notes
 

@@ -51,9 +51,9 @@ Row = dict[str, Any]
 
 
 def row_key(row: Row) -> tuple[str, ...]:
-    """What makes a row unique: task, sample, policy, budget, query mode and, for a cache not stored as the model's
-    own, how it was stored (rows written before the query mode was recorded are query-aware; before storage
-    formats, the model's own cache)."""
+    """What makes a row unique: task, sample, policy, budget, query mode, decode budget and, for a cache not stored
+    as the model's own, how it was stored (rows written before the query mode was recorded are query-aware; rows
+    without a decode budget never cut their cache while decoding; before storage formats, the model's own cache)."""
     stored = stored_as(row)
     return (
         row["task"],
@@ -61,8 +61,16 @@ def row_key(row: Row) -> tuple[str, ...]:
         row["policy"],
         budget_label(row["budget"]),
         row.get("query_mode", "aware"),
+        decode_budget_label(row.get("decode_budget")),
         *((stored,) if stored else ()),
     )
+
+
+def decode_budget_label(value: Any) -> str:
+    """How a row's decode budget is written in keys and tables: its entry count, or ``none``."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "none"
+    return str(int(value))
 
 
 def _given(value: Any) -> bool:
@@ -423,14 +431,16 @@ class ResultStore:
 
 
 def summarize(rows: list[Row]) -> pd.DataFrame:
-    """``task, policy, budget, [query_mode,] n, score, ci_low, ci_high``: score the mean × 100, two decimals
-    (LongBench's convention), with its 95% bootstrap interval over samples (``stats.mean_interval``);
-    ``query_mode`` when the rows record it."""
+    """``task, policy, budget, [query_mode,] [decode_budget,] n, score, ci_low, ci_high``: score the mean × 100, two
+    decimals (LongBench's convention), with its 95% bootstrap interval over samples (``stats.mean_interval``);
+    ``query_mode`` when the rows record it, ``decode_budget`` when any row has one."""
     from pkvbench.stats import cell_scores
 
     stored = any(stored_as(row) for row in rows)
     axes = ["task", "policy", *(["kv_bits"] if stored else []), "budget"]
     axes += ["query_mode"] if any("query_mode" in row for row in rows) else []
+    decoding = any(row.get("decode_budget") is not None for row in rows)
+    axes += ["decode_budget"] if decoding else []
     columns = [*axes, "n", "score", "ci_low", "ci_high"]
     if not rows:
         return pd.DataFrame(columns=columns)
@@ -440,6 +450,8 @@ def summarize(rows: list[Row]) -> pd.DataFrame:
         frame["kv_bits"] = [bits_label(row) for row in rows]
     if "query_mode" in axes:
         frame["query_mode"] = frame["query_mode"].fillna("aware")
+    if decoding:
+        frame["decode_budget"] = [decode_budget_label(row.get("decode_budget")) for row in rows]
     frame["score"] = pd.to_numeric(frame["score"], errors="coerce")
     return cell_scores(frame, axes)
 

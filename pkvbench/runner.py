@@ -80,12 +80,14 @@ QUERY_MODES = ("aware", "agnostic")
 class Cell:
     """One configuration of the grid: a policy at a budget, with the question inside the compressed prompt
     (``aware``) or added after compression (``agnostic``), its kept entries stored as ``kv`` says (None: the
-    model's own cache, in its dtype; docs/memory.md)."""
+    model's own cache, in its dtype; docs/memory.md), and, with a ``decode_budget``, the cache cut back to that many
+    entries per KV head while the answer is written (``engine/shrinking.py``)."""
 
     policy: Policy
     budget: Budget
     query_mode: str = "aware"
     kv: KVFormat | None = None
+    decode_budget: int | None = None
 
 
 def row_identity(task: TaskSpec, sample_id: str, cell: Cell) -> dict:
@@ -97,6 +99,7 @@ def row_identity(task: TaskSpec, sample_id: str, cell: Cell) -> dict:
         "budget": cell.budget.recorded,
         "query_mode": cell.query_mode,
         **stored,
+        "decode_budget": cell.decode_budget,
     }
 
 
@@ -113,6 +116,8 @@ class RunSettings:
     protocol: str = "exact"  # recorded in every row: the policies were parsed under it
     kv_group: int = budgets.DEFAULT_GROUP  # recorded in every row (the model's own cache has no use for them)
     kv_residual: int = budgets.DEFAULT_RESIDUAL
+    decode_interval: int = 16  # a decode budget cuts the cache every this many new tokens
+    decode_buffer: int = 8  # and always keeps this many of the newest entries
 
 
 @dataclass
@@ -149,6 +154,7 @@ def run_sample(
         _as_tensor(sample.prompt(first) if "aware" in modes else sample.context_ids),
         [cell.policy for cell in cells],
         cuts=tuple(n for n, mode in ((aware_len, "aware"), (context_len, "agnostic")) if mode in modes),
+        decoding=[cell.policy for cell in cells if cell.decode_budget is not None],
     )
     jobs: list[_Job] = []
     requests = []
@@ -158,7 +164,9 @@ def run_sample(
     def add(cell: Cell, question: Question, source: Prefill, cache: CompressedCache, selection_s: float) -> None:
         agnostic = cell.query_mode == "agnostic"
         key = (cell.query_mode, question.question_id, id(source), cell.kv)
-        if cache.plan.compressed or key not in shared:
+        schedule = engine.schedule(cell.policy, cell.decode_budget, settings.decode_interval, settings.decode_buffer)
+        own = cache.plan.compressed or schedule is not None  # else the full cache, never cut: decoded once
+        if own or key not in shared:
             requests.append(
                 engine.request(
                     source,
@@ -167,11 +175,12 @@ def run_sample(
                     task.stop_strings,
                     task.min_new_tokens,
                     question.ids if agnostic else None,
+                    schedule,
                 )
             )
-            if not cache.plan.compressed:
+            if not own:
                 shared[key] = len(requests) - 1
-        which = shared[key] if not cache.plan.compressed else len(requests) - 1
+        which = shared[key] if not own else len(requests) - 1
         jobs.append(_Job(cell, question, cache, selection_s, which, source, cell.kv or engine.native_format))
 
     for cell in cells:
@@ -187,7 +196,11 @@ def run_sample(
     aware_cells = [cell for cell in cells if cell.query_mode == "aware"]
     for question in sample.questions[1:] if aware_cells else []:
         jobs, requests, shared = [], [], {}
-        own = engine.prefill(_as_tensor(sample.prompt(question)), [cell.policy for cell in aware_cells])
+        own = engine.prefill(
+            _as_tensor(sample.prompt(question)),
+            [cell.policy for cell in aware_cells],
+            decoding=[cell.policy for cell in aware_cells if cell.decode_budget is not None],
+        )
         for cell in aware_cells:
             started = time.perf_counter()
             cache = engine.compress(own, cell.policy, cell.budget, fmt=cell.kv)
@@ -226,6 +239,11 @@ def _row(
         "answers": question.answers,
         "score": metric(prepare_prediction(answer.text, task.postprocess), question.answers, sample.meta),
         "new_tokens": len(answer.tokens),
+        "hit_limit": answer.hit_limit,
+        # the largest cache while the answer was written (summed over layers and heads; stored bytes per row)
+        "peak_kv_entries": answer.memory.peak_entries,
+        "peak_kv_bytes": answer.memory.peak_bytes,
+        **_decode_fields(job.cell, answer, settings),
         "prefill_s": round(job.prefill.seconds, 4),
         "extra_pass_s": round(job.prefill.extra_seconds, 4),
         "selection_s": round(job.selection_s, 4),
@@ -234,6 +252,19 @@ def _row(
         **texts[question.question_id],
         **sample.extras,
         **question.extras,
+    }
+
+
+def _decode_fields(cell: Cell, answer, settings: RunSettings) -> dict:
+    """A decode budget's schedule and what it did: cuts made and the cache's size over the answer (``kv_trace``:
+    [tokens so far, entries] at the start, before and after each cut, at the end; at most 64 cuts kept)."""
+    if cell.decode_budget is None:
+        return {}
+    return {
+        "decode_interval": settings.decode_interval,
+        "decode_buffer": settings.decode_buffer,
+        "decode_cuts": answer.memory.cuts,
+        "kv_trace": answer.memory.compact_trace(),
     }
 
 

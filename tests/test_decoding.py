@@ -92,13 +92,14 @@ def test_a_grid_of_budgets_shares_a_batch_up_to_one_full_cache_of_padding():
 
 
 POLICIES = ["full", "streamingllm", "h2o", "snapkv", "pyramidkv", "h2o:scores=window", "snapkv:window=32"]
+DECODE_POLICIES = ["streamingllm", "h2o", "snapkv", "tova", "rkv", "expected_attention", "random"]
 
 
 @pytest.mark.model
 def test_batched_decoding_gives_the_tokens_of_one_at_a_time(engine, loaded):
-    """Every policy × budget on two needle prompts, with a stop string and a minimum length in play, and some of them
-    stored in fewer bits: decoding all configurations of a sample together yields exactly the tokens each gives
-    alone."""
+    """Every policy × budget on two needle prompts, with a stop string and a minimum length in play, some of them
+    stored in fewer bits, and rows that cut their caches while decoding on their own schedules: decoding all
+    configurations of a sample together yields exactly the tokens (and cache sizes) each gives alone."""
     from pkvbench.budgets import Budget, KVFormat
     from pkvbench.policies import parse_policy, registry
     from pkvbench.tasks.base import TaskOptions
@@ -112,9 +113,13 @@ def test_batched_decoding_gives_the_tokens_of_one_at_a_time(engine, loaded):
     ]
     policies = [parse_policy(p) for p in [*POLICIES, *others, "adakv(snapkv):critical=true", "snapkv:gqa=query"]]
     samples = build_samples(get_task("needle"), loaded.tokenizer, TaskOptions(lengths=(700,), depths=(0, 100)))
+    # Rows that cut their cache while the answer is written, on schedules of their own: decode-only (every 3 tokens
+    # back to 48 entries) and after a prefill budget (every 5 tokens back to 24), beside rows that never cut.
+    cutting = [parse_policy(p) for p in DECODE_POLICIES]
+    schedules = [("cr0", 48, 3), ("16", 24, 5)]
     differ, batched_rows = 0, 0
-    for sample in samples:
-        prefill = engine.prefill(torch.tensor([sample.input_ids]), policies)
+    for number, sample in enumerate(samples):
+        prefill = engine.prefill(torch.tensor([sample.input_ids]), policies, decoding=cutting)
         requests = [
             engine.request(prefill, engine.compress(prefill, p, Budget(b)), 16, stop_strings=(".",), min_new_tokens=2)
             for p in policies
@@ -127,9 +132,22 @@ def test_batched_decoding_gives_the_tokens_of_one_at_a_time(engine, loaded):
             if p.label in ("full", "snapkv", "kvzip", "adakv(snapkv)", "snapkv:gqa=query")
             for f in (KVFormat(16), KVFormat(4, residual=8), KVFormat(2, group=16, residual=0))
         ]
+        requests += [
+            engine.request(
+                prefill,
+                engine.compress(prefill, p, Budget.parse(budget)),
+                16,
+                stop_strings=(".",),
+                min_new_tokens=2,
+                schedule=engine.schedule(p, target, interval, 4),
+            )
+            for p in (cutting if number == 0 else [])
+            for budget, target, interval in schedules
+        ]
         alone = [engine.decoder.decode_batch([r])[0] for r in requests]
         together = engine.decode_many(requests)
         batched_rows += sum(d.batch > 1 for d in together)
         differ += sum(a.tokens != b.tokens for a, b in zip(alone, together))
+        assert [a.memory for a in alone] == [b.memory for b in together]  # the same cuts and cache sizes
     assert batched_rows > len(samples) * 10
     assert differ == 0

@@ -1,6 +1,7 @@
 """Every registered policy honours the same contract (this list is the registry's, not a copy of it), and a policy
 from another package joins through the ``pkvbench.policies`` entry point."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,6 +33,7 @@ def stats_for(policy, seed: int = 0) -> LayerStats:
         output_weight=torch.randn(QUERY_HEADS * HEAD_DIM, QUERY_HEADS * HEAD_DIM, generator=gen),
         query_stats={key: future_queries(gen) for key in needs.query_stats},
         reconstruction={chunk: torch.rand(KV_HEADS, LENGTH, generator=gen) for chunk in needs.reconstruction},
+        recent_queries=torch.randn(QUERY_HEADS, max(needs.queries), HEAD_DIM, generator=gen) if needs.queries else None,
     )
 
 
@@ -74,6 +76,26 @@ def test_every_registered_policy_keeps_what_its_budgets_say(name):
                     window = set(range(LENGTH - min(recent, layer_k), LENGTH))
                     assert all(window <= set(row) for row in rows), "the recent window is kept"
                 assert torch.equal(kept, policy.select(stats, layer_k)), "deterministic"
+
+
+@pytest.mark.parametrize("name", policy_order())
+def test_every_policy_that_cuts_while_decoding_keeps_k_with_the_newest_entries(name):
+    """A decode-time cut (``--decode-budget``): k entries per head, each once, sorted, the newest ``buffer`` and the
+    policy's own window among them; a policy that cannot cut says why in one line."""
+    for policy in instances(name):
+        refusal = policy.decoding_refusal()
+        if refusal is not None:
+            assert refusal and "\n" not in refusal
+            continue
+        stats = dataclasses.replace(stats_for(policy), positions=torch.arange(LENGTH).expand(KV_HEADS, -1) * 2, end=99)
+        if policy.name == "full":  # the reference: never cut
+            assert policy.select_while_decoding(stats, 5, 0).tolist() == [list(range(LENGTH))] * KV_HEADS
+            continue
+        for k, buffer in ((LENGTH + 1, 0), (20, 0), (20, 12), (policy.min_budget, 0)):
+            kept = policy.select_while_decoding(stats, k, buffer).tolist()
+            assert all(len(row) == min(k, LENGTH) and row == sorted(set(row)) for row in kept), (policy.label, k)
+            newest = set(range(LENGTH - min(max(buffer, getattr(policy, "keeps_recent", 0)), k), LENGTH))
+            assert all(newest <= set(row) for row in kept), (policy.label, k, buffer)
 
 
 @pytest.mark.parametrize("name", policy_order())

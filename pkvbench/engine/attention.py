@@ -3,7 +3,8 @@
 transformers looks up each attention module's kernel by ``config._attn_implementation`` in its
 ``AttentionInterface`` registry. We register ``pkvbench+<kernel>`` (e.g. ``pkvbench+sdpa``), which calls the
 chosen kernel unchanged and, only while a ``StatsRecorder`` is active (the prefill), records attention statistics
-from the post-RoPE queries and keys it is handed. The switch is made on one model's config: nothing global is
+from the post-RoPE queries and keys it is handed; while a batch decodes with rows that cut their caches
+(``--decode-budget``), it hands each step's queries to the cache's ``ShrinkingLayer``. The switch is made on one model's config: nothing global is
 patched, and other models in the process keep their own kernels.
 """
 
@@ -53,14 +54,30 @@ def window_attention_probs(query: torch.Tensor, key: torch.Tensor, scaling: floa
 
     ``query`` is ``[Hq, T, D]`` and ``key`` ``[Hkv, T, D]``, both post-RoPE; query heads share their KV head (GQA).
     """
-    num_query_heads, length, dim = query.shape
-    num_kv_heads = key.shape[0]
-    rows = min(rows, length)
-    last = query[:, length - rows :].float().reshape(num_kv_heads, num_query_heads // num_kv_heads * rows, dim)
-    logits = torch.bmm(last, key.float().transpose(1, 2)).mul_(scaling).view(num_query_heads, rows, length)
-    query_pos = torch.arange(length - rows, length, device=query.device)[:, None]
-    logits.masked_fill_(torch.arange(length, device=query.device)[None, :] > query_pos, float("-inf"))
+    length = query.shape[1]
+    return last_queries_attention(query[:, length - min(rows, length) :], key, scaling)
+
+
+def last_queries_attention(last: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``[Hq, r, n]``: the softmax attention of ``last`` ``[Hq, r, D]``, the queries of the tokens of the last r of
+    the n entries ``key`` ``[Hkv, n, D]``, over all n, causal among the last r (a prompt's end, or while the answer is
+    written a cache's newest entries)."""
+    num_query_heads, rows, dim = last.shape
+    num_kv_heads, length = key.shape[0], key.shape[1]
+    grouped = last.float().reshape(num_kv_heads, num_query_heads // num_kv_heads * rows, dim)
+    logits = torch.bmm(grouped, key.float().transpose(1, 2)).mul_(scaling).view(num_query_heads, rows, length)
+    query_pos = torch.arange(length - rows, length, device=last.device)[:, None]
+    logits.masked_fill_(torch.arange(length, device=last.device)[None, :] > query_pos, float("-inf"))
     return logits.softmax(dim=-1)
+
+
+def last_queries_sums(
+    last: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int]
+) -> dict[int, torch.Tensor]:
+    """``window_attention_sums`` from the last queries themselves (``last_queries_attention``)."""
+    from_end = last_queries_attention(last, key, scaling).flip(1).cumsum(dim=1)
+    rows = from_end.shape[1]
+    return {w: from_end[:, min(w, rows) - 1] for w in windows}
 
 
 def window_attention_sums(
@@ -152,12 +169,26 @@ def future_query_statistics(
     (biased) covariance Σ of the pre-RoPE queries of positions ``sink`` onwards, per query head, rotated by the average
     of the RoPE rotations R_p of the next positions: (R̄μ, R̄ΣR̄ᵀ). ``queries`` is ``[Hq, c, d]`` after RoPE, with
     ``cos``/``sin`` ``[c, d]`` of its positions and ``future_cos``/``future_sin`` ``[f, d]`` of the positions to come."""
+    return rotate_moments(*query_moments(queries, cos, sin, sink), future_cos, future_sin)
+
+
+def query_moments(
+    queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sink: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean ``[Hq, d]`` and (biased) covariance ``[Hq, d, d]`` of the pre-RoPE queries from position ``sink`` on
+    (``queries`` after RoPE, ``cos``/``sin`` of their positions)."""
     plain = unrotate(queries.float(), cos, sin)[:, sink:]
     mean = plain.mean(dim=1)
     centred = plain - mean[:, None]
-    covariance = centred.transpose(1, 2) @ centred / plain.shape[1]
-    dim = queries.shape[-1]
-    half_turn = rotate_half(torch.eye(dim, device=queries.device)).T  # P with rotate_half(x) = P @ x
+    return mean, centred.transpose(1, 2) @ centred / plain.shape[1]
+
+
+def rotate_moments(
+    mean: torch.Tensor, covariance: torch.Tensor, future_cos: torch.Tensor, future_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R̄μ, R̄ΣR̄ᵀ), R̄ the average RoPE rotation of the positions whose ``future_cos``/``future_sin`` are given."""
+    dim = mean.shape[-1]
+    half_turn = rotate_half(torch.eye(dim, device=mean.device)).T  # P with rotate_half(x) = P @ x
     rotation = torch.diag(future_cos.mean(dim=0)) + torch.diag(future_sin.mean(dim=0)) @ half_turn
     return mean @ rotation.T, rotation @ covariance @ rotation.T
 
@@ -172,13 +203,22 @@ class StatsRecorder:
         self.accumulated = needs.accumulated
         self.bidirectional = set(needs.bidirectional)
         self.query_stats = set(needs.query_stats)
+        self.queries = max(needs.queries, default=0)
+        self.query_moments = set(needs.query_moments)
         self.cuts = cuts
         self.rope = rope
         self.layers: dict[tuple[int, int], LayerStats] = {}  # (cut, layer) → statistics
 
     @property
     def needed(self) -> bool:
-        return bool(self.windows or self.accumulated or self.bidirectional or self.query_stats)
+        return bool(
+            self.windows
+            or self.accumulated
+            or self.bidirectional
+            or self.query_stats
+            or self.queries
+            or self.query_moments
+        )
 
     @staticmethod
     def _accumulated(q, k, scaling, logsumexp, cut) -> torch.Tensor:
@@ -196,6 +236,12 @@ class StatsRecorder:
             future_cos, future_sin = self.rope(cut, future)
             out[sink, future] = future_query_statistics(q, cos, sin, min(sink, cut - 1), future_cos, future_sin)
         return out
+
+    def _query_moments(self, q: torch.Tensor) -> dict:
+        if not self.query_moments:
+            return {}
+        cos, sin = self.rope(0, q.shape[1])
+        return {sink: query_moments(q, cos, sin, min(sink, q.shape[1] - 1)) for sink in self.query_moments}
 
     @property
     def wants_logsumexp(self) -> bool:
@@ -222,6 +268,8 @@ class StatsRecorder:
                 accumulated=self._accumulated(q, k, scaling, logsumexp, cut) if self.accumulated else None,
                 bidirectional={w: bidirectional_attention_sums(q, k, scaling, w) for w in self.bidirectional},
                 query_stats=self._query_stats(q),
+                recent_queries=q[:, max(cut - self.queries, 0) :].float().clone() if self.queries else None,
+                query_moments=self._query_moments(q),
             )
 
 
@@ -267,7 +315,11 @@ class _OneSetPerQueryHead:
 
 
 def _decoding_attention(kernel, base: str, layer, module, query, key, value, **kwargs):
-    """Attention of new tokens over a ``RaggedLayer``: each row and head sees its own entries and nothing else."""
+    """Attention of new tokens over a ``RaggedLayer``: each row and head sees its own entries and nothing else. A
+    layer that records for cuts while the answer is written (``shrinking.ShrinkingLayer``) sees the new queries."""
+    observe = getattr(layer, "observe", None)
+    if observe is not None:
+        observe(query, kwargs.get("scaling", module.scaling))
     mask = layer.attention_mask()
     groups = getattr(module, "num_key_value_groups", 1)
     if key.shape[1] == query.shape[1] and groups > 1:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pkvbench.engine import shrinking
 from pkvbench.engine.attention import decoding
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
 from pkvbench.engine.quantized import StoredEntries, quantized_layers
@@ -39,6 +40,7 @@ class KeptEntries:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     lengths: list[torch.Tensor] | None = None
+    positions: list[torch.Tensor] | None = None  # [heads, n] each entry's original position (None: 0 … n−1)
 
     def stored(self, layer: int) -> int:
         return self.keys[layer].shape[1]
@@ -67,6 +69,8 @@ class DecodeRequest:
     feed: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     min_new_tokens: int = 0
+    schedule: shrinking.DecodeSchedule | None = None  # cut the cache while the answer is written
+    start: shrinking.DecodeStart | None = None  # what the schedule's cuts start from
 
 
 @dataclass
@@ -75,6 +79,8 @@ class Decoded:
     text: str
     seconds: float  # from the start of its batch to this row's last token
     batch: int = 1  # rows that decoded together
+    hit_limit: bool = False  # stopped at max_new_tokens, not by an end token or a stop string
+    memory: shrinking.RowMemory = field(default_factory=shrinking.RowMemory)  # what its cache held while decoding
 
 
 @dataclass
@@ -126,6 +132,9 @@ class BatchDecoder:
         kv_heads: int,
         device: torch.device,
         sync: Callable[[], None],
+        rope: Callable | None = None,
+        scaling: float = 1.0,
+        query_heads: int | None = None,
     ):
         self.forward = forward
         self.tokenizer = tokenizer
@@ -133,6 +142,9 @@ class BatchDecoder:
         self.kv_heads = kv_heads
         self.device = device
         self.sync = sync
+        self.rope = rope  # RoPE's cos, sin of positions (start, count): Expected Attention's cuts while decoding
+        self.scaling = scaling  # the model's attention scale (the cuts' attention statistics)
+        self.query_heads = query_heads or kv_heads
 
     def decode(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:
         results: list[Decoded | None] = [None] * len(requests)
@@ -142,40 +154,66 @@ class BatchDecoder:
         return results
 
     def _cache(self, requests: list[DecodeRequest], room: int) -> RaggedCache:
-        if isinstance(requests[0].kept, StoredEntries):
+        if isinstance(requests[0].kept, StoredEntries):  # stored in fewer bits: never cut while decoding (api.resolve)
             return RaggedCache(quantized_layers([r.kept for r in requests], room, self.kv_heads))
-        layers = []
-        for layer in range(len(requests[0].kept.keys)):
-            keys = [r.kept.keys[layer] for r in requests]
-            values = [r.kept.values[layer] for r in requests]
-            heads, dim = keys[0].shape[0], keys[0].shape[-1]
-            longest = max(k.shape[1] for k in keys)
-            key_store = keys[0].new_zeros((len(keys), heads, longest, dim))
-            value_store = values[0].new_zeros((len(values), heads, longest, values[0].shape[-1]))
-            lengths = torch.empty((len(keys), heads), dtype=torch.long)
-            for row, (k, v, request) in enumerate(zip(keys, values, requests)):
-                key_store[row, :, : k.shape[1]] = k
-                value_store[row, :, : v.shape[1]] = v
-                lengths[row] = request.kept.lengths[layer] if request.kept.lengths is not None else k.shape[1]
-            layers.append(RaggedLayer(key_store, value_store, lengths, room, self.kv_heads))
-        return RaggedCache(layers)
+        stores = [self._padded(requests, layer) for layer in range(len(requests[0].kept.keys))]
+        if any(r.schedule for r in requests):
+            return shrinking.build_cache(*zip(*stores), room, self.kv_heads, requests)
+        return RaggedCache([RaggedLayer(k, v, n, room, self.kv_heads) for k, v, n in stores])
+
+    def _padded(self, requests: list[DecodeRequest], layer: int):
+        """The batch's keys and values of one layer padded to its longest row, and each row's and head's count."""
+        keys = [r.kept.keys[layer] for r in requests]
+        values = [r.kept.values[layer] for r in requests]
+        heads, dim = keys[0].shape[0], keys[0].shape[-1]
+        longest = max(k.shape[1] for k in keys)
+        key_store = keys[0].new_zeros((len(keys), heads, longest, dim))
+        value_store = values[0].new_zeros((len(values), heads, longest, values[0].shape[-1]))
+        lengths = torch.empty((len(keys), heads), dtype=torch.long)
+        for row, (k, v, request) in enumerate(zip(keys, values, requests)):
+            key_store[row, :, : k.shape[1]] = k
+            value_store[row, :, : v.shape[1]] = v
+            lengths[row] = request.kept.lengths[layer] if request.kept.lengths is not None else k.shape[1]
+        return key_store, value_store, lengths
+
+    @staticmethod
+    def _room(requests: list[DecodeRequest]) -> int:
+        """New columns to allocate: the feed and the answer; a row cut while decoding needs only its interval
+        beyond its target (``DecodeSchedule.room``)."""
+        if not any(r.schedule for r in requests):
+            return len(requests[0].feed) + max(r.max_new_tokens for r in requests)
+        longest = max(r.kept.stored(0) for r in requests)
+        answers = [
+            min(r.max_new_tokens, r.schedule.room(longest)) if r.schedule else r.max_new_tokens for r in requests
+        ]
+        return len(requests[0].feed) + max(answers)
 
     @torch.inference_mode()
     def decode_batch(self, requests: list[DecodeRequest]) -> list[Decoded]:
         """Decode requests that share their heads, feed and position, as one batch."""
         started = time.perf_counter()
         feed = requests[0].feed
-        cache = self._cache(requests, room=len(feed) + max(r.max_new_tokens for r in requests))
+        cache = self._cache(requests, room=self._room(requests))
+        tracker = shrinking.MemoryTracker(
+            cache,
+            [r.schedule for r in requests],
+            [r.start for r in requests],
+            self.scaling,
+            self.query_heads,
+            self.rope,
+        )
         rows = [_Row(request, index) for index, request in enumerate(requests)]
         position = requests[0].position
         with decoding(cache):
             if feed:
                 ids = torch.tensor([feed] * len(rows), device=self.device)
                 positions = torch.arange(position, position + len(feed), device=self.device).expand(len(rows), -1)
+                tracker.before_forward([0] * len(rows), position)  # no token chosen yet: only the position is set
                 logits = self.forward(ids, cache, positions)
                 position += len(feed)
             else:
                 logits = torch.stack([r.first_logits for r in requests])
+            tracker.start(fed=bool(feed))
             live = rows
             while live:
                 for row, row_logits in zip(live, logits):
@@ -183,16 +221,20 @@ class BatchDecoder:
                 finished = [self._finished(row) for row in live]
                 if any(finished):
                     now = time.perf_counter()
-                    for row, done in zip(live, finished):
+                    for batch_row, (row, done) in enumerate(zip(live, finished)):
                         if done:
                             row.seconds = now - started
+                            tracker.finish(batch_row, len(row.tokens))
                     keep = [i for i, done in enumerate(finished) if not done]
                     if not keep:
                         break
                     cache.select_rows(torch.tensor(keep, device=self.device))
+                    tracker.select_rows(keep)
                     live = [live[i] for i in keep]
+                next_position = position + len(live[0].tokens) - 1
+                tracker.before_forward([len(row.tokens) for row in live], next_position)
                 step = torch.tensor([[row.tokens[-1]] for row in live], device=self.device)
-                steps = torch.full((len(live), 1), position + len(live[0].tokens) - 1, device=self.device)
+                steps = torch.full((len(live), 1), next_position, device=self.device)
                 logits = self.forward(step, cache, steps)
         self.sync()
         return [
@@ -201,9 +243,18 @@ class BatchDecoder:
                 text=self.tokenizer.decode(row.tokens, skip_special_tokens=True),
                 seconds=row.seconds,
                 batch=len(rows),
+                hit_limit=self._hit_limit(row),
+                memory=tracker.memory[row.index],
             )
             for row in rows
         ]
+
+    def _hit_limit(self, row: _Row) -> bool:
+        """Whether the answer stopped at its token limit rather than by an end token or a stop string."""
+        request = row.request
+        if len(row.tokens) < request.max_new_tokens or row.tokens[-1] in self.stop_ids:
+            return False
+        return not (request.stop_strings and any(s in self.tokenizer.decode(row.tokens) for s in request.stop_strings))
 
     def _next_token(self, row: _Row, logits: torch.Tensor) -> int:
         """Greedy; for the first ``min_new_tokens`` tokens the end tokens and the stop strings' last tokens cannot be

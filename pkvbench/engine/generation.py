@@ -21,6 +21,7 @@ from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptE
 from pkvbench.engine.models import LoadedModel
 from pkvbench.engine.quantized import StoredEntries
 from pkvbench.engine.reconstruction import SINK, ReconstructionRecorder, repeat_inputs
+from pkvbench.engine.shrinking import DecodeSchedule, prefill_needs, start_from
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs, Policy
 
@@ -131,7 +132,15 @@ class Engine:
         self.stop_ids = self._stop_ids()
         self.output_weights = [layer.self_attn.o_proj.weight for layer in self.model.model.layers]
         self.decoder = BatchDecoder(
-            self._forward, self.tokenizer, self.stop_ids, loaded.num_kv_heads, self.device, self._sync
+            self._forward,
+            self.tokenizer,
+            self.stop_ids,
+            loaded.num_kv_heads,
+            self.device,
+            self._sync,
+            rope=self.rope,
+            scaling=float(self.model.model.layers[0].self_attn.scaling),
+            query_heads=loaded.num_query_heads,
         )
 
     @property
@@ -175,14 +184,21 @@ class Engine:
         return out.logits[:, -1]
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, policies: list[Policy], cuts: tuple[int, ...] = ()) -> Prefill:
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        policies: list[Policy],
+        cuts: tuple[int, ...] = (),
+        decoding: list[Policy] = (),
+    ) -> Prefill:
         """One forward pass over the prompt with the full cache, recording what ``policies`` need of the whole
-        prompt, or of its first c tokens for each c in ``cuts``."""
+        prompt, or of its first c tokens for each c in ``cuts``, and what ``decoding`` (policies that will cut the
+        cache while the answer is written) start from."""
         from transformers import DynamicCache
 
         input_ids = input_ids.to(self.device)
         cuts = tuple(sorted(set(cuts))) or (input_ids.shape[1],)
-        needs = Needs.union(p.needs for p in policies)
+        needs = Needs.union([*(p.needs for p in policies), *(prefill_needs(p) for p in decoding)])
         recorder = StatsRecorder(needs, cuts, self.rope)
         cache = DynamicCache()
         logits, seconds = self.recorded_forward(input_ids, recorder, cache)
@@ -353,13 +369,14 @@ class Engine:
             full_values = [v.repeat_interleave(group, dim=0) for v in full_values]
         if not plan.compressed:
             return KeptEntries(full_keys, full_values), None
-        keys, values = [], []
+        keys, values, positions = [], [], []
         lengths: list[torch.Tensor | None] = [None] * len(plan.per_layer)
         selected: list[torch.Tensor | None] = [None] * len(plan.per_layer)
         for layer in range(len(plan.per_layer)):
             if layer not in chosen:
                 keys.append(full_keys[layer])
                 values.append(full_values[layer])
+                positions.append(torch.arange(length, device=self.device).expand(full_keys[layer].shape[0], -1))
                 continue
             kept = selected[layer] = chosen[layer].to(self.device)
             if kept.dtype == torch.bool:  # heads keep different numbers of entries: stored padded, counted apart
@@ -367,10 +384,11 @@ class Engine:
             index = kept[:, :, None].expand(-1, -1, full_keys[layer].shape[-1])
             keys.append(full_keys[layer].gather(1, index))
             values.append(full_values[layer].gather(1, index))
+            positions.append(kept)
         if not any(n is not None for n in lengths):
-            return KeptEntries(keys, values), selected
+            return KeptEntries(keys, values, positions=positions), selected
         filled = [n if n is not None else torch.full((k.shape[0],), k.shape[1]) for n, k in zip(lengths, keys)]
-        return KeptEntries(keys, values, filled), selected
+        return KeptEntries(keys, values, filled, positions), selected
 
     def request(
         self,
@@ -380,19 +398,36 @@ class Engine:
         stop_strings: tuple[str, ...] = (),
         min_new_tokens: int = 0,
         question: list[int] | None = None,
+        schedule: DecodeSchedule | None = None,
     ) -> DecodeRequest:
         """Decode ``cache``: after the prefilled prompt (the question was part of the compressed prompt), or, with
         ``question``, after feeding the question's tokens on top of the compressed context (the cache's first
-        ``cache.plan.context_len`` prompt tokens) at their original positions; they are never compressed."""
+        ``cache.plan.context_len`` prompt tokens) at their original positions; they are never compressed by the
+        prefill budget. With ``schedule`` the cache is cut while the answer is written (``engine/shrinking.py``)."""
         common = {
             "kept": cache.kept,
             "max_new_tokens": max_new_tokens,
             "stop_strings": tuple(stop_strings),
             "min_new_tokens": min_new_tokens,
         }
+        if schedule is not None:
+            length = cache.plan.context_len
+            kept = cache.kept.positions or [
+                torch.arange(length, device=self.device).expand(k.shape[0], -1) for k in cache.kept.keys
+            ]
+            common["schedule"] = schedule
+            common["start"] = start_from(prefill.stats_at[length], kept, schedule.needs)
         if question is None:
             return DecodeRequest(position=prefill.context_len, first_logits=prefill.last_logits, **common)
         return DecodeRequest(position=cache.plan.context_len, feed=tuple(question), **common)
+
+    def schedule(self, policy: Policy, target: int | None, interval: int, buffer: int) -> DecodeSchedule | None:
+        """The decode-time schedule of ``policy`` at ``target`` entries per KV head (None: never cut, as without a
+        target or for a policy that keeps everything)."""
+        if target is None:
+            return None
+        schedule = DecodeSchedule.make(policy, target, interval, buffer, self.loaded.num_layers)
+        return None if schedule.cuts_nothing else schedule
 
     def decode_many(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:
         """Greedy decoding of every request, in batches of up to ``max_rows`` (``decoding.plan_batches``)."""

@@ -156,6 +156,7 @@
     ["frontier", "Accuracy per byte", "no storage bits or memory budgets (--kv-bits, --memory)"],
     ["heatmap", "Needle heatmaps", "no task laid out on a length × depth grid (the needle tasks)"],
     ["layers", "Entries kept per layer", "no row records kv_kept of a compressing policy"],
+    ["memory", "Cache size while the answer is written", "no row cut its cache while decoding (--decode-budget)"],
   ];
   let figuresDrawn = false;
 

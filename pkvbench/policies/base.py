@@ -38,6 +38,12 @@ class Needs:
     query_stats: frozenset[tuple[int, int]] = frozenset()
     # Scores of a pass that asks the model to repeat the prompt (KVzip), for each chunk size.
     reconstruction: frozenset[int] = frozenset()
+    # The last w post-RoPE queries themselves, for each w (R-KV computes its own attention from them; a cache cut
+    # while the answer is written scores with the answer's latest queries).
+    queries: frozenset[int] = frozenset()
+    # The mean and covariance of the pre-RoPE queries from position s on, not yet rotated, for each s (Expected
+    # Attention while the answer is written: rotated to the positions after each cut).
+    query_moments: frozenset[int] = frozenset()
 
     def __or__(self, other: Needs) -> Needs:
         """Everything either needs (flags or'ed, sets joined)."""
@@ -93,6 +99,15 @@ class LayerStats:
     query_stats: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # chunk size → ``[num_kv_heads, T]`` reconstruction scores (``Needs.reconstruction``)
     reconstruction: dict[int, torch.Tensor] = field(default_factory=dict)
+    # ``[num_query_heads, w, head_dim]``: the last queries (post-RoPE), those of the last w entries' own tokens, for
+    # the largest w in ``Needs.queries`` (fewer when the prompt is shorter)
+    recent_queries: torch.Tensor | None = None
+    # s → (mean ``[num_query_heads, head_dim]``, covariance) of the pre-RoPE queries from s on (``Needs.query_moments``)
+    query_moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # While the answer is written the entries are a cache's, not a prompt's: their original positions
+    # ``[heads, T]`` (None: 0 … T−1) and the position of the token to come (None: T).
+    positions: torch.Tensor | None = None
+    end: int | None = None
 
     @property
     def query_heads(self) -> int:
@@ -121,6 +136,23 @@ class LayerStats:
                 f"reconstruction scores (chunk {chunk}) were not recorded; declare them in `needs`"
             )
         return self.reconstruction[chunk]
+
+    def last_queries(self, w: int) -> torch.Tensor:
+        """``[num_query_heads, min(w, T), head_dim]``: the last w queries (post-RoPE)."""
+        if self.recent_queries is None or self.recent_queries.shape[1] < min(w, self.context_len):
+            raise StatisticNotRecorded(f"the last {w} queries were not recorded; declare them in `needs`")
+        return self.recent_queries[:, -min(w, self.context_len) :]
+
+    def entry_positions(self) -> torch.Tensor:
+        """``[heads or 1, T]``: each entry's original position (a prompt's: 0 … T−1)."""
+        if self.positions is None:
+            return torch.arange(self.context_len)[None]
+        return self.positions
+
+    @property
+    def next_position(self) -> int:
+        """The position of the token to come: T after a prompt, later while the answer is written."""
+        return self.context_len if self.end is None else self.end
 
     def bidirectional_attention(self, w: int) -> torch.Tensor:
         if w not in self.bidirectional:
@@ -239,6 +271,22 @@ class Policy:
         layers (KVzip) chooses them together."""
         return [self.select(layer_stats, k) for layer_stats, k in zip(stats, budgets)]
 
+    # --- while the answer is written (``--decode-budget``, ``engine/shrinking.py``) ----------------------------
+    def decoding_refusal(self) -> str | None:
+        """None if this policy can cut a cache while the answer is written; else why not, in one line."""
+        return f"{self.name} cannot score a cache while the answer is written (it has no decode-time rule)"
+
+    @property
+    def decoding_needs(self) -> Needs:
+        """What a cut while the answer is written needs: the same statistics as at the prefill, of the cache's
+        entries, with the answer's latest queries as the observation window."""
+        return self.needs
+
+    def select_while_decoding(self, stats: LayerStats, k: int, buffer: int) -> torch.Tensor:
+        """Sorted kept columns ``[heads, min(k, T)]`` of a cache of T entries (``stats``: its entries as if they
+        were a prompt, ``end`` the position to come) cut to k per head, the newest ``buffer`` always among them."""
+        raise NotImplementedError
+
     # --- naming ----------------------------------------------------------------------------------------------
     @property
     def label(self) -> str:
@@ -288,11 +336,26 @@ class ScoringPolicy(Policy):
         raise NotImplementedError
 
     def select(self, stats: LayerStats, k: int) -> torch.Tensor:
+        return self._select(stats, k, self.keeps_recent)
+
+    def decoding_refusal(self) -> str | None:
+        if getattr(self, "gqa", None) == "query":
+            return (
+                f"{self.label}: a cache of one set per query head (gqa=query) cannot be cut while the answer is written"
+            )
+        return None
+
+    def select_while_decoding(self, stats: LayerStats, k: int, buffer: int) -> torch.Tensor:
+        """The prefill's rule on the cache's entries, with the newest max(``keeps_recent``, ``buffer``) kept."""
+        return self._select(stats, k, max(self.keeps_recent, buffer))
+
+    def _select(self, stats: LayerStats, k: int, recent: int) -> torch.Tensor:
+        """The top k − r positions by score before the last r, plus the last r (r = min(``recent``, k))."""
         length = stats.context_len
         if k >= length:
             return keep_all(length, self.cache_heads(stats))
         scores = self.score(stats).float()
-        recent = min(self.keeps_recent, k)
+        recent = min(recent, k)
         chosen = best_positions(scores[:, : length - recent], k - recent, self.ties)
         window = torch.arange(length - recent, length, device=chosen.device).expand(chosen.shape[0], recent)
         return torch.cat([chosen, window], dim=1).sort(dim=-1).values

@@ -18,3 +18,9 @@ class FullCache(Policy):
 
     def select(self, stats: LayerStats, k: int) -> torch.Tensor:
         return keep_all(stats.context_len, stats.num_kv_heads)
+
+    def decoding_refusal(self) -> str | None:
+        return None  # the reference at every decode budget: nothing is ever cut
+
+    def select_while_decoding(self, stats: LayerStats, k: int, buffer: int) -> torch.Tensor:
+        return keep_all(stats.context_len, stats.num_kv_heads)

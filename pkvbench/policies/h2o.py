@@ -14,6 +14,11 @@ The variants the PyramidKV paper's code (Zefan-Cai/KVCache-Factory, ``H2OKVClust
   every earlier query also attends to the keys after it — the code of 2024-10-13 (``98e8228``) to 2026-06-22, behind
   most published KVCache-Factory H2O numbers.
 - ``scores=all``: all T queries, causal — the code since 2026-06-22 (``9f9aa2e``), and H2O's own rule.
+
+While the answer is written (``--decode-budget``) the sums are carried on: each new token's query adds its attention
+to the entries in the cache then (H2O's own accumulation during generation), and ``normalize`` divides by the queries
+that could see an entry since its position. ``scores=all-bidirectional`` has no such rule (its earlier queries see
+keys that come after them).
 """
 
 from dataclasses import dataclass
@@ -49,6 +54,11 @@ class H2O(ScoringPolicy):
     def keeps_recent(self) -> int:
         return self.window
 
+    def decoding_refusal(self) -> str | None:
+        if self.scores == "all-bidirectional":
+            return f"{self.label}: scores=all-bidirectional has no decode-time rule (its queries see later keys)"
+        return super().decoding_refusal()
+
     def position_scores(self, stats: LayerStats) -> torch.Tensor:
         """``[num_query_heads, T]`` scores before grouping."""
         length = stats.context_len
@@ -61,7 +71,9 @@ class H2O(ScoringPolicy):
             seen_by = torch.full((length,), float(length))
         else:
             totals = stats.accumulated_attention()
-            seen_by = length - torch.arange(length)
+            # every query from the entry's own position on saw it (while decoding too: a dropped entry never returns)
+            seen_by = stats.next_position - stats.entry_positions()
+            seen_by = seen_by.repeat_interleave(totals.shape[0] // seen_by.shape[0], dim=0)
         if self.normalize:
             totals = totals / seen_by.to(totals)
         return totals

@@ -38,6 +38,11 @@ class KVzip(Policy):
     def needs(self) -> Needs:
         return Needs(reconstruction=frozenset({self.chunk}))
 
+    def decoding_refusal(self) -> str | None:
+        return (
+            "kvzip cannot cut a cache while the answer is written: its scores come from a pass that repeats the prompt"
+        )
+
     def select(self, stats: LayerStats, k: int) -> torch.Tensor:
         if k >= stats.context_len:
             return keep_all(stats.context_len, stats.num_kv_heads)

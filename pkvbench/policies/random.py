@@ -5,7 +5,8 @@ repeatable, two policies with the same seed drop the same entries, and the layer
 ``RandomPress(seed=s)`` instead re-seeds with s at every layer, so every layer draws the same scores: that is
 ``per_layer=false`` (in the ``kvpress`` preset; kept sets identical, ``docs/kvpress-crosscheck.md``). kvpress's
 leaderboard entry, ``RandomPress()``, draws from the global stream seeded once with 42, which cannot be reproduced
-outside its process. No window, no sinks.
+outside its process. No window, no sinks. While the answer is written the cut's position joins the seed, so that
+successive cuts of a cache of the same size draw afresh.
 """
 
 from dataclasses import dataclass
@@ -26,5 +27,6 @@ class Random(ScoringPolicy):
 
     def score(self, stats: LayerStats) -> torch.Tensor:
         seed = self.seed * 1_000_003 + stats.layer if self.per_layer else self.seed
+        seed += 7_919 * stats.end if stats.end is not None else 0  # a decode-time cut: its position draws afresh
         generator = torch.Generator().manual_seed(seed)
         return torch.rand(stats.num_kv_heads, stats.context_len, generator=generator)

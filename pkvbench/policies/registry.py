@@ -31,6 +31,7 @@ BUILTIN: dict[str, str] = {
     "knorm": "pkvbench.policies.knorm:Knorm",
     "keydiff": "pkvbench.policies.keydiff:KeyDiff",
     "tova": "pkvbench.policies.tova:TOVA",
+    "rkv": "pkvbench.policies.rkv:RKV",
     "expected_attention": "pkvbench.policies.expected_attention:ExpectedAttention",
     "kvzip": "pkvbench.policies.kvzip:KVzip",
     "adakv": "pkvbench.policies.adakv:AdaKV",

@@ -43,6 +43,11 @@ class Wrapper(Policy):
     def needs(self) -> Needs:
         return self.inner.needs
 
+    def decoding_refusal(self) -> str | None:
+        return (
+            f"{self.name}({self.inner.label}) cannot cut a cache while the answer is written (a prefill-only wrapper)"
+        )
+
     @property
     def min_budget(self) -> int:
         return self.inner.min_budget

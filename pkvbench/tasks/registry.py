@@ -25,7 +25,9 @@ from pkvbench.io import parse_yaml
 from pkvbench.metrics import METRICS, PREDICTION_RULES
 from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec
 from pkvbench.tasks.longbench import longbench_samples
+from pkvbench.tasks.longout import chain_trace_samples, list_recall_samples, passage_copy_samples
 from pkvbench.tasks.needle import needle_samples
+from pkvbench.tasks.reasoning import reasoning_samples
 from pkvbench.tasks.ruler import cwe_samples, fwe_samples, niah_samples, vt_samples
 from pkvbench.tasks.trec import trec_samples
 
@@ -48,6 +50,7 @@ class Generator:
     optional: tuple[str, ...] = ()
     template: str = "template"
     fields: frozenset[str] | None = None
+    context: bool = True  # the template names {context} (a reasoning problem has none: the question is all)
 
 
 _RULER = ("template", "answer_prefix", "defaults")
@@ -91,6 +94,42 @@ GENERATORS: dict[str, Generator] = {
         ("lengths",),
         _NUMBERED,
         optional=("system", "vocab_size", "vocab_per_tokens"),
+    ),
+    "list_recall": Generator(
+        list_recall_samples,
+        ("items", "prompt", "defaults"),
+        (),
+        "n<number>",
+        optional=("system",),
+        template="prompt",
+        fields=frozenset({"context", "items"}),
+    ),
+    "chain_trace": Generator(
+        chain_trace_samples,
+        ("steps", "prompt", "defaults"),
+        (),
+        "n<number>",
+        optional=("system",),
+        template="prompt",
+        fields=frozenset({"context", "start", "steps"}),
+    ),
+    "passage_copy": Generator(
+        passage_copy_samples,
+        ("haystack", "answer_tokens", "prompt", "defaults"),
+        (),
+        "n<number>",
+        optional=("system",),
+        template="prompt",
+        fields=frozenset({"context"}),
+    ),
+    "reasoning": Generator(
+        reasoning_samples,
+        ("file", "hub", "prompt", "question_fields", "answer_field"),
+        (),
+        "the row's id field, or its line number from 0",
+        optional=("system", "answer_after", "id_field", "extra_fields", "defaults"),
+        template="prompt",
+        context=False,
     ),
     "trec_fewshot": Generator(
         trec_samples,
@@ -217,7 +256,7 @@ def _check_template(raw: dict[str, Any], generator: Generator, where: str) -> No
         named = {field.split(".")[0].split("[")[0] for _, field, _, _ in string.Formatter().parse(template) if field}
     except ValueError as exc:
         raise PkvError(f"task file {where}: {generator.template!r} is not a valid template ({exc})") from None
-    if "context" not in named:
+    if generator.context and "context" not in named:
         raise PkvError(f"task file {where}: {generator.template!r} must name {{context}}, where the context goes")
     unknown = sorted(named - generator.fields) if generator.fields is not None else []
     if unknown:

@@ -1,0 +1,387 @@
+"""Compression while the answer is written (``--decode-budget``): caches that shrink as well as grow, per row.
+
+A row with a ``DecodeSchedule`` has its cache cut back to at most ``target`` entries per KV head in every layer each
+time its answer reaches a multiple of ``interval`` tokens: when token g is chosen (g = interval, 2·interval, …) the
+cache — its kept prompt entries and the answer's tokens so far — is cut before token g is written. So while it is
+written the cache holds at most target + interval entries per head (with interval 1: target + 1), and at the start
+what the prefill kept plus the first interval − 1 tokens. The newest ``buffer`` entries are always kept; the others
+by the policy's own rule applied to the cache's entries as if they were a prompt (``Policy.select_while_decoding``),
+its observation window the answer's latest queries. Entries keep their original positions.
+
+What a cut scores from is recorded while the batch decodes, only when a row of it needs it (``ShrinkingLayer``): the
+last W post-RoPE queries of each row (a ring per layer, started with the prompt's last W from the prefill), and for
+H2O each entry's attention summed over every query since the prompt (started with the prefill's sums). Expected
+Attention's query statistics are the prompt's, rotated to the positions after each cut.
+
+Rows of a batch cut on their own schedules; a row's numbers do not depend on the other rows (each cut reads and
+rewrites only that row's entries), so a batch gives each row the tokens it gives alone (``tests/test_decoding.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pkvbench.engine.attention import last_queries_sums, rotate_moments
+from pkvbench.engine.cache import RaggedCache, RaggedLayer
+from pkvbench.policies.base import LayerStats, Needs, Policy
+
+# A row's trace (cache entries over the answer's tokens) keeps at most this many cuts, evenly spread.
+TRACE_CUTS = 64
+
+
+@dataclass(frozen=True)
+class DecodeSchedule:
+    """Cut a row's cache back to ``target`` entries per head (split over layers as the policy splits a budget, e.g.
+    PyramidKV's pyramid) every ``interval`` new tokens, by ``policy``, the newest ``buffer`` entries always kept."""
+
+    policy: Policy
+    target: int
+    interval: int
+    buffer: int
+    num_layers: int
+
+    @classmethod
+    def make(cls, policy: Policy, target: int, interval: int, buffer: int, num_layers: int) -> DecodeSchedule:
+        return cls(policy, target, interval, buffer, num_layers)
+
+    def targets(self, length: int) -> list[int]:
+        """Each layer's entries per head after a cut when the sequence (prompt and answer so far) holds ``length``
+        tokens: the policy's split of the target over a prompt of that length, as at the prefill (nothing is cut
+        where the target holds the whole sequence)."""
+        return self.policy.layer_budgets(self.target, length, self.num_layers)
+
+    @property
+    def cuts_nothing(self) -> bool:
+        """A policy that keeps everything at any budget (the full cache): no cut ever."""
+        return min(self.targets(1 << 40)) >= 1 << 40
+
+    @property
+    def needs(self) -> Needs:
+        return self.policy.decoding_needs
+
+    def room(self, stored: int) -> int:
+        """Columns a row needs beyond ``stored`` (its entries at the start): its cache never holds more than
+        max(stored, its largest layer target) + interval."""
+        return max(0, max(self.targets(1 << 40)) - stored) + self.interval
+
+
+def query_window(needs: Needs) -> int:
+    """How many of the latest queries a policy's cuts read (its windows, or the queries it scores from)."""
+    return max(needs.windows | needs.queries, default=0)
+
+
+def prefill_needs(policy: Policy) -> Needs:
+    """What the prefill must record so that ``policy`` can cut while the answer is written: its decode-time needs,
+    the prompt's last queries (the first cuts' window) and its query statistics before rotation."""
+    needs = policy.decoding_needs
+    window = query_window(needs)
+    return needs | Needs(
+        queries=frozenset({window}) if window else frozenset(),
+        query_moments=frozenset(sink for sink, _ in needs.query_stats),
+    )
+
+
+@dataclass
+class DecodeStart:
+    """What a row's cuts start from, per layer, for its kept prompt entries (from the prefill)."""
+
+    queries: list[torch.Tensor] | None = None  # [Hq, w, d]: the prompt's (or context's) last queries
+    accumulated: list[torch.Tensor] | None = None  # [Hq, n]: each kept entry's attention summed over the prompt
+    moments: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] | None = None  # sink → pre-RoPE (mean, covariance)
+
+
+def start_from(stats: list[LayerStats], positions: list[torch.Tensor], needs: Needs) -> DecodeStart:
+    """A row's ``DecodeStart`` from the prefill's statistics and its kept entries' ``positions`` ``[H, n]``."""
+    start = DecodeStart()
+    if query_window(needs):
+        start.queries = [s.recent_queries for s in stats]
+    if needs.accumulated:
+        start.accumulated = []
+        for layer_stats, kept in zip(stats, positions):
+            totals = layer_stats.accumulated_attention()
+            by_query_head = kept.to(totals.device).repeat_interleave(totals.shape[0] // kept.shape[0], dim=0)
+            start.accumulated.append(totals.gather(1, by_query_head))
+    if needs.query_stats:
+        start.moments = [s.query_moments for s in stats]
+    return start
+
+
+class ShrinkingLayer(RaggedLayer):
+    """A ``RaggedLayer`` whose rows can also be cut (``keep``), that knows each entry's original position, and that
+    records the latest queries (``query_window`` > 0) and accumulated attention (``accumulate``) as rows decode."""
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        room: int,
+        kv_heads: int,
+        positions: torch.Tensor,
+        queries: torch.Tensor | None = None,
+        query_counts: torch.Tensor | None = None,
+        accumulated: torch.Tensor | None = None,
+    ):
+        """``positions`` ``[batch, heads, n]`` of the entries; ``queries`` ``[batch, Hq, W, d]`` the latest W
+        queries, the last ``query_counts[b]`` of row b real; ``accumulated`` ``[batch, Hq, n]`` the sums so far."""
+        super().__init__(keys, values, lengths, room, kv_heads)
+        if self.group != 1:
+            raise ValueError("a cache of one set per query head cannot be cut while the answer is written")
+        capacity = self._key_store.shape[2]
+        self._positions = positions.new_zeros((*positions.shape[:2], capacity))
+        self._positions[:, :, : positions.shape[2]] = positions
+        self._queries = queries
+        self.query_counts = query_counts
+        self._accumulated = None
+        if accumulated is not None:
+            self._accumulated = accumulated.new_zeros((*accumulated.shape[:2], capacity))
+            self._accumulated[:, :, : accumulated.shape[2]] = accumulated
+        self.next_position = 0  # where the coming update's first token sits (set by the decoder)
+
+    def _grow(self, longest: int) -> None:
+        super()._grow(longest)
+        extra = self._key_store.shape[2] - self._positions.shape[2]
+        self._positions = torch.nn.functional.pad(self._positions, (0, extra))
+        if self._accumulated is not None:
+            self._accumulated = torch.nn.functional.pad(self._accumulated, (0, extra))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        new = key_states.shape[2]
+        columns = self.lengths[:, :, None] + torch.arange(new, device=self.lengths.device)
+        out = super().update(key_states, value_states, *args, **kwargs)
+        positions = self.next_position + torch.arange(new, device=columns.device)
+        self._positions.scatter_(2, columns, positions.expand_as(columns).contiguous())
+        return out
+
+    def observe(self, query: torch.Tensor, scaling: float) -> None:
+        """The attention wrapper's call with each decoding step's queries ``[batch, Hq, new, d]`` (post-RoPE),
+        after ``update``: keep the latest queries, add their attention to each entry's sum."""
+        new = query.shape[2]
+        if self._queries is not None:
+            width = self._queries.shape[2]
+            self._queries = torch.cat([self._queries, query.float()], dim=2)[:, :, -width:]
+            self.query_counts = (self.query_counts + new).clamp(max=width)
+        if self._accumulated is not None:
+            batch, query_heads, _, dim = query.shape
+            keys = self.keys.float()  # [batch, H, columns, d]
+            grouped = query.float().view(batch, self.heads, query_heads // self.heads * new, dim)
+            logits = (grouped @ keys.transpose(2, 3) * scaling).view(batch, query_heads, new, keys.shape[2])
+            mask = self.attention_mask()
+            if mask is not None:
+                mask = mask.repeat_interleave(query_heads // mask.shape[1], dim=1)
+                logits = logits.masked_fill(~mask, float("-inf"))
+            self._accumulated[:, :, : keys.shape[2]] += logits.softmax(dim=-1).sum(dim=2)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        self._positions = self._positions[rows]
+        if self._queries is not None:
+            self._queries = self._queries[rows]
+            self.query_counts = self.query_counts[rows]
+        if self._accumulated is not None:
+            self._accumulated = self._accumulated[rows]
+
+    def row_stats(self, row: int, layer: int, needs: Needs, scaling: float, end: int, query_heads: int) -> LayerStats:
+        """Row ``row``'s entries as a policy sees them at a cut (``end``: the position of the token to come)."""
+        count = int(self.lengths[row, 0])
+        if not bool((self.lengths[row] == count).all()):
+            raise ValueError("a cache whose heads keep different numbers of entries cannot be cut while decoding")
+        keys = self._key_store[row, :, :count]
+        queries = None
+        if self._queries is not None:
+            queries = self._queries[row, :, self._queries.shape[2] - int(self.query_counts[row]) :]
+            queries = queries[:, -min(queries.shape[1], count) :]
+        return LayerStats(
+            context_len=count,
+            num_kv_heads=self.heads,
+            num_query_heads=query_heads,
+            layer=layer,
+            window_scores=last_queries_sums(queries, keys, scaling, set(needs.windows)) if needs.windows else {},
+            accumulated=self._accumulated[row, :, :count] if needs.accumulated else None,
+            keys=keys,
+            values=self._value_store[row, :, :count],
+            recent_queries=queries if needs.queries else None,
+            positions=self._positions[row, :, :count],
+            end=end,
+        )
+
+    def keep(self, row: int, columns: torch.Tensor) -> None:
+        """Cut row ``row`` to the entries in ``columns`` ``[heads, m]`` (sorted), moved to its first m columns."""
+        kept = columns.shape[1]
+        for store in (self._key_store, self._value_store):
+            store[row, :, :kept] = store[row].gather(1, columns[:, :, None].expand(-1, -1, store.shape[-1]))
+        self._positions[row, :, :kept] = self._positions[row].gather(1, columns)
+        if self._accumulated is not None:
+            by_query_head = columns.repeat_interleave(self._accumulated.shape[1] // self.heads, dim=0)
+            self._accumulated[row, :, :kept] = self._accumulated[row].gather(1, by_query_head)
+            self._accumulated[row, :, kept:] = 0.0  # the columns new tokens will take start from nothing
+        self.lengths[row] = kept
+        self._expose()
+
+
+class ShrinkingCache(RaggedCache):
+    def set_position(self, position: int) -> None:
+        for layer in self.layers:
+            layer.next_position = position
+
+
+@dataclass
+class RowMemory:
+    """What one row's cache held while its answer was written: the largest cache a decoding forward attended over
+    (entries summed over layers and heads; stored bytes of its keys and values), and the entries at the start, before
+    and after each cut and at the end, as [tokens so far, entries] points (``trace``)."""
+
+    peak_entries: int = 0
+    peak_bytes: int = 0
+    cuts: int = 0
+    trace: list[list[int]] = field(default_factory=list)
+
+    def note(self, step: int, entries: int, stored_bytes: int, attended: bool = True) -> None:
+        """A point of the trace; ``attended``: a forward attended over this cache (it counts for the peak)."""
+        if attended:
+            self.peak_entries = max(self.peak_entries, entries)
+            self.peak_bytes = max(self.peak_bytes, stored_bytes)
+        self.trace.append([step, entries])
+
+    def compact_trace(self) -> list[list[int]]:
+        """The start, at most ``TRACE_CUTS`` cuts (each a point before and after), and the end."""
+        cuts = (len(self.trace) - 2) // 2
+        if cuts <= TRACE_CUTS:
+            return self.trace
+        stride = math.ceil(cuts / TRACE_CUTS)
+        chosen = [c for c in range(cuts) if c % stride == 0 or c == cuts - 1]
+        middle = [point for c in chosen for point in self.trace[1 + 2 * c : 3 + 2 * c]]
+        return [self.trace[0], *middle, self.trace[-1]]
+
+
+class MemoryTracker:
+    """One batch's cuts and cache sizes: which rows are due for a cut before the next forward, and what each row's
+    cache held. ``live`` maps the batch's current rows to the requests' indices."""
+
+    def __init__(
+        self,
+        cache: RaggedCache,
+        schedules: list[DecodeSchedule | None],
+        starts: list[DecodeStart | None],
+        scaling: float,
+        query_heads: int,
+        rope: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None,
+    ):
+        self.cache = cache
+        self.query_heads = query_heads
+        self.schedules = schedules
+        self.starts = starts
+        self.scaling = scaling
+        self.rope = rope
+        self.live = list(range(len(schedules)))
+        self.memory = [RowMemory() for _ in schedules]
+        self.forwarded = False  # whether a forward has read the caches yet (their states from then on count)
+
+    def _size(self, batch_row: int) -> tuple[int, int]:
+        entries = stored = 0
+        for layer in self.cache.layers:
+            lengths = layer.lengths[batch_row]
+            entries += int(lengths.sum())
+            width = layer._key_store.shape[-1] + layer._value_store.shape[-1]
+            stored += len(lengths) * int(lengths.max()) * width * layer._key_store.element_size()
+        return entries, stored
+
+    def note(self, batch_row: int, step: int, attended: bool = True) -> None:
+        self.memory[self.live[batch_row]].note(step, *self._size(batch_row), attended)
+
+    def start(self, fed: bool) -> None:
+        """The caches before the answer's first token is written (``fed``: a forward already read them, feeding
+        the question)."""
+        self.forwarded = fed
+        for batch_row in range(len(self.live)):
+            self.note(batch_row, 0, attended=fed)
+
+    def before_forward(self, generated: list[int], position: int) -> None:
+        """Cut every row whose answer has just reached a multiple of its interval (``generated[b]`` tokens chosen,
+        the last not yet written); the coming forward writes its first token at ``position``."""
+        for batch_row, request in enumerate(self.live):
+            schedule, step = self.schedules[request], generated[batch_row]
+            if schedule is None or step == 0 or step % schedule.interval:
+                continue
+            self.note(batch_row, step, attended=self.forwarded)
+            self.cut(batch_row, schedule, self.starts[request], position)
+            self.memory[request].cuts += 1
+            self.note(batch_row, step, attended=False)
+        if isinstance(self.cache, ShrinkingCache):
+            self.cache.set_position(position)
+        self.forwarded = self.forwarded or step_taken(generated)
+
+    def cut(self, batch_row: int, schedule: DecodeSchedule, start: DecodeStart | None, end: int) -> None:
+        needs = schedule.needs
+        for index, (layer, target) in enumerate(zip(self.cache.layers, schedule.targets(end))):
+            if int(layer.lengths[batch_row].max()) <= target:
+                continue
+            stats = layer.row_stats(batch_row, index, needs, self.scaling, end, self.query_heads)
+            if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
+                moments = start.moments[index]
+                rotated = {
+                    (sink, future): rotate_moments(*moments[sink], *self.rope(end, future))
+                    for sink, future in needs.query_stats
+                }
+                stats = dataclasses.replace(stats, query_stats=rotated)
+            layer.keep(batch_row, schedule.policy.select_while_decoding(stats, target, schedule.buffer))
+
+    def select_rows(self, keep: list[int]) -> None:
+        self.live = [self.live[i] for i in keep]
+
+    def finish(self, batch_row: int, step: int) -> None:
+        """The row's cache at its end (the last forward's; or, for a one-token answer, the one it started from)."""
+        self.note(batch_row, step)
+
+
+def step_taken(generated: list[int]) -> bool:
+    """Whether the coming forward writes an answer token (not the question's feed)."""
+    return any(generated)
+
+
+def build_cache(
+    key_stores: list[torch.Tensor],
+    value_stores: list[torch.Tensor],
+    lengths: list[torch.Tensor],
+    room: int,
+    kv_heads: int,
+    requests: list,
+) -> ShrinkingCache:
+    """A ``ShrinkingCache`` for a batch of which some rows have a schedule: per layer the padded stores and
+    lengths (as ``RaggedLayer`` takes them), with positions, the query rings and sums the rows' policies need."""
+    window = max((query_window(r.schedule.needs) for r in requests if r.schedule), default=0)
+    accumulate = any(r.schedule and r.schedule.needs.accumulated for r in requests)
+    layers = []
+    for layer, (keys, values, counts) in enumerate(zip(key_stores, value_stores, lengths)):
+        batch, heads, longest, _ = keys.shape
+        positions = torch.arange(longest, device=keys.device).expand(batch, heads, longest).clone()
+        for row, request in enumerate(requests):
+            if request.kept.positions is not None:
+                kept = request.kept.positions[layer]
+                positions[row, :, : kept.shape[1]] = kept
+        queries = counts_of_queries = accumulated = None
+        if window:
+            query_heads = next(r.start.queries[layer].shape[0] for r in requests if r.start and r.start.queries)
+            queries = keys.new_zeros((batch, query_heads, window, keys.shape[-1]), dtype=torch.float32)
+            counts_of_queries = torch.zeros(batch, dtype=torch.long, device=keys.device)
+            for row, request in enumerate(requests):
+                if request.start and request.start.queries:
+                    own = request.start.queries[layer][:, -window:]
+                    queries[row, :, window - own.shape[1] :] = own
+                    counts_of_queries[row] = own.shape[1]
+        if accumulate:
+            query_heads = next(r.start.accumulated[layer].shape[0] for r in requests if r.start and r.start.accumulated)
+            accumulated = keys.new_zeros((batch, query_heads, longest), dtype=torch.float32)
+            for row, request in enumerate(requests):
+                if request.start and request.start.accumulated:
+                    own = request.start.accumulated[layer]
+                    accumulated[row, :, : own.shape[1]] = own
+        layers.append(
+            ShrinkingLayer(keys, values, counts, room, kv_heads, positions, queries, counts_of_queries, accumulated)
+        )
+    return ShrinkingCache(layers)
