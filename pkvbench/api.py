@@ -324,7 +324,7 @@ def fit_to_model(
             asked = f"--max-new-tokens {max_new_tokens}" if max_new_tokens else f"{task.name}'s max_new_tokens"
             raise PkvError(
                 f"{asked}: an answer of {answer} tokens leaves no room for a prompt in the context window of {model} "
-                f"({window} tokens)"
+                f"({window} tokens); pass --max-new-tokens below it, or use a model with a longer window"
             )
         for tokens, asked_by in requested_prompt_tokens(task, options):
             if tokens + answer > window:

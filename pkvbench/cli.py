@@ -230,7 +230,7 @@ def _default_policies() -> str:
 @click.option(
     "--budget",
     "budgets",
-    show_default="128; with --decode-budget cr0, nothing cut at the prefill",
+    show_default="128; with --decode-budget cr0, nothing cut at the prefill; none with --memory",
     help="Budgets, comma-separated: below 1 a fraction of the prompt (0.007 = 0.7%), else entries per KV head per layer "
     "(cr0: the whole prompt).",
 )
@@ -374,10 +374,6 @@ def run(**options) -> None:
     """
     from pkvbench.api import RunConfig, evaluate, resolve
 
-    if options["memory"] is not None:  # --memory replaces the default budgets; budgets given too are refused
-        source = click.get_current_context().get_parameter_source("budgets")
-        if source == click.core.ParameterSource.DEFAULT:
-            options["budgets"] = None
     html_file = options.pop("html_file")
     config = RunConfig(**options)
     if html_file is not None:

@@ -54,14 +54,15 @@ def row_key(row: Row) -> tuple[str, ...]:
     """What makes a row unique: task, sample, policy, budget, query mode, decode budget and, for a cache not stored
     as the model's own, how it was stored (rows written before the query mode was recorded are query-aware; rows
     without a decode budget never cut their cache while decoding; before storage formats, the model's own cache)."""
-    stored = stored_as(row)
+    stored, decode = stored_as(row), decode_budget_label(row.get("decode_budget"))
     return (
         row["task"],
         str(row["sample_id"]),
         row["policy"],
         budget_label(row["budget"]),
         row.get("query_mode", "aware"),
-        decode_budget_label(row.get("decode_budget")),
+        # only where the row has them: the keys of rows of earlier versions keep their shape
+        *((f"decode {decode}",) if decode != "none" else ()),
         *((stored,) if stored else ()),
     )
 

@@ -125,7 +125,7 @@ GENERATORS: dict[str, Generator] = {
     "reasoning": Generator(
         reasoning_samples,
         ("file", "hub", "prompt", "question_fields", "answer_field"),
-        (),
+        ("data_dir",),
         "the row's id field, or its line number from 0",
         optional=("system", "answer_after", "id_field", "extra_fields", "defaults"),
         template="prompt",
