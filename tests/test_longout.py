@@ -129,4 +129,8 @@ def test_answers_longer_than_the_models_window_are_refused_before_anything_runs(
     with pytest.raises(SystemExit) as exit_info:
         main(["run", "--task", "aime25", "--data-dir", str(DATA), "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1 and "leaves no room for a prompt in the context window" in err, err
+    assert (
+        exit_info.value.code == 2
+        and err.count("\n") == 1
+        and "leaves no room for a prompt in the context window" in err
+    ), err
