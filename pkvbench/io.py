@@ -182,6 +182,8 @@ def parse_yaml(text: str, where: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None)
+        if problem and "nesting depth" in problem:  # LibYAML's own limit, where the pure-Python parser recurses
+            raise PkvError(f"{where}: nested too deeply to read{at}") from None
         raise PkvError(f"{where}: not valid YAML{at}{f' ({problem})' if problem else ''}") from None
     except RecursionError:
         raise PkvError(f"{where}: nested too deeply to read") from None

@@ -69,7 +69,7 @@ def row_key(row: Row) -> tuple[str, ...]:
 
 def decode_budget_label(value: Any) -> str:
     """How a row's decode budget is written in keys and tables: its entry count, or ``none``."""
-    if value is None or (isinstance(value, float) and value != value):
+    if value is None or (isinstance(value, float) and value != value) or value == "none":  # a label read back
         return "none"
     return str(int(value))
 

@@ -13,14 +13,14 @@ standard library is imported here.
 
     python start       launch → this script's first line (interpreter and site packages)
     imports            → ``evaluate`` is called (the CLI, pkvbench's API and what it imports: torch, pandas, …)
-    checks             → the model is loaded (options parsed, the model's context window read, the folder locked)
-    model: config      ``AutoConfig`` (with the import of the model's configuration code)
-    model: tokenizer   ``AutoTokenizer``
+    checks             → the samples are built (options parsed, the model's context window read, the folder locked)
+    task build         ``samples_of``: the tokenizer loaded, every sample tokenized (before the model, so bad input
+                       stops the run before the slow load)
+    model: config      ``AutoConfig`` inside ``load_model`` (with the import of the model's configuration code)
+    model: tokenizer   ``AutoTokenizer`` inside ``load_model``
     model: weights     ``AutoModelForCausalLM`` (with the import of the model's code; the weights are memory-mapped)
     model: other       the rest of ``load_model`` (finding the float copy, moving, installing the recorder)
-    run.json           → the task build starts (provenance, determinism, the engine)
-    task build         ``work_items``: tokenizing the samples
-    to first prefill   → the first ``Engine.prefill`` (the grid's plan, the progress bar)
+    to first prefill   → the first ``Engine.prefill`` (run.json, the engine, the grid's plan, the progress bar)
 """
 
 from __future__ import annotations
@@ -38,14 +38,16 @@ import sys  # noqa: E402
 
 marks: dict[str, float] = {}  # event → wall-clock time
 spans: dict[str, float] = {}  # what → seconds inside it (first call)
+loading = [False]  # inside load_model: the Auto* calls made there are the model's phases (earlier ones are checks)
 
 
-def timed_call(what: str, function, on_enter=None):
-    """``function``, recording the seconds of its first call as ``spans[what]``."""
+def timed_call(what: str, function, on_enter=None, only_while_loading: bool = False):
+    """``function``, recording the seconds of its first call as ``spans[what]`` (with ``only_while_loading``: its
+    first call inside ``load_model``)."""
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        first = what not in spans
+        first = what not in spans and (loading[0] or not only_while_loading)
         if first and on_enter:
             on_enter()
         started = time.time()
@@ -100,19 +102,26 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 def wrap_class_method(cls, name: str, what: str) -> None:
-    setattr(cls, name, staticmethod(timed_call(what, getattr(cls, name))))
+    setattr(cls, name, staticmethod(timed_call(what, getattr(cls, name), only_while_loading=True)))
+
+
+def patch_models(module) -> None:
+    timed = timed_call("load_model", module.load_model)
+
+    @functools.wraps(module.load_model)
+    def load_model(*args, **kwargs):
+        loading[0] = True
+        try:
+            return timed(*args, **kwargs)
+        finally:
+            loading[0] = False
+
+    module.load_model = load_model
 
 
 def patch_api(module) -> None:
     module.evaluate = timed_call("evaluate", module.evaluate, on_enter=mark("imports done"))
-
-
-def patch_models(module) -> None:
-    module.load_model = timed_call("load_model", module.load_model, on_enter=mark("checks done"))
-
-
-def patch_runner(module) -> None:
-    module.work_items = timed_call("task build", module.work_items, on_enter=mark("task build start"))
+    module.samples_of = timed_call("task build", module.samples_of, on_enter=mark("checks done"))
 
 
 def patch_generation(module, out_json: str) -> None:
@@ -136,13 +145,12 @@ def report(out_json: str) -> None:
         "python start": STARTED - LAUNCHED,
         "imports": marks["imports done"] - STARTED,
         "checks": marks["checks done"] - marks["imports done"],
+        "task build": spans["task build"],
         "model: config": config,
         "model: tokenizer": tokenizer,
         "model: weights": weights,
         "model: other": model - config - tokenizer - weights,
-        "run.json": marks["task build start"] - marks["load_model end"],
-        "task build": spans["task build"],
-        "to first prefill": marks["first prefill"] - marks["task build end"],
+        "to first prefill": marks["first prefill"] - marks["load_model end"],
     }
     total = marks["first prefill"] - LAUNCHED
     modules = sorted(sys.modules)
@@ -166,7 +174,6 @@ def main() -> None:
             {
                 "pkvbench.api": patch_api,
                 "pkvbench.engine.models": patch_models,
-                "pkvbench.runner": patch_runner,
                 "pkvbench.engine.generation": lambda module: patch_generation(module, args.out_json),
                 "transformers.models.auto.configuration_auto": lambda m: wrap_class_method(
                     m.AutoConfig, "from_pretrained", "model: config"

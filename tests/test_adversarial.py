@@ -761,8 +761,11 @@ API_CASES = [
     # 12. wrong types are one PkvError, numbers parsed as typed
     ApiCase("budgets-a-number", lambda tmp: api.resolve(RunConfig(budgets=128)).budgets,
             lambda budgets: [b.recorded for b in budgets] == [128]),
-    ApiCase("budgets-none", lambda tmp: api.resolve(RunConfig(budgets=None)),
-            "--budget: expected a comma string or a list of values, got None"),
+    # None is the default (128 entries; cr0 with a decode budget); a mapping is no list of budgets
+    ApiCase("budgets-none", lambda tmp: api.resolve(RunConfig(budgets=None)).budgets,
+            lambda budgets: [b.recorded for b in budgets] == [128]),
+    ApiCase("budgets-a-mapping", lambda tmp: api.resolve(RunConfig(budgets={"a": 1})),
+            "--budget: expected a comma string or a list of values, got"),
     ApiCase("tasks-none", lambda tmp: api.resolve(RunConfig(tasks=None)), "--task: expected a comma string"),
     ApiCase("query-modes-none", lambda tmp: api.resolve(RunConfig(query_modes=None)), "--query-mode: expected"),
     ApiCase("out-a-number", lambda tmp: api.resolve(RunConfig(out=123)), "--out: expected a path, got 123"),

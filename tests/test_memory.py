@@ -194,6 +194,8 @@ def test_a_batch_of_stored_caches_attends_to_each_rows_own_entries():
     rows = [kept_entries(layout, seed=i) for i, layout in enumerate([[[40, 12, 3]], [[9, 9, 9]], [[70, 1, 30]]])]
     stored = [StoredEntries.store(kept, fmt, torch.float16) for kept in rows]
     layer = quantized_layers(stored, room=4, kv_heads=3)[0]
+    for row, own in enumerate(stored):  # what a row holds in the batch is what it stores alone, not the batch's padding
+        assert layer.held(row) == (int(own.layers[0].lengths.sum()), sum(t.nbytes for t in own.layers[0].tensors))
     generator = torch.Generator().manual_seed(7)
     new_keys, new_values = torch.randn(3, 3, 1, 64, generator=generator), torch.randn(3, 3, 1, 64, generator=generator)
     keys, values = layer.update(new_keys, new_values)

@@ -20,12 +20,11 @@ PHASES = [
     "python start",
     "imports",
     "checks",
+    "task build",
     "model: config",
     "model: tokenizer",
     "model: weights",
     "model: other",
-    "run.json",
-    "task build",
     "to first prefill",
 ]
 

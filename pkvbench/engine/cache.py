@@ -77,6 +77,13 @@ class RaggedLayer(DynamicLayer):
         limit = visible[:, :, None] + query + 1  # query i sees the row's entries and the new tokens up to itself
         return torch.arange(self.keys.shape[2], device=visible.device) < limit[..., None]
 
+    def held(self, row: int) -> tuple[int, int]:
+        """Row ``row``'s entries (summed over heads) and the bytes of its keys and values, each head padded to the
+        row's fullest as a row alone would store them."""
+        lengths = self.lengths[row]
+        width = self._key_store.shape[-1] + self._value_store.shape[-1]
+        return int(lengths.sum()), len(lengths) * int(lengths.max()) * width * self._key_store.element_size()
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished rows leave the batch)."""
         self._key_store = self._key_store[rows]

@@ -166,6 +166,10 @@ class QuantizedLayer(CacheLayerMixin):
         residual_keys = _padded([row.residual_keys for row in rows], 1)
         residual_values = _padded([row.residual_values for row in rows], 1)
         lengths = torch.stack([row.residual for row in rows])
+        # Each row's own packed bytes (the batch pads rows to the widest; a row alone would not hold that padding).
+        self.packed_bytes = torch.tensor(
+            [sum(t.nbytes for q in (row.keys, row.values) if q is not None for t in q.tensors) for row in rows]
+        )
         self.residual = RaggedLayer(residual_keys, residual_values, lengths, room, kv_heads)
         self.device = residual_keys.device
 
@@ -216,7 +220,13 @@ class QuantizedLayer(CacheLayerMixin):
         packed = packed[:, :, None].expand(batch, heads, new, self.width)
         return torch.cat([packed, tail.expand(batch, heads, -1, -1)], dim=-1)
 
+    def held(self, row: int) -> tuple[int, int]:
+        """As ``RaggedLayer.held``: the packed entries and bytes, then the residual's."""
+        entries, stored = self.residual.held(row)
+        return entries + int(self.quantized[row].sum()), stored + int(self.packed_bytes[row])
+
     def select_rows(self, rows: torch.Tensor) -> None:
+        self.packed_bytes = self.packed_bytes[rows.cpu()]
         self.quantized = self.quantized[rows]
         self.packed = [tensor[rows] for tensor in self.packed]
         self.residual.select_rows(rows)

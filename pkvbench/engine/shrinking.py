@@ -283,13 +283,8 @@ class MemoryTracker:
         self.forwarded = False  # whether a forward has read the caches yet (their states from then on count)
 
     def _size(self, batch_row: int) -> tuple[int, int]:
-        entries = stored = 0
-        for layer in self.cache.layers:
-            lengths = layer.lengths[batch_row]
-            entries += int(lengths.sum())
-            width = layer._key_store.shape[-1] + layer._value_store.shape[-1]
-            stored += len(lengths) * int(lengths.max()) * width * layer._key_store.element_size()
-        return entries, stored
+        held = [layer.held(batch_row) for layer in self.cache.layers]
+        return sum(entries for entries, _ in held), sum(stored for _, stored in held)
 
     def note(self, batch_row: int, step: int, attended: bool = True) -> None:
         self.memory[self.live[batch_row]].note(step, *self._size(batch_row), attended)
