@@ -174,7 +174,8 @@ def main() -> None:
     def compress(press) -> DynamicCache:
         """The pipeline's prefill: the context alone, through the press (``KVPressTextGenerationPipeline._forward``)."""
         cache = DynamicCache()
-        with press(model) if press is not None else contextlib.nullcontext():
+        # Under no_grad, as a pipeline runs its forward: without it autograd keeps every activation (GBs, and slow).
+        with torch.no_grad(), press(model) if press is not None else contextlib.nullcontext():
             model.model(input_ids=torch.tensor([context_ids]), past_key_values=cache)
         return cache
 
@@ -199,7 +200,7 @@ def main() -> None:
 
                 def keep_scores(model, finish=finish, press=press):
                     nonlocal kvzip_scores
-                    kvzip_scores = press.score_val[:, 0].float().clone()  # [layers, heads, T], before the sinks' bonus
+                    kvzip_scores = press.score_val[:, 0].detach().float().clone()  # [layers, heads, T], before the sinks' bonus
                     return finish(model)
 
                 press.compress_post = keep_scores
