@@ -440,7 +440,8 @@ def summarize(rows: list[Row]) -> pd.DataFrame:
     stored = any(stored_as(row) for row in rows)
     axes = ["task", "policy", *(["kv_bits"] if stored else []), "budget"]
     axes += ["query_mode"] if any("query_mode" in row for row in rows) else []
-    decoding = any(row.get("decode_budget") is not None for row in rows)
+    # rows read back from disk say "none" (or NaN) where no budget was set: only a real one is an axis
+    decoding = any(decode_budget_label(row.get("decode_budget")) != "none" for row in rows)
     axes += ["decode_budget"] if decoding else []
     columns = [*axes, "n", "score", "ci_low", "ci_high"]
     if not rows:

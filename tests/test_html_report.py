@@ -500,7 +500,8 @@ def test_sample_table_sorts_budgets_as_numbers(browser, tmp_path):
     (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     page = browser.new_page()
     page.goto(write_html_report([folder], tmp_path / "b.html").path.as_uri())
-    header = page.locator("#summary-data th", has_text="budget")
+    assert page.locator("#summary-data th").all_inner_texts().count("decode_budget") == 0  # none set: no column
+    header = page.locator("#summary-data th", has_text=re.compile(r"^\s*budget\s*$"))
     header.click()
     budgets = page.locator("#summary-data tbody tr td:nth-child(4)").all_inner_texts()
     assert budgets == ["64", "128", "0.05"]
