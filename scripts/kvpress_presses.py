@@ -200,7 +200,8 @@ def main() -> None:
 
                 def keep_scores(model, finish=finish, press=press):
                     nonlocal kvzip_scores
-                    kvzip_scores = press.score_val[:, 0].detach().float().clone()  # [layers, heads, T], before the sinks' bonus
+                    # [layers, heads, T], before the sinks' bonus
+                    kvzip_scores = press.score_val[:, 0].detach().float().clone()
                     return finish(model)
 
                 press.compress_post = keep_scores
