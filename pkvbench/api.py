@@ -412,9 +412,6 @@ class RunConfig:
         names = [f.name for f in fields(cls)]
         return cls(**{**read_run_config(path, names), **overrides})
 
-    def with_(self, **changes: Any) -> RunConfig:
-        return replace(self, **changes)
-
 
 @dataclass
 class ResolvedRun:

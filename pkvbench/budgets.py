@@ -18,11 +18,6 @@ from dataclasses import dataclass, field, replace
 
 from pkvbench.errors import PkvError
 
-# How a fraction of the prompt becomes whole entries: half-up (pkvbench), or Python's round (half to even), as the
-# reference code's --max_capacity_prompts_ratio does.
-ROUNDINGS = ("half-up", "half-even")
-
-
 # kvpress's spelling of a budget: the compression ratio r, the fraction of the cache *removed*; kept entries are
 # int(T·(1 − r)), truncated as kvpress's ScorerPress does. Written "cr0.25".
 REMOVED_PREFIX = "cr"
@@ -38,6 +33,8 @@ class Budget:
     """A requested budget, as the user gave it."""
 
     value: float | int
+    # How a fraction of the prompt becomes whole entries: "half-up" (pkvbench), or "half-even" (Python's round), as
+    # the reference code's --max_capacity_prompts_ratio does.
     rounding: str = field(default="half-up", compare=False)
     removed: bool = False  # value is kvpress's compression ratio: the fraction removed
     memory: bool = False  # value is bytes: a fraction of the full cache at 16 bits (below 1) or a count (``int``)

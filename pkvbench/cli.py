@@ -620,8 +620,9 @@ def export(folders, fmt, out_dir) -> None:
 @click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "latex"]), default="markdown", show_default=True)
 def compare(folders, reference, paper_model, fmt) -> None:
     """Measured vs the paper per task and average (score × 100, delta = measured − paper), for the cells both have."""
-    from pkvbench.report import compare as compare_runs
-    from pkvbench.report import load_reference, load_runs, render
+    from pkvbench.paper_compare import compare as compare_runs
+    from pkvbench.paper_compare import load_reference
+    from pkvbench.report import load_runs, render
 
     result = compare_runs(load_runs(list(folders)), load_reference(reference), paper_model)
     for statement in result.statements:  # before the table, so nobody reads the deltas without them

@@ -16,8 +16,6 @@ import pandas as pd
 from pkvbench.report import interval_columns, row_axes, sort_rows
 from pkvbench.stats import mean_interval
 
-MEASURES = ("new_tokens", "peak_kv_entries", "peak_kv_bytes", "hit_limit")
-
 
 def _is_full(policy: str) -> bool:
     return policy.split(":")[0] == "full"

@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pkvbench.errors import PkvError
-
 VERSION = "1"
 SKETCH_SIZE = 16  # minima per layer: a cell of 5 samples × 30 layers averages 2,400 of them
 SKETCH_BITS = 8
@@ -157,10 +155,3 @@ def compare(baseline: Fingerprint, run: Fingerprint) -> Comparison:
     estimated = similarity * (size_a + size_b) / (1 + similarity)  # |A ∩ B| from J = |A ∩ B| / |A ∪ B|
     common = np.where(changed, np.minimum(estimated, np.minimum(size_a, size_b)), size_a)
     return Comparison(counts_differ, changed, common, np.maximum(size_a, size_b))
-
-
-def parse_or_refuse(text: str, where: str) -> Fingerprint:
-    try:
-        return Fingerprint.parse(text)
-    except ValueError as exc:
-        raise PkvError(f"{where}: {exc}") from None

@@ -33,12 +33,11 @@ from pkvbench import frontier
 from pkvbench._version import __version__
 from pkvbench.budgets import ALL, MEMORY_PREFIX, Budget
 from pkvbench.errors import PkvError
+from pkvbench.paper_compare import compare, load_reference
 from pkvbench.plots import NEEDLE_CMAP, needle_rows
 from pkvbench.report import (
     Runs,
     budget_sort_key,
-    compare,
-    load_reference,
     load_runs,
     model_display_name,
     policy_sort_key,
@@ -413,7 +412,7 @@ def sample_view(rows: pd.DataFrame) -> dict[str, Any]:
             (
                 [
                     config_index[(r["model"], r["policy"], r["budget"], r["query_mode"])],
-                    _text(r.get("pred")),
+                    _string_or_empty(r.get("pred")),
                     _rounded(r.get("score"), 4),
                     _rounded(r.get("budget_tokens"), 1),
                 ]
@@ -458,7 +457,7 @@ def sample_flags(members: list[dict]) -> dict[str, bool]:
         groups[(row["model"], row.get("query_mode", DEFAULT_MODE))].append(row)
     disagree = lost = False
     for group in groups.values():
-        disagree |= len({_text(r.get("pred")).strip() for r in group}) > 1
+        disagree |= len({_string_or_empty(r.get("pred")).strip() for r in group}) > 1
         scored = [r for r in group if _rounded(r.get("score"), 6) is not None]
         full = [r["score"] for r in scored if _is_full(r["policy"])]
         if full:
@@ -502,7 +501,7 @@ def _first_text(row: dict, names: tuple[str, ...]) -> str | None:
     return None
 
 
-def _text(value: Any) -> str:
+def _string_or_empty(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 

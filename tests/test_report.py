@@ -8,10 +8,9 @@ import pandas as pd
 import pytest
 
 from pkvbench.errors import PkvError
+from pkvbench.paper_compare import compare, load_reference
 from pkvbench.report import (
-    compare,
     length_bucket,
-    load_reference,
     load_runs,
     render,
     report_table,

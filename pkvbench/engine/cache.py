@@ -107,7 +107,3 @@ class RaggedCache(Cache):
     def select_rows(self, rows: torch.Tensor) -> None:
         for layer in self.layers:
             layer.select_rows(rows)
-
-    @property
-    def batch_size(self) -> int:
-        return self.layers[0].lengths.shape[0]

@@ -190,11 +190,6 @@ def best_positions(scores: torch.Tensor, count: int, ties: str = "stable") -> to
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :count]
 
 
-def top_positions(scores: torch.Tensor, count: int, ties: str = "stable") -> torch.Tensor:
-    """Sorted indices of the ``count`` highest scores per row."""
-    return best_positions(scores, count, ties).sort(dim=-1).values
-
-
 def top_mask(scores: torch.Tensor, count: int) -> torch.Tensor:
     """The ``count`` highest of all heads' scores together, as a keep mask (ties to the earlier head, position)."""
     flat = torch.sort(scores.flatten(), descending=True, stable=True).indices[:count]
