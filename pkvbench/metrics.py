@@ -1,6 +1,7 @@
 """Scoring functions: pure, each maps (prediction, answers, meta) to a score in [0, 1].
 
-``meta`` carries what a metric needs besides the answers (e.g. a classification task's ``all_classes``).
+``meta`` carries what a metric needs besides the answers (e.g. a classification task's ``all_classes``). A task's
+``metric:`` names one through ``pkvbench.metric_registry``.
 """
 
 from __future__ import annotations
@@ -45,9 +46,6 @@ def word_set_recall(prediction: str, answers: list[str], meta: Mapping[str, Any]
     return max([0.0] + [len(words(prediction) & words(a)) / len(words(a)) for a in answers if words(a)])
 
 
-METRICS: dict[str, Metric] = {"rouge1": rouge1, "word_set_recall": word_set_recall}
-
-
 # --- RULER: string matching, as RULER's evaluation (scripts/eval/synthetic/constants.py) -------------------------
 
 
@@ -59,9 +57,6 @@ def string_match_all(prediction: str, answers: list[str], meta: Mapping[str, Any
 def string_match_part(prediction: str, answers: list[str], meta: Mapping[str, Any] | None = None) -> float:
     """RULER's string_match_part: 1 if any expected string is found in the prediction (case-insensitive), else 0."""
     return float(any(answer.lower() in prediction.lower() for answer in answers))
-
-
-METRICS.update({"string_match_all": string_match_all, "string_match_part": string_match_part})
 
 
 # --- long outputs: lines in order ------------------------------------------------------------------------------
@@ -106,10 +101,6 @@ def word_sequence(prediction: str, answers: list[str], meta: Mapping[str, Any] |
     predicted = prediction.lower().split()
     expected = [words for words in (a.lower().split() for a in answers) if words]
     return max([0.0] + [longest_common_subsequence(words, predicted) / len(words) for words in expected])
-
-
-METRICS["line_sequence"] = line_sequence
-METRICS["word_sequence"] = word_sequence
 
 
 # --- reasoning sets: final answers ------------------------------------------------------------------------------
@@ -189,9 +180,6 @@ def math_equivalence(prediction: str, answers: list[str], meta: Mapping[str, Any
         if gold and verify(gold, predicted, timeout_seconds=timeout):
             return 1.0
     return 0.0
-
-
-METRICS.update({"gsm8k_number": gsm8k_number, "math_equivalence": math_equivalence})
 
 
 # --- LongBench (v1 and LongBench-E): the official scorer's metrics, rule for rule -------------------------------
@@ -385,23 +373,22 @@ def _best_over_answers(one: Callable[[str, str], float], doc: str) -> Metric:
     return metric
 
 
-def _classification(prediction: str, answers: list[str], meta: Mapping[str, Any] | None = None) -> float:
+def longbench_classification(prediction: str, answers: list[str], meta: Mapping[str, Any] | None = None) -> float:
+    """Classes named in the prediction, best over the answers (LongBench classification_score)."""
     all_classes = list((meta or {}).get("all_classes") or [])
     return max([0.0] + [classification_one(prediction, answer, all_classes) for answer in answers])
 
 
-LONGBENCH_METRICS: dict[str, Metric] = {
-    "qa_f1": _best_over_answers(qa_f1_one, "Token F1 after English normalisation (LongBench qa_f1_score)."),
-    "qa_f1_zh": _best_over_answers(qa_f1_zh_one, "Token F1 over jieba tokens (LongBench qa_f1_zh_score)."),
-    "rouge": _best_over_answers(rouge_l_one, "ROUGE-L F of the rouge 1.0.1 package (LongBench rouge_score)."),
-    "rouge_zh": _best_over_answers(rouge_zh_one, "ROUGE-L F over jieba tokens (LongBench rouge_zh_score)."),
-    "classification": _classification,
-    "retrieval": _best_over_answers(retrieval_one, "Paragraph-number retrieval (LongBench retrieval_score)."),
-    "retrieval_zh": _best_over_answers(retrieval_zh_one, "段落-number retrieval (LongBench retrieval_zh_score)."),
-    "count": _best_over_answers(count_one, "Passage count (LongBench count_score)."),
-    "code_sim": _best_over_answers(code_sim_one, "fuzzywuzzy ratio of the first code line (LongBench code_sim_score)."),
-}
-METRICS.update(LONGBENCH_METRICS)
+longbench_qa_f1 = _best_over_answers(qa_f1_one, "Token F1 after English normalisation (LongBench qa_f1_score).")
+longbench_qa_f1_zh = _best_over_answers(qa_f1_zh_one, "Token F1 over jieba tokens (LongBench qa_f1_zh_score).")
+longbench_rouge = _best_over_answers(rouge_l_one, "ROUGE-L F of the rouge 1.0.1 package (LongBench rouge_score).")
+longbench_rouge_zh = _best_over_answers(rouge_zh_one, "ROUGE-L F over jieba tokens (LongBench rouge_zh_score).")
+longbench_retrieval = _best_over_answers(retrieval_one, "Paragraph-number retrieval (LongBench retrieval_score).")
+longbench_retrieval_zh = _best_over_answers(retrieval_zh_one, "段落-number retrieval (LongBench retrieval_zh_score).")
+longbench_count = _best_over_answers(count_one, "Passage count (LongBench count_score).")
+longbench_code_sim = _best_over_answers(
+    code_sim_one, "fuzzywuzzy ratio of the first code line (LongBench code_sim_score)."
+)
 
 
 def dataset_score(scores: list[float]) -> float:

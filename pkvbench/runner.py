@@ -20,7 +20,8 @@ from pkvbench.budgets import Budget, KVFormat
 from pkvbench.engine.generation import CompressedCache, Engine, Prefill
 from pkvbench.errors import PkvError
 from pkvbench.fingerprints import fingerprint
-from pkvbench.metrics import METRICS, prepare_prediction
+from pkvbench.metric_registry import METRICS
+from pkvbench.metrics import prepare_prediction
 from pkvbench.policies.base import LayerStats, Policy
 from pkvbench.results import ResultStore, row_key
 from pkvbench.tasks.base import Question, Sample, TaskOptions, TaskSpec

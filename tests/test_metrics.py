@@ -4,8 +4,8 @@ import math
 
 import pytest
 
+from pkvbench.metric_registry import METRICS
 from pkvbench.metrics import (
-    METRICS,
     classification_one,
     code_sim_one,
     count_one,

@@ -3,13 +3,12 @@ from another package joins through the ``pkvbench.policies`` entry point."""
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
+from plugin_package import install_plugin, pkvbench_with
 
 from pkvbench.policies import LayerStats, ScoringPolicy, parse_policy, policy_order, registry
 
@@ -125,45 +124,16 @@ class LargestKeys(ScoringPolicy):
         return scores
 '''
 
-PYPROJECT = """
-[build-system]
-requires = ["setuptools>=68"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "pkvbench-largestkeys"
-version = "0.1.0"
-
-[project.entry-points."pkvbench.policies"]
-largestkeys = "pkvbench_largestkeys:LargestKeys"
-"""
-
 
 @pytest.fixture(scope="module")
 def plugin_site(tmp_path_factory):
-    """A tiny package built into a wheel and installed into a folder of its own (put on PYTHONPATH)."""
-    root = tmp_path_factory.mktemp("plugin")
-    source = root / "src"
-    (source / "pkvbench_largestkeys").mkdir(parents=True)
-    (source / "pkvbench_largestkeys" / "__init__.py").write_text(textwrap.dedent(PLUGIN))
-    (source / "pyproject.toml").write_text(textwrap.dedent(PYPROJECT))
-    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(root / "dist"), str(source)], check=True, capture_output=True)
-    wheels = list((root / "dist").glob("*.whl"))
-    assert len(wheels) == 1
-    subprocess.run(
-        [*pip, "install", "--no-deps", "--target", str(root / "site"), str(wheels[0])], check=True, capture_output=True
+    """The plugin above, installed into a folder of its own (put on PYTHONPATH)."""
+    return install_plugin(
+        tmp_path_factory.mktemp("plugin"),
+        "pkvbench_largestkeys",
+        PLUGIN,
+        {"pkvbench.policies": {"largestkeys": "pkvbench_largestkeys:LargestKeys"}},
     )
-    return root / "site"
-
-
-def pkvbench_with(site, *args):
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-    }
-    return subprocess.run([sys.executable, "-m", "pkvbench", *args], capture_output=True, text=True, env=env)
 
 
 def test_a_plugin_policy_is_listed(plugin_site):

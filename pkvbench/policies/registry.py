@@ -8,16 +8,15 @@ entry point group ``pkvbench.policies`` (name = the policy's ``name``, value = `
     lastnorm = "my_package.policies:LastNorm"
 
 Names are known without importing anything (so ``pkvbench report`` can order its rows without torch); the classes
-are imported on first use.
+are imported on first use (``pkvbench.plugins``, shared with the task generators' and metrics' registries).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 from functools import cache
 
-from pkvbench.errors import PkvError, first_line
+from pkvbench.errors import PkvError
+from pkvbench.plugins import Registry
 
 ENTRY_POINT_GROUP = "pkvbench.policies"
 # name → where its class lives, in report order.
@@ -39,41 +38,27 @@ BUILTIN: dict[str, str] = {
 }
 
 
-@cache
-def _plugins() -> tuple[importlib.metadata.EntryPoint, ...]:
-    return tuple(sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name))
-
-
-def policy_order() -> list[str]:
-    """Every policy name: built-in ones in their order, then plugins by name (how reports sort their rows)."""
-    return list(BUILTIN) + [e.name for e in _plugins() if e.name not in BUILTIN]
-
-
-def _load(name: str, target: str, where: str):
+def _check_policy_class(name: str, cls, where: str) -> None:
     from pkvbench.policies.base import Policy
 
-    module, _, attribute = target.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module), attribute)
-    except Exception as exc:  # a broken plugin must name itself, whatever it raised
-        raise PkvError(f"{where} failed to load: {type(exc).__name__}: {first_line(exc)}") from None
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         raise PkvError(f"{where} is not a pkvbench.policies.Policy subclass")
     if getattr(cls, "name", None) != name:
         raise PkvError(f"{where}: the class's name is {getattr(cls, 'name', None)!r}, the entry point's {name!r}")
-    return cls
+
+
+POLICIES = Registry("policy", ENTRY_POINT_GROUP, BUILTIN, _check_policy_class)
+
+
+def policy_order() -> list[str]:
+    """Every policy name: built-in ones in their order, then plugins by name (how reports sort their rows)."""
+    return POLICIES.names()
 
 
 @cache
 def registry() -> dict:
     """Every policy class by name, in ``policy_order``."""
-    policies = {name: _load(name, target, f"policy {name!r}") for name, target in BUILTIN.items()}
-    for entry in _plugins():
-        where = f"policy plugin {entry.name!r} ({entry.value})"
-        if entry.name in policies:
-            raise PkvError(f"{where}: a policy named {entry.name!r} exists already")
-        policies[entry.name] = _load(entry.name, entry.value, where)
-    return policies
+    return {name: POLICIES[name] for name in POLICIES}
 
 
 def default_grid() -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +117,27 @@ class TaskSpec:
     def identity(self) -> dict[str, str]:
         """What a result row records of its task's definition; resuming under another one is refused."""
         return {"task_version": self.version, "task_hash": self.prompt_hash}
+
+
+@dataclass(frozen=True)
+class Generator:
+    """How a task's samples are made, the keys its YAML must have for that (and those it may have), the sample
+    options that shape its prompts (``TaskOptions`` fields: ``lengths`` and ``depths`` for generated prompts,
+    ``max_length`` for data whose prompts are cut to fit, ``data_dir`` for data read from files), what its sample ids
+    look like, and its prompt template: the key that holds it and the fields it may name (None: any, as LongBench's
+    fill theirs from the data row).
+
+    A task YAML's ``generator:`` names one: the built-in ones are listed in ``pkvbench.tasks.registry``; another
+    package registers its own through the entry point group ``pkvbench.tasks`` (see CONTRIBUTING.md)."""
+
+    build: Callable[[Any, TaskSpec, TaskOptions], list[Sample]]
+    keys: tuple[str | tuple[str, ...], ...]  # a tuple entry: one of these keys
+    shaped_by: tuple[str, ...]
+    ids: str
+    optional: tuple[str, ...] = ()
+    template: str = "template"
+    fields: frozenset[str] | None = None
+    context: bool = True  # the template names {context} (a reasoning problem has none: the question is all)
 
 
 def chat_prompt_ids(tokenizer, system: str | None, user: str) -> list[int]:

@@ -18,7 +18,15 @@ from typing import Any
 
 from pkvbench.errors import PkvError, first_line
 from pkvbench.io import read_json_lines
-from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec, chat_messages, chat_prompt_ids, context_length
+from pkvbench.tasks.base import (
+    Generator,
+    Sample,
+    TaskOptions,
+    TaskSpec,
+    chat_messages,
+    chat_prompt_ids,
+    context_length,
+)
 from pkvbench.tasks.files import file_sha256
 
 HUB_REPOS = ("zai-org/LongBench", "THUDM/LongBench")  # the second is the old name of the first
@@ -238,3 +246,13 @@ def longbench_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[S
             )
         )
     return samples
+
+
+LONGBENCH_GENERATOR = Generator(
+    longbench_samples,
+    ("dataset", "prompt"),
+    ("max_length", "data_dir"),
+    "the _id of a data row",
+    optional=("sha256", "language", "question_part"),
+    template="prompt",
+)

@@ -24,7 +24,7 @@ import itertools
 import random
 import re
 
-from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec, chat_ids, chat_messages, context_length
+from pkvbench.tasks.base import Generator, Sample, TaskOptions, TaskSpec, chat_ids, chat_messages, context_length
 from pkvbench.tasks.ruler import _wonderwords
 
 
@@ -114,3 +114,32 @@ def _selected(samples: list[Sample], options: TaskOptions) -> list[Sample]:
         return samples
     wanted = set(options.sample_ids)
     return [s for s in samples if s.sample_id in wanted]
+
+
+LIST_RECALL_GENERATOR = Generator(
+    list_recall_samples,
+    ("items", "prompt", "defaults"),
+    (),
+    "n<number>",
+    optional=("system",),
+    template="prompt",
+    fields=frozenset({"context", "items"}),
+)
+CHAIN_TRACE_GENERATOR = Generator(
+    chain_trace_samples,
+    ("steps", "prompt", "defaults"),
+    (),
+    "n<number>",
+    optional=("system",),
+    template="prompt",
+    fields=frozenset({"context", "start", "steps"}),
+)
+PASSAGE_COPY_GENERATOR = Generator(
+    passage_copy_samples,
+    ("haystack", "answer_tokens", "prompt", "defaults"),
+    (),
+    "n<number>",
+    optional=("system",),
+    template="prompt",
+    fields=frozenset({"context"}),
+)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pkvbench.errors import PkvError
 from pkvbench.tasks.base import (
+    Generator,
     Question,
     Sample,
     TaskOptions,
@@ -162,3 +163,14 @@ def needle_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Samp
         haystack = haystack * (needed_chars // len(haystack) + 1)
     prompts = NeedlePrompts(tokenizer, spec, tokenizer(haystack[:needed_chars], add_special_tokens=False)["input_ids"])
     return [prompts.sample(*plan) for plan in plans]
+
+
+NEEDLE_GENERATOR = Generator(
+    needle_samples,
+    ("haystack", ("needle", "needles"), "prompt", "defaults"),
+    ("lengths", "depths"),
+    "len<length>_depth<depth> (several needles: len<length>_rot<rotation>)",
+    optional=("question", "answer", "slots", "system", "fit", "buffer"),
+    template="prompt",
+    fields=frozenset({"context", "question"}),
+)

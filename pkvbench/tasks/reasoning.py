@@ -21,7 +21,7 @@ from typing import Any
 
 from pkvbench.errors import PkvError, first_line
 from pkvbench.io import read_json_lines
-from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec, chat_ids, chat_messages, context_length
+from pkvbench.tasks.base import Generator, Sample, TaskOptions, TaskSpec, chat_ids, chat_messages, context_length
 
 
 def _hint(spec: TaskSpec) -> str:
@@ -119,3 +119,14 @@ def reasoning_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[S
     if options.sample_ids is not None and not samples:
         print(f"pkvbench: note: {spec.name}: none of the --sample-id values is in this set", file=sys.stderr)
     return samples
+
+
+REASONING_GENERATOR = Generator(
+    reasoning_samples,
+    ("file", "hub", "prompt", "question_fields", "answer_field"),
+    ("data_dir",),
+    "the row's id field, or its line number from 0",
+    optional=("system", "answer_after", "id_field", "extra_fields", "defaults"),
+    template="prompt",
+    context=False,
+)

@@ -4,6 +4,9 @@ The built-in definitions are the YAML files of the project's ``tasks/`` folder, 
 ``pkvbench.task_definitions`` (so a wheel has them). ``$PKVBENCH_TASKS`` (folders separated by ``os.pathsep``) and
 ``--include-path`` add a user's own folders. Every file is checked when loaded: required keys and their types, a
 known generator and metric, the generator's own keys, no name defined twice. An error names the file.
+
+Generators are registered by name like policies (``pkvbench.plugins``): the built-in ones in ``BUILTIN_GENERATORS``,
+other packages' through the entry point group ``pkvbench.tasks``; metrics likewise in ``pkvbench.metric_registry``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import json
 import os
 import re
 import string
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -22,125 +25,38 @@ from typing import Any
 
 from pkvbench.errors import PkvError
 from pkvbench.io import parse_yaml
-from pkvbench.metrics import METRICS, PREDICTION_RULES
-from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec
-from pkvbench.tasks.longbench import longbench_samples
-from pkvbench.tasks.longout import chain_trace_samples, list_recall_samples, passage_copy_samples
-from pkvbench.tasks.needle import needle_samples
-from pkvbench.tasks.reasoning import reasoning_samples
-from pkvbench.tasks.ruler import cwe_samples, fwe_samples, niah_samples, vt_samples
-from pkvbench.tasks.trec import trec_samples
+from pkvbench.metric_registry import METRICS
+from pkvbench.metrics import PREDICTION_RULES
+from pkvbench.plugins import Registry
+from pkvbench.tasks.base import Generator, Sample, TaskOptions, TaskSpec
 
 BUILTIN_PACKAGE = "pkvbench.task_definitions"
 ENV_VAR = "PKVBENCH_TASKS"
-
-
-@dataclass(frozen=True)
-class Generator:
-    """How a task's samples are made, the keys its YAML must have for that (and those it may have), the sample
-    options that shape its prompts (``TaskOptions`` fields: ``lengths`` and ``depths`` for generated prompts,
-    ``max_length`` for data whose prompts are cut to fit, ``data_dir`` for data read from files), what its sample ids
-    look like, and its prompt template: the key that holds it and the fields it may name (None: any, as LongBench's
-    fill theirs from the data row)."""
-
-    build: Callable[[Any, TaskSpec, TaskOptions], list[Sample]]
-    keys: tuple[str | tuple[str, ...], ...]  # a tuple entry: one of these keys
-    shaped_by: tuple[str, ...]
-    ids: str
-    optional: tuple[str, ...] = ()
-    template: str = "template"
-    fields: frozenset[str] | None = None
-    context: bool = True  # the template names {context} (a reasoning problem has none: the question is all)
-
-
-_RULER = ("template", "answer_prefix", "defaults")
-_NUMBERED = "len<length>_<n>"
-GENERATORS: dict[str, Generator] = {
-    "needle": Generator(
-        needle_samples,
-        ("haystack", ("needle", "needles"), "prompt", "defaults"),
-        ("lengths", "depths"),
-        "len<length>_depth<depth> (several needles: len<length>_rot<rotation>)",
-        optional=("question", "answer", "slots", "system", "fit", "buffer"),
-        template="prompt",
-        fields=frozenset({"context", "question"}),
-    ),
-    "longbench": Generator(
-        longbench_samples,
-        ("dataset", "prompt"),
-        ("max_length", "data_dir"),
-        "the _id of a data row",
-        optional=("sha256", "language", "question_part"),
-        template="prompt",
-    ),
-    "ruler_niah": Generator(
-        niah_samples,
-        (*_RULER, "haystack", "key_type", "value_type", "num_keys", "num_values", "num_queries", "needle"),
-        ("lengths",),
-        _NUMBERED,
-        optional=("system", "essay", "ask", "noise"),
-    ),
-    "ruler_vt": Generator(
-        vt_samples,
-        (*_RULER, "noise", "num_chains", "num_hops"),
-        ("lengths",),
-        _NUMBERED,
-        optional=("system", "icl_max_tokens"),
-    ),
-    "ruler_cwe": Generator(cwe_samples, (*_RULER, "num_cw", "short", "long"), ("lengths",), _NUMBERED, ("system",)),
-    "ruler_fwe": Generator(
-        fwe_samples,
-        (*_RULER, "alpha", "coded_wordlen"),
-        ("lengths",),
-        _NUMBERED,
-        optional=("system", "vocab_size", "vocab_per_tokens"),
-    ),
-    "list_recall": Generator(
-        list_recall_samples,
-        ("items", "prompt", "defaults"),
-        (),
-        "n<number>",
-        optional=("system",),
-        template="prompt",
-        fields=frozenset({"context", "items"}),
-    ),
-    "chain_trace": Generator(
-        chain_trace_samples,
-        ("steps", "prompt", "defaults"),
-        (),
-        "n<number>",
-        optional=("system",),
-        template="prompt",
-        fields=frozenset({"context", "start", "steps"}),
-    ),
-    "passage_copy": Generator(
-        passage_copy_samples,
-        ("haystack", "answer_tokens", "prompt", "defaults"),
-        (),
-        "n<number>",
-        optional=("system",),
-        template="prompt",
-        fields=frozenset({"context"}),
-    ),
-    "reasoning": Generator(
-        reasoning_samples,
-        ("file", "hub", "prompt", "question_fields", "answer_field"),
-        ("data_dir",),
-        "the row's id field, or its line number from 0",
-        optional=("system", "answer_after", "id_field", "extra_fields", "defaults"),
-        template="prompt",
-        context=False,
-    ),
-    "trec_fewshot": Generator(
-        trec_samples,
-        ("train_file", "test_file", "prompt", "example", "input", "classes", "defaults"),
-        ("lengths", "data_dir"),
-        _NUMBERED,
-        optional=("sha256",),
-        template="prompt",
-        fields=frozenset({"context", "input"}),
-    ),
+GENERATOR_ENTRY_POINT_GROUP = "pkvbench.tasks"
+# A task YAML's ``generator:`` → the ``Generator`` that makes its samples. Other packages add theirs through the
+# entry point group above (name = what a task's YAML says, value = ``module:GENERATOR``, a ``Generator``).
+BUILTIN_GENERATORS: dict[str, str] = {
+    "needle": "pkvbench.tasks.needle:NEEDLE_GENERATOR",
+    "longbench": "pkvbench.tasks.longbench:LONGBENCH_GENERATOR",
+    "ruler_niah": "pkvbench.tasks.ruler:NIAH_GENERATOR",
+    "ruler_vt": "pkvbench.tasks.ruler:VT_GENERATOR",
+    "ruler_cwe": "pkvbench.tasks.ruler:CWE_GENERATOR",
+    "ruler_fwe": "pkvbench.tasks.ruler:FWE_GENERATOR",
+    "list_recall": "pkvbench.tasks.longout:LIST_RECALL_GENERATOR",
+    "chain_trace": "pkvbench.tasks.longout:CHAIN_TRACE_GENERATOR",
+    "passage_copy": "pkvbench.tasks.longout:PASSAGE_COPY_GENERATOR",
+    "reasoning": "pkvbench.tasks.reasoning:REASONING_GENERATOR",
+    "trec_fewshot": "pkvbench.tasks.trec:TREC_FEWSHOT_GENERATOR",
 }
+
+
+def _check_generator(name: str, generator: Any, where: str) -> None:
+    if not isinstance(generator, Generator):
+        raise PkvError(f"{where} is not a pkvbench.tasks.base.Generator")
+
+
+GENERATORS = Registry("task generator", GENERATOR_ENTRY_POINT_GROUP, BUILTIN_GENERATORS, _check_generator)
+
 # The command-line flag of each sample option a generator can be shaped by.
 SAMPLE_OPTION_FLAGS = {
     "lengths": "--lengths",
@@ -195,11 +111,13 @@ def validate(raw: Any, where: str) -> TaskSpec:
         if not isinstance(value, kinds) or (type(value) is bool and bool not in kinds):
             names = " or ".join(k.__name__ for k in kinds)
             raise PkvError(f"task file {where}: {key!r} must be {names}, got {value!r}")
-    generator = GENERATORS.get(raw["generator"])
-    if generator is None:
+    if raw["generator"] not in GENERATORS:
         raise PkvError(f"task file {where}: unknown generator {raw['generator']!r}; valid: {', '.join(GENERATORS)}")
     if raw["metric"] not in METRICS:
         raise PkvError(f"task file {where}: unknown metric {raw['metric']!r}; valid: {', '.join(METRICS)}")
+    # Both are imported now, so that a broken plugin is reported when its task is read, before any model loads.
+    generator = GENERATORS[raw["generator"]]
+    METRICS[raw["metric"]]
     unknown_rules = [r for r in raw.get("postprocess") or () if r not in PREDICTION_RULES]
     if unknown_rules:
         raise PkvError(
@@ -393,11 +311,18 @@ def check_sample_options(tasks: list[TaskSpec], options: TaskOptions) -> None:
     taken = {option for task in tasks for option in GENERATORS[task.generator].shaped_by}
     for option, flag in SAMPLE_OPTION_FLAGS.items():
         if getattr(options, option) is not None and option not in taken:
-            users = [name for name, g in GENERATORS.items() if option in g.shaped_by]
+            users = [name for name in GENERATORS if option in _shaped_by(name)]
             raise PkvError(
                 f"{flag} shapes none of the tasks asked for ({', '.join(t.name for t in tasks)}); it shapes the "
                 f"tasks made by the generators {', '.join(users)} (see `pkvbench list`)"
             )
+
+
+def _shaped_by(generator: str) -> tuple[str, ...]:
+    try:
+        return GENERATORS[generator].shaped_by
+    except PkvError:  # a plugin that fails to load is reported by the tasks that name it, not in another's message
+        return ()
 
 
 def requested_prompt_tokens(spec: TaskSpec, options: TaskOptions) -> list[tuple[int, str]]:

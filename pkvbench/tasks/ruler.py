@@ -29,6 +29,7 @@ from typing import TypeVar
 
 from pkvbench.errors import PkvError
 from pkvbench.tasks.base import (
+    Generator,
     Question,
     Sample,
     TaskOptions,
@@ -42,6 +43,7 @@ from pkvbench.tasks.base import (
 TOLERANCE = 0.02  # a prompt is within ±2% of its requested length
 ATTEMPTS = 200  # fresh draws tried per sample before giving up (all but the first cost 3 tokenizations)
 T = TypeVar("T")
+NUMBERED_IDS = "len<length>_<n>"  # the sample ids of tasks drawn per length (RULER's, trec-fewshot's)
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # RULER's needle depths (percent): 40 evenly spaced
 
 
@@ -480,3 +482,30 @@ def fwe_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample]
         return Built.one((), user, context_end, prefix, ranked[1:4])
 
     return generate(tokenizer, spec, options, draw, low=1)
+
+
+_RULER_KEYS = ("template", "answer_prefix", "defaults")
+NIAH_GENERATOR = Generator(
+    niah_samples,
+    (*_RULER_KEYS, "haystack", "key_type", "value_type", "num_keys", "num_values", "num_queries", "needle"),
+    ("lengths",),
+    NUMBERED_IDS,
+    optional=("system", "essay", "ask", "noise"),
+)
+VT_GENERATOR = Generator(
+    vt_samples,
+    (*_RULER_KEYS, "noise", "num_chains", "num_hops"),
+    ("lengths",),
+    NUMBERED_IDS,
+    optional=("system", "icl_max_tokens"),
+)
+CWE_GENERATOR = Generator(
+    cwe_samples, (*_RULER_KEYS, "num_cw", "short", "long"), ("lengths",), NUMBERED_IDS, ("system",)
+)
+FWE_GENERATOR = Generator(
+    fwe_samples,
+    (*_RULER_KEYS, "alpha", "coded_wordlen"),
+    ("lengths",),
+    NUMBERED_IDS,
+    optional=("system", "vocab_size", "vocab_per_tokens"),
+)

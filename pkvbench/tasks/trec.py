@@ -16,9 +16,9 @@ from pathlib import Path
 
 from pkvbench.errors import PkvError
 from pkvbench.io import os_error
-from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec, context_length, format_at_context
+from pkvbench.tasks.base import Generator, Sample, TaskOptions, TaskSpec, context_length, format_at_context
 from pkvbench.tasks.files import file_sha256
-from pkvbench.tasks.ruler import fit_drawn
+from pkvbench.tasks.ruler import NUMBERED_IDS, fit_drawn
 
 
 @cache
@@ -105,3 +105,14 @@ def trec_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample
                 )
             )
     return samples
+
+
+TREC_FEWSHOT_GENERATOR = Generator(
+    trec_samples,
+    ("train_file", "test_file", "prompt", "example", "input", "classes", "defaults"),
+    ("lengths", "data_dir"),
+    NUMBERED_IDS,
+    optional=("sha256",),
+    template="prompt",
+    fields=frozenset({"context", "input"}),
+)
