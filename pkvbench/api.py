@@ -39,7 +39,8 @@ from pkvbench.policies.registry import default_grid
 from pkvbench.policies.spec import check_shared_options, parse_option_pairs, parse_policy
 from pkvbench.provenance import git_commit, make_deterministic, package_version, provenance, versions
 from pkvbench.results import ResultStore, decode_budget_label
-from pkvbench.runner import QUERY_MODES, Cell, RunSettings, RunStats, Shard, work_items
+from pkvbench.runner import Cell, RunSettings, RunStats, Shard, work_items
+from pkvbench.schema import DEFAULT_QUERY_MODE, QUERY_MODES
 from pkvbench.tasks.base import TaskOptions, TaskSpec
 from pkvbench.tasks.registry import check_sample_options, expand_tasks, requested_prompt_tokens, validate
 
@@ -368,7 +369,7 @@ class RunConfig:
     protocol: str = "exact"
     # where the question is: "aware" (inside the compressed prompt, the paper's protocol), "agnostic" (added after
     # the context is compressed; one compressed context answers every question), or both
-    query_modes: Sequence[str] | str = ("aware",)
+    query_modes: Sequence[str] | str = (DEFAULT_QUERY_MODE,)
     # Task settings for every task that has them: chat_template, min_new_tokens, stop_strings (e.g. the paper's
     # LongBench script: no chat template, at least one new token, no stop but the end token)
     task_args: Mapping[str, Any] | Sequence[str] = ()

@@ -37,6 +37,7 @@ from pkvbench.fingerprints import Fingerprint, compare
 from pkvbench.io import read_yaml
 from pkvbench.outputs import Kind, Outputs, csv_with_columns
 from pkvbench.report import load_runs, refuse_decode_budgets, run_folders, sort_rows
+from pkvbench.schema import DEFAULT_QUERY_MODE
 from pkvbench.stats import ALPHA, cell_scores, holm, paired_difference
 
 CELL = ["model", "task", "policy", "budget", "query_mode"]
@@ -101,7 +102,7 @@ def _read_csv(path: Path, what: str, required: list[str]) -> pd.DataFrame:
     if frame.empty:
         raise PkvError(f"{what} {path} has no cells: a gate over nothing would pass anything")
     if "query_mode" not in frame.columns:  # baselines written before the query mode was an axis are query-aware
-        frame["query_mode"] = "aware"
+        frame["query_mode"] = DEFAULT_QUERY_MODE
     return frame
 
 

@@ -15,6 +15,7 @@ from pkvbench._version import __version__
 from pkvbench.config import MAX_LAYERS, MIN_POWER, SEED_MAX
 from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, SUPPORTED_ARCHITECTURES
 from pkvbench.errors import PkvError
+from pkvbench.schema import DEFAULT_QUERY_MODE
 
 
 def _options(*options):
@@ -278,7 +279,7 @@ def _default_policies() -> str:
 @click.option(
     "--query-mode",
     "query_modes",
-    default="aware",
+    default=DEFAULT_QUERY_MODE,
     show_default=True,
     help="Where the question is: aware (inside the compressed prompt, the paper's protocol), agnostic (added after "
     "the context is compressed; one compressed context answers every question), or aware,agnostic.",

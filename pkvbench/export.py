@@ -45,6 +45,7 @@ from pkvbench.report import (
     to_csv,
     to_markdown,
 )
+from pkvbench.schema import AWARE, DEFAULT_QUERY_MODE
 from pkvbench.stats import group_interval
 
 # kvpress's presses (the names of its evaluation/evaluate_registry.py) and the pkvbench policy that is each one under
@@ -118,8 +119,8 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
     refuse_decode_budgets(runs.rows, "the kvpress export")
     rows = runs.rows.copy()
     if "query_mode" not in rows.columns:
-        rows["query_mode"] = "aware"
-    rows["query_mode"] = rows["query_mode"].fillna("aware")
+        rows["query_mode"] = DEFAULT_QUERY_MODE
+    rows["query_mode"] = rows["query_mode"].fillna(DEFAULT_QUERY_MODE)
     out = Path(out)
     written = []
     for (model, policy, budget, mode), group in rows.groupby(["model", "policy", "budget", "query_mode"], sort=False):
@@ -134,7 +135,7 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
                 kvpress_name(policy),
                 f"{ratio:.2f}",
             ]
-        ) + ("__query_aware" if mode == "aware" else "")
+        ) + ("__query_aware" if mode == AWARE else "")
         folder = out / name
         predictions = pd.DataFrame(
             {
@@ -158,7 +159,7 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
             "pkvbench_policy": policy,
             "compression_ratio": ratio,
             "pkvbench_budget": str(budget),
-            "query_aware": mode == "aware",
+            "query_aware": mode == AWARE,
             "samples": int(len(group)),
         }
         outputs.add(folder / "predictions.csv", predictions.to_csv(index=False))
@@ -174,7 +175,8 @@ def leaderboard_ranking(rows: pd.DataFrame) -> pd.DataFrame:
     """Rows model × query mode × policy, ranked within model and mode by ``avg`` (see the module docstring): columns
     ``rank``, each budget (the compression ratio's label, ``cr0.5``) and ``avg``, each with its interval columns,
     and ``n`` (samples behind the row)."""
-    rows = rows.assign(query_mode=rows.get("query_mode", pd.Series("aware", index=rows.index)).fillna("aware"))
+    modes = rows.get("query_mode", pd.Series(DEFAULT_QUERY_MODE, index=rows.index))
+    rows = rows.assign(query_mode=modes.fillna(DEFAULT_QUERY_MODE))
     budgets = sorted(rows["budget"].astype(str).unique(), key=budget_sort_key)
     if all(b.startswith("cr") for b in budgets):  # compression ratios read from the least removed, as kvpress's plots
         budgets = sorted(budgets, key=lambda b: float(b[2:]))

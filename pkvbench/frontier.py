@@ -20,6 +20,7 @@ import pandas as pd
 from pkvbench.budgets import MEMORY_PREFIX
 from pkvbench.paired import ALL_TASKS, pairwise
 from pkvbench.report import budget_sort_key, report_table, row_axes, stores_formats, task_order
+from pkvbench.schema import AWARE
 
 TARGET = "target"  # the memory target a comparison is made at
 CELL = ["policy", "kv_bits", "budget"]
@@ -117,7 +118,7 @@ def comparisons(rows: pd.DataFrame) -> pd.DataFrame:
     grouped = target_groups(rows)
     if grouped.empty:
         return pd.DataFrame()
-    modes = ["query_mode"] if "query_mode" in grouped.columns and (grouped["query_mode"] != "aware").any() else []
+    modes = ["query_mode"] if "query_mode" in grouped.columns and (grouped["query_mode"] != AWARE).any() else []
     tables = []
     for _, block in grouped.groupby(["model", "budget", *modes], sort=False):  # targets come smallest first
         means = block.groupby(["policy", "task"])["score"].mean().groupby("policy").mean()

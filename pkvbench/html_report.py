@@ -48,59 +48,16 @@ from pkvbench.report import (
     with_decode_in_policy,
 )
 from pkvbench.results import ROWS, RUN, bits_sort_key, read_run_record, summarize
+from pkvbench.schema import DEFAULT_QUERY_MODE, FIELDS, LOADED, SAMPLE, TEXT, fields_of
 
 ASSETS = "html_assets"  # inside the pkvbench package: the page's skeleton, style sheet and script
 PAPER_REFERENCE = "pyramidkv-table1"
 FULL = "full"
 FULL_CACHE = "full cache"  # the reference line of the curves
-DEFAULT_MODE = "aware"  # rows written before the query mode was recorded are query-aware
-# Row fields that name or measure one policy × budget, not the sample; the sample's own fields (length, depth, ...)
-# are what is left of its first row.
-CONFIG_FIELDS = {
-    "task",
-    "sample_id",
-    "policy",
-    "budget",
-    "query_mode",
-    "model",
-    "folder",
-    "task_version",
-    "task_hash",
-    "protocol",
-    "policy_options",
-    "budget_tokens",
-    "requested_tokens",
-    "question_tokens",
-    "kv_kept",
-    "kv_bytes",
-    "kv_entries",
-    "kept_fingerprint",
-    "kv_bits",
-    "kv_native",
-    "kv_group",
-    "kv_residual",
-    "kv_stored",
-    "memory_target",
-    "memory_fraction",
-    "attention_weights",
-    "pred",
-    "answers",
-    "score",
-    "new_tokens",
-    "prefill_s",
-    "extra_pass_s",
-    "selection_s",
-    "decode_s",
-    "decode_batch",
-    "decode_budget",
-    "decode_interval",
-    "decode_buffer",
-    "decode_cuts",
-    "kv_trace",
-    "hit_limit",
-    "peak_kv_entries",
-    "peak_kv_bytes",
-}
+# Row fields that name or measure one policy × budget, not the sample: every field of the schema but the sample's and
+# the texts shown on their own, and what report.load_runs adds; the sample's own fields (context_tokens, length,
+# depth, ...) are what is left of its first row.
+CONFIG_FIELDS = (set(FIELDS) - {*fields_of(SAMPLE), *fields_of(TEXT)}) | set(LOADED)
 # Where a row carries the text asked and the text read, shown in the per-sample view: pkvbench's rows have the
 # question's text and the context's first and last tokens (runner.sample_texts); rows of other tools may have a
 # question or a context under one of the other names (the first name found wins).
@@ -244,8 +201,8 @@ def _ranks(values: list[str]) -> dict[str, int]:
 
 def _query_modes(rows: pd.DataFrame) -> pd.Series:
     if "query_mode" not in rows.columns:
-        return pd.Series(DEFAULT_MODE, index=rows.index)
-    return rows["query_mode"].fillna(DEFAULT_MODE)
+        return pd.Series(DEFAULT_QUERY_MODE, index=rows.index)
+    return rows["query_mode"].fillna(DEFAULT_QUERY_MODE)
 
 
 def _is_full(policy: str) -> bool:
@@ -454,7 +411,7 @@ def sample_flags(members: list[dict]) -> dict[str, bool]:
     one of them lost points against the full cache."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in members:
-        groups[(row["model"], row.get("query_mode", DEFAULT_MODE))].append(row)
+        groups[(row["model"], row.get("query_mode", DEFAULT_QUERY_MODE))].append(row)
     disagree = lost = False
     for group in groups.values():
         disagree |= len({_string_or_empty(r.get("pred")).strip() for r in group}) > 1
@@ -571,7 +528,9 @@ def budget_curve_figures(summary: pd.DataFrame) -> list[dict]:
     summary = with_decode_in_policy(summary)
     figures = []
     for model, table in summary.groupby("model", sort=False):
-        modes = table["query_mode"] if "query_mode" in table.columns else pd.Series(DEFAULT_MODE, index=table.index)
+        modes = (
+            table["query_mode"] if "query_mode" in table.columns else pd.Series(DEFAULT_QUERY_MODE, index=table.index)
+        )
         several = modes.nunique() > 1
         points, panels = [], {}
         for row, mode in zip(table.to_dict("records"), modes):

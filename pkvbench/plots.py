@@ -36,6 +36,7 @@ from pkvbench.report import (
     with_bits_in_policy,
     with_decode_in_policy,
 )
+from pkvbench.schema import AGNOSTIC
 from pkvbench.stats import group_interval, mean_interval
 
 # Red → yellow → green, the colours of Kamradt's needle plots that the paper reuses.
@@ -337,9 +338,9 @@ AGNOSTIC_SUFFIX = " (agnostic)"
 def with_query_modes(rows: pd.DataFrame) -> pd.DataFrame:
     """Rows whose question came after compression drawn as a policy of their own, ``snapkv (agnostic)``: each
     figure then shows both query modes side by side."""
-    if "query_mode" not in rows.columns or not (rows["query_mode"] == "agnostic").any():
+    if "query_mode" not in rows.columns or not (rows["query_mode"] == AGNOSTIC).any():
         return rows
-    agnostic = rows["query_mode"] == "agnostic"
+    agnostic = rows["query_mode"] == AGNOSTIC
     return rows.assign(policy=[p + AGNOSTIC_SUFFIX if a else p for p, a in zip(rows["policy"], agnostic)])
 
 

@@ -33,6 +33,7 @@ from pkvbench.results import (
     stored_as,
     unique_rows,
 )
+from pkvbench.schema import AWARE, DEFAULT_QUERY_MODE, QUERY_MODES, REQUIRED, TABLE_KEY
 from pkvbench.stats import group_interval, mean_interval
 
 # LongBench v1's 21 tasks in the order of its own tables (the paper's 16 English tasks keep their Table 1 order).
@@ -124,7 +125,7 @@ def load_runs(paths: list[str | os.PathLike], strict: bool = False) -> Runs:
             notes.append(f"{folder}: no result rows yet")
             continue
         frame = pd.DataFrame(raw)
-        missing = [c for c in ("task", "sample_id", "policy", "budget", "score") if c not in frame.columns]
+        missing = [c for c in REQUIRED if c not in frame.columns]
         if missing:
             raise PkvError(f"{folder / ROWS}: rows lack {', '.join(missing)}; not a pkvbench result file")
         if "model" not in frame.columns:
@@ -146,11 +147,13 @@ def load_runs(paths: list[str | os.PathLike], strict: bool = False) -> Runs:
     merged["sample_id"] = merged["sample_id"].astype(str)
     merged["score"] = pd.to_numeric(merged["score"], errors="coerce")
     # rows written before the query mode was recorded are query-aware
-    merged["query_mode"] = merged["query_mode"].fillna("aware") if "query_mode" in merged else "aware"
+    merged["query_mode"] = (
+        merged["query_mode"].fillna(DEFAULT_QUERY_MODE) if "query_mode" in merged else DEFAULT_QUERY_MODE
+    )
     # rows written before decode budgets existed never cut their cache while decoding
     raw = merged["decode_budget"] if "decode_budget" in merged else [None] * len(merged)
     merged["decode_budget"] = [decode_budget_label(v) for v in raw]
-    keys = ["model", "task", "sample_id", "policy", "budget", "query_mode", "decode_budget", "kv_stored"]
+    keys = list(TABLE_KEY)
     conflict = _disagreement(merged, keys)
     if conflict:
         if strict:
@@ -241,7 +244,7 @@ def policy_sort_key(label: str) -> tuple[int, str]:
 
 def query_mode_sort_key(mode: str) -> int:
     """The paper's setting (question inside the compressed prompt) first."""
-    return {"aware": 0, "agnostic": 1}.get(mode, 2)
+    return QUERY_MODES.index(mode) if mode in QUERY_MODES else len(QUERY_MODES)
 
 
 def decode_budget_sort_key(label: str) -> tuple[int, int]:
@@ -308,7 +311,7 @@ def row_axes(rows: pd.DataFrame) -> list[str]:
     model's own (``kv_bits``); the query mode when any row's question came after compression (``agnostic``; a
     query-aware-only table, the paper's protocol, keeps the paper's shape); and the decode budget when any row cut
     its cache while decoding."""
-    agnostic = "query_mode" in rows.columns and (rows["query_mode"] != "aware").any()
+    agnostic = "query_mode" in rows.columns and (rows["query_mode"] != AWARE).any()
     decoding = "decode_budget" in rows.columns and (rows["decode_budget"] != "none").any()
     key = ["model", "policy", "kv_bits", "budget"] if stores_formats(rows) else list(KEY)
     return [*key, *(["query_mode"] if agnostic else []), *(["decode_budget"] if decoding else [])]

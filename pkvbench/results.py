@@ -34,6 +34,7 @@ from pkvbench.io import (
     remove_file,
 )
 from pkvbench.lock import LOCK_NAME, FolderLock
+from pkvbench.schema import DEFAULT_QUERY_MODE, QUERY_MODES
 
 ROWS = "samples.jsonl"
 SUMMARY = "summary.csv"
@@ -60,7 +61,7 @@ def row_key(row: Row) -> tuple[str, ...]:
         str(row["sample_id"]),
         row["policy"],
         budget_label(row["budget"]),
-        row.get("query_mode", "aware"),
+        row.get("query_mode", DEFAULT_QUERY_MODE),
         # only where the row has them: the keys of rows of earlier versions keep their shape
         *((f"decode {decode}",) if decode != "none" else ()),
         *((stored,) if stored else ()),
@@ -139,8 +140,8 @@ def check_result_row(row: Row, where: str) -> None:
     spelled = isinstance(budget, str) and (budget.startswith((REMOVED_PREFIX, MEMORY_PREFIX)) or budget == ALL)
     if not _is_number(budget) and not spelled:
         raise PkvError(f"{where}: budget must be a number, got {budget!r}")
-    if "query_mode" in row and row["query_mode"] not in ("aware", "agnostic"):
-        raise PkvError(f"{where}: query_mode must be aware or agnostic, got {row['query_mode']!r}")
+    if "query_mode" in row and row["query_mode"] not in QUERY_MODES:
+        raise PkvError(f"{where}: query_mode must be {' or '.join(QUERY_MODES)}, got {row['query_mode']!r}")
     try:
         Budget.parse(str(budget))
     except PkvError as exc:
@@ -451,7 +452,7 @@ def summarize(rows: list[Row]) -> pd.DataFrame:
     if stored:  # the bits each value was stored in are an axis of the grid (docs/memory.md)
         frame["kv_bits"] = [bits_label(row) for row in rows]
     if "query_mode" in axes:
-        frame["query_mode"] = frame["query_mode"].fillna("aware")
+        frame["query_mode"] = frame["query_mode"].fillna(DEFAULT_QUERY_MODE)
     if decoding:
         frame["decode_budget"] = [decode_budget_label(row.get("decode_budget")) for row in rows]
     frame["score"] = pd.to_numeric(frame["score"], errors="coerce")

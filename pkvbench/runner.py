@@ -24,6 +24,7 @@ from pkvbench.metric_registry import METRICS
 from pkvbench.metrics import prepare_prediction
 from pkvbench.policies.base import LayerStats, Policy
 from pkvbench.results import ResultStore, row_key
+from pkvbench.schema import AGNOSTIC, AWARE, DEFAULT_QUERY_MODE, arrange
 from pkvbench.tasks.base import Question, Sample, TaskOptions, TaskSpec
 from pkvbench.tasks.registry import build_samples, check_selection
 
@@ -74,9 +75,6 @@ def work_items(
     return [item for position, item in enumerate(items) if shard is None or shard.takes(position)]
 
 
-QUERY_MODES = ("aware", "agnostic")
-
-
 @dataclass(frozen=True)
 class Cell:
     """One configuration of the grid: a policy at a budget, with the question inside the compressed prompt
@@ -86,7 +84,7 @@ class Cell:
 
     policy: Policy
     budget: Budget
-    query_mode: str = "aware"
+    query_mode: str = DEFAULT_QUERY_MODE
     kv: KVFormat | None = None
     decode_budget: int | None = None
 
@@ -152,9 +150,9 @@ def run_sample(
     first, context_len = sample.questions[0], len(sample.context_ids)
     aware_len = len(sample.prompt(first))
     prefill = engine.prefill(
-        _as_tensor(sample.prompt(first) if "aware" in modes else sample.context_ids),
+        _as_tensor(sample.prompt(first) if AWARE in modes else sample.context_ids),
         [cell.policy for cell in cells],
-        cuts=tuple(n for n, mode in ((aware_len, "aware"), (context_len, "agnostic")) if mode in modes),
+        cuts=tuple(n for n, mode in ((aware_len, AWARE), (context_len, AGNOSTIC)) if mode in modes),
         decoding=[cell.policy for cell in cells if cell.decode_budget is not None],
     )
     jobs: list[_Job] = []
@@ -163,7 +161,7 @@ def run_sample(
     shared: dict[tuple, int] = {}
 
     def add(cell: Cell, question: Question, source: Prefill, cache: CompressedCache, selection_s: float) -> None:
-        agnostic = cell.query_mode == "agnostic"
+        agnostic = cell.query_mode == AGNOSTIC
         key = (cell.query_mode, question.question_id, id(source), cell.kv)
         schedule = engine.schedule(cell.policy, cell.decode_budget, settings.decode_interval, settings.decode_buffer)
         own = cache.plan.compressed or schedule is not None  # else the full cache, never cut: decoded once
@@ -186,15 +184,15 @@ def run_sample(
 
     for cell in cells:
         started = time.perf_counter()
-        cut = context_len if cell.query_mode == "agnostic" else aware_len
+        cut = context_len if cell.query_mode == AGNOSTIC else aware_len
         cache = engine.compress(prefill, cell.policy, cell.budget, cut, cell.kv)
         selection_s = time.perf_counter() - started
-        for question in sample.questions if cell.query_mode == "agnostic" else [first]:
+        for question in sample.questions if cell.query_mode == AGNOSTIC else [first]:
             add(cell, question, prefill, cache, selection_s)
     decoded = engine.decode_many(requests, settings.decode_batch)
     yield from (_row(engine, task, sample, job, decoded[job.request], settings, texts) for job in jobs)
 
-    aware_cells = [cell for cell in cells if cell.query_mode == "aware"]
+    aware_cells = [cell for cell in cells if cell.query_mode == AWARE]
     for question in sample.questions[1:] if aware_cells else []:
         jobs, requests, shared = [], [], {}
         own = engine.prefill(
@@ -216,7 +214,7 @@ def _row(
     cache, question = job.cache, job.question
     metric = METRICS[task.metric]
     full_bytes = engine.geometry.full_bytes(cache.plan.context_len)
-    return {
+    row = {
         **row_identity(task, sample.row_id(question), job.cell),
         "model": engine.loaded.name,
         **task.identity,
@@ -251,9 +249,10 @@ def _row(
         "decode_s": round(answer.seconds, 4),
         "decode_batch": answer.batch,
         **texts[question.question_id],
-        **sample.extras,
-        **question.extras,
     }
+    # the schema (pkvbench/schema.py) orders the fields and refuses one it does not declare; the task's own columns
+    # (length, depth, ...) come after them
+    return {**arrange(row), **sample.extras, **question.extras}
 
 
 def _decode_fields(cell: Cell, answer, settings: RunSettings) -> dict:
@@ -430,7 +429,7 @@ def check_memory(engine: Engine, pending: list[tuple[TaskSpec, Sample, list[Cell
         for cell in cells:
             if not cell.budget.memory:
                 continue
-            prompts = [sample.context_ids] if cell.query_mode == "agnostic" else map(sample.prompt, sample.questions)
+            prompts = [sample.context_ids] if cell.query_mode == AGNOSTIC else map(sample.prompt, sample.questions)
             fmt = cell.kv or engine.native_format
             for length in {len(ids) for ids in prompts}:
                 stats = LayerStats(length, loaded.num_kv_heads, loaded.num_query_heads)

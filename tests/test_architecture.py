@@ -109,6 +109,14 @@ def test_the_arrows_point_from_the_cli_down_to_the_engine():
         }, low
 
 
+def test_the_row_schema_sits_at_the_bottom():
+    """Every layer reads the result row's vocabulary (pkvbench/schema.py): it imports no pkvbench module, and
+    nothing heavy, so the store, the reports and the runner can all import it."""
+    assert import_graph()["pkvbench.schema"] == set()
+    code = "import sys, pkvbench.schema; assert not {'torch', 'pandas', 'numpy'} & set(sys.modules), sys.modules.keys()"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_the_api_is_documented_and_light_to_import():
     code = (
         "import sys, pkvbench; assert 'torch' not in sys.modules; "

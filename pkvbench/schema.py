@@ -1,0 +1,122 @@
+"""The result row's vocabulary: every field pkvbench writes in a line of ``samples.jsonl``, in the order it writes
+them, each in one group, and the query modes.
+
+- **identity**: what tells one row from another: the store's key (``results.row_key``: task, sample, policy, budget,
+  query mode, decode budget and, for a cache not stored as the model's own, its storage) and, across run folders,
+  the model (``report.load_runs``);
+- **configuration**: the settings a row was run under, recorded so that a resume or a merge can refuse another;
+- **measure**: what the run produced: the prediction and what scores it, sizes, bytes, timings;
+- **sample**: the sample's size as compressed, shown with the sample's own fields (``length``, ``depth``, ...: a
+  task's extra columns, written after the schema's);
+- **text**: what a person reads beside the prediction (the question, the context's first and last tokens).
+
+Everything else derives from ``ROW``: the runner writes a row through ``arrange`` (a field not declared here is
+refused), and the store's checks, the reports, the HTML page and the exports read the names below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+AWARE = "aware"  # the question is inside the compressed prompt (the paper's protocol)
+AGNOSTIC = "agnostic"  # the question is added after the context is compressed
+QUERY_MODES = (AWARE, AGNOSTIC)  # in the order tables list them
+DEFAULT_QUERY_MODE = AWARE  # also what rows written before the query mode was recorded were
+
+IDENTITY, CONFIGURATION, MEASURE, SAMPLE, TEXT = "identity", "configuration", "measure", "sample", "text"
+GROUPS = (IDENTITY, CONFIGURATION, MEASURE, SAMPLE, TEXT)
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    group: str
+    meaning: str
+    required: bool = False  # in every row of every version (and in hand-made ones): a file without it is not results
+    only_with: str | None = None  # written only where this field is set (not None)
+
+
+ROW: tuple[Field, ...] = (
+    Field("task", IDENTITY, "the task's name", required=True),
+    Field("sample_id", IDENTITY, "the sample's id, ``<sample>/<question>`` when it asks several", required=True),
+    Field("policy", IDENTITY, "the policy: its name and the options that differ from their defaults", required=True),
+    Field(
+        "budget", IDENTITY, "the budget as given: tokens, a fraction kept, ``cr<ratio>``, ``mem<bytes>``", required=True
+    ),
+    Field("query_mode", IDENTITY, "where the question was: one of QUERY_MODES"),
+    Field("decode_budget", IDENTITY, "the entries per KV head the cache was cut back to while decoding, or None"),
+    Field("model", IDENTITY, "the model's alias, Hugging Face id or GGUF path"),
+    Field("task_version", CONFIGURATION, "the task file's version"),
+    Field("task_hash", CONFIGURATION, "hash of the task's prompt-shaping keys"),
+    Field("protocol", CONFIGURATION, "the protocol the policies were parsed under"),
+    Field("policy_options", CONFIGURATION, "every option of the policy"),
+    Field("budget_tokens", MEASURE, "entries kept, mean over layers"),
+    Field("requested_tokens", CONFIGURATION, "the entries the budget asked for"),
+    Field("context_tokens", SAMPLE, "the tokens compressed: the whole prompt, or the context"),
+    Field("question_tokens", MEASURE, "the tokens after the context"),
+    Field("kv_kept", MEASURE, "entries kept per layer"),
+    Field("kv_bytes", MEASURE, "bytes of the compressed cache as stored"),
+    Field("kv_entries", MEASURE, "entries kept, summed over layers and heads"),
+    Field("kept_fingerprint", MEASURE, "which entries each head kept (pkvbench/fingerprints.py)"),
+    Field("kv_native", IDENTITY, "whether the cache was the model's own, in its dtype"),
+    Field("kv_bits", IDENTITY, "bits per stored value"),
+    Field("kv_group", IDENTITY, "KIVI's quantization group"),
+    Field("kv_residual", IDENTITY, "KIVI's entries kept in 16 bits"),
+    Field("memory_target", CONFIGURATION, "the bytes a memory budget allowed, or None"),
+    Field("memory_fraction", MEASURE, "kv_bytes over the full cache's at 16 bits per value"),
+    Field("attention_weights", CONFIGURATION, "what attention the policy needed recorded"),
+    Field("pred", MEASURE, "the prediction"),
+    Field("answers", MEASURE, "the reference answers it was scored against"),
+    Field("score", MEASURE, "the task metric's score, from 0 to 1", required=True),
+    Field("new_tokens", MEASURE, "tokens generated"),
+    Field("hit_limit", MEASURE, "whether generation stopped at the token limit"),
+    Field("peak_kv_entries", MEASURE, "the largest cache while decoding, in entries"),
+    Field("peak_kv_bytes", MEASURE, "the largest cache while decoding, in bytes"),
+    Field("decode_interval", CONFIGURATION, "new tokens between cuts", only_with="decode_budget"),
+    Field("decode_buffer", CONFIGURATION, "newest entries every cut keeps", only_with="decode_budget"),
+    Field("decode_cuts", MEASURE, "cuts made while decoding", only_with="decode_budget"),
+    Field("kv_trace", MEASURE, "[tokens so far, entries] around each cut", only_with="decode_budget"),
+    Field("prefill_s", MEASURE, "seconds of the shared prefill"),
+    Field("extra_pass_s", MEASURE, "seconds of a policy's extra pass (KVzip's reconstruction)"),
+    Field("selection_s", MEASURE, "seconds choosing the entries"),
+    Field("decode_s", MEASURE, "seconds decoding"),
+    Field("decode_batch", MEASURE, "rows decoded together"),
+    Field("question_text", TEXT, "the question's text"),
+    Field("context_head", TEXT, "the context's first tokens (all of a short context)"),
+    Field("context_tail", TEXT, "the context's last tokens (empty for a short context)"),
+)
+
+FIELDS = tuple(field.name for field in ROW)
+_DECLARED = frozenset(FIELDS)
+REQUIRED = tuple(field.name for field in ROW if field.required)
+
+
+def fields_of(group: str) -> tuple[str, ...]:
+    """The names of one group's fields, in the order a row has them."""
+    if group not in GROUPS:
+        raise ValueError(f"no group {group!r}; groups: {', '.join(GROUPS)}")
+    return tuple(field.name for field in ROW if field.group == group)
+
+
+# How the cache was stored; part of the store's key only where it was not the model's own (``results.stored_as``).
+STORAGE = ("kv_native", "kv_bits", "kv_group", "kv_residual")
+# What report.load_runs adds to each row it reads: the folder it came from, and the storage as one label.
+LOADED = ("folder", "kv_stored")
+# A row's key across run folders (report.load_runs): the model, the store's key, the storage as its label.
+TABLE_KEY = ("model", *(name for name in fields_of(IDENTITY) if name not in ("model", *STORAGE)), "kv_stored")
+
+# A row whose cache was stored in another format than the model's own (``kv_native`` false) carries its storage in
+# its key, and writes it with the key: after the query mode, before the decode budget.
+_STORED_ORDER = (*FIELDS[: FIELDS.index("decode_budget")], *STORAGE)
+_STORED_ORDER += tuple(name for name in FIELDS if name not in _STORED_ORDER)
+
+
+def arrange(values: dict[str, Any]) -> dict[str, Any]:
+    """A row's schema fields (``values``, by name) in the order they are written; a name the schema does not declare
+    is refused, so a new column cannot reach the rows without its line in ``ROW``."""
+    unknown = [name for name in values if name not in _DECLARED]
+    if unknown:
+        raise KeyError(f"{', '.join(unknown)}: not a field of the result row; declare it in pkvbench/schema.py")
+    order = _STORED_ORDER if values.get("kv_native") is False else FIELDS
+    return {name: values[name] for name in order if name in values}
