@@ -141,12 +141,15 @@ BUGS = (
 BUGS_BY_NAME = {bug.name: bug for bug in BUGS}
 
 
-def baseline_for(baseline: Path, policies: tuple[str, ...], path: Path) -> Path:
-    """A baseline (cells and per-sample scores) cut to ``policies``, written to ``path`` (its samples beside it):
-    the gate then asks only for the rows a run of those policies has."""
+def baseline_for(
+    baseline: Path, policies: tuple[str, ...], path: Path, tasks: tuple[str, ...] | None = None
+) -> Path:
+    """A baseline (cells and per-sample scores) cut to ``policies`` (and ``tasks``, if given), written to ``path``
+    (its samples beside it): the gate then asks only for the rows a run of those has."""
     for source, target in ((baseline, path), (samples_path(baseline), samples_path(path))):
         table = pd.read_csv(source, dtype=str)
-        table[table["policy"].isin(policies)].to_csv(target, index=False)
+        keep = table["policy"].isin(policies) & (table["task"].isin(tasks) if tasks else True)
+        table[keep].to_csv(target, index=False)
     return path
 
 
@@ -157,13 +160,16 @@ def check_with_bug(
     folder: Path,
     tolerance: float = 2.0,
     rule: SelectionRule | None = None,
+    tasks: tuple[str, ...] | None = None,
 ) -> CheckResult:
-    """Run ``config``'s grid for the bug's policies with the bug planted, into ``folder`` (resuming a run there),
-    and check it against ``baseline``: the ``CheckResult`` of ``pkvbench check`` (``passed`` False: caught)."""
+    """Run ``config``'s grid for the bug's policies (and ``tasks``, if given: else the config's) with the bug
+    planted, into ``folder`` (resuming a run there), and check it against ``baseline``: the ``CheckResult`` of
+    ``pkvbench check`` (``passed`` False: caught)."""
     from pkvbench.api import RunConfig, evaluate
 
     out = folder / bug.name
+    only = {"tasks": list(tasks)} if tasks else {}
     with bug.plant():
-        evaluate(RunConfig.from_file(config, policies=list(bug.policies), out=str(out), quiet=True))
-    cut = baseline_for(baseline, bug.policies, folder / f"{bug.name}-baseline.csv")
+        evaluate(RunConfig.from_file(config, policies=list(bug.policies), out=str(out), quiet=True, **only))
+    cut = baseline_for(baseline, bug.policies, folder / f"{bug.name}-baseline.csv", tasks)
     return check_run([str(out)], str(cut), tolerance, None, rule)

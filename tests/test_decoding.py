@@ -97,7 +97,7 @@ DECODE_POLICIES = ["streamingllm", "h2o", "snapkv", "tova", "rkv", "expected_att
 
 @pytest.mark.model
 def test_batched_decoding_gives_the_tokens_of_one_at_a_time(engine, loaded):
-    """Every policy × budget on two needle prompts, with a stop string and a minimum length in play, some of them
+    """Every policy × budget on a needle prompt, with a stop string and a minimum length in play, some of them
     stored in fewer bits, and rows that cut their caches while decoding on their own schedules: decoding all
     configurations of a sample together yields exactly the tokens (and cache sizes) each gives alone."""
     from pkvbench.budgets import Budget, KVFormat
@@ -112,7 +112,8 @@ def test_batched_decoding_gives_the_tokens_of_one_at_a_time(engine, loaded):
         if name not in POLICIES
     ]
     policies = [parse_policy(p) for p in [*POLICIES, *others, "adakv(snapkv):critical=true", "snapkv:gqa=query"]]
-    samples = build_samples(get_task("needle"), loaded.tokenizer, TaskOptions(lengths=(700,), depths=(0, 100)))
+    # one prompt: each request is decoded twice (alone, then batched), the test's whole cost; a second prompt adds no path
+    samples = build_samples(get_task("needle"), loaded.tokenizer, TaskOptions(lengths=(700,), depths=(100,)))
     # Rows that cut their cache while the answer is written, on schedules of their own: decode-only (every 3 tokens
     # back to 48 entries) and after a prefill budget (every 5 tokens back to 24), beside rows that never cut.
     cutting = [parse_policy(p) for p in DECODE_POLICIES]

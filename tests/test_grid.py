@@ -58,7 +58,7 @@ def reference_run(tmp_path_factory, loaded):
 
 def test_shared_prefill_equals_each_configuration_alone(engine, loaded):
     task = get_task("needle")
-    sample = build_samples(task, loaded.tokenizer, TaskOptions(lengths=(800,), depths=(50,)))[0]
+    sample = build_samples(task, loaded.tokenizer, TaskOptions(lengths=(400,), depths=(50,)))[0]
     configs = [
         Cell(parse_policy(p), Budget.parse(b), mode)
         for p in ("full", "streamingllm", "h2o", "snapkv", "pyramidkv")
