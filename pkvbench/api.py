@@ -25,6 +25,8 @@ from pkvbench.config import MAX_LAYERS, SEED_MAX, option_name, parse_bool, parse
 from pkvbench.engine.models import (
     ALIASES,
     DEFAULT_MODEL,
+    DEVICES,
+    DTYPES,
     cached_float_copy,
     check_architecture,
     check_model_name,
@@ -168,6 +170,15 @@ def _path(value: Any, what: str) -> str | os.PathLike:
     return value
 
 
+def _one_of(choices: Sequence[str]) -> Check:
+    def check(value: Any, what: str) -> str:
+        if value not in choices:
+            raise PkvError(f"{what} {shown(value)}: valid: {', '.join(choices)}")
+        return value
+
+    return check
+
+
 def _single(value: Any) -> bool:
     return isinstance(value, (str, int, float)) and not isinstance(value, bool)
 
@@ -209,8 +220,8 @@ _COMMON_CHECKS: dict[str, Check] = {
     "max_length": _optional(_whole(1)),
     "sample_ids": _optional(_listing),
     "include_paths": _paths,
-    "device": _name,
-    "dtype": _name,
+    "device": _one_of(DEVICES),
+    "dtype": _one_of(DTYPES),
     "attn_implementation": _name,
     "out": _optional(_path),
     "overwrite": parse_bool,

@@ -168,38 +168,26 @@ def cli() -> None:
     """
 
 
-def _click_default(option: str, value):
-    """A config value as Click expects a default: lists of a comma option as one comma string, mappings as
-    ``name=value`` pairs (task settings' values written as JSON, which their parser reads back as YAML)."""
-    if isinstance(value, dict):
-        if option == "task_args":
-            return tuple(f"{k}={json.dumps(v)}" for k, v in value.items())
-        return tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in value.items())
-    if isinstance(value, list):
-        return ",".join(str(v).lower() if isinstance(v, bool) else str(v) for v in value)
-    return value
+def _run_config(options: dict) -> tuple:
+    """The ``RunConfig`` and ``--html`` file of a ``run`` command line. With ``--config FILE`` the file's values are
+    taken as they are (the Python API checks them, as it checks any ``RunConfig``) and the options given on the
+    command line win over them; without it, Click's values."""
+    from dataclasses import fields
 
+    from click.core import ParameterSource
 
-def _multiple_default(option: str, value) -> tuple:
-    """A repeatable option's config value: a list, a mapping of pairs, or a comma string as list options take."""
-    if isinstance(value, str):
-        return tuple(item.strip() for item in value.split(","))
-    return tuple(_click_default(option, value) if isinstance(value, dict) else value)
+    from pkvbench.api import RunConfig
+    from pkvbench.config import read_run_config
 
-
-def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """``--config FILE``: the file's options become this command's defaults, so flags on the line still win."""
-    if value is not None:
-        from dataclasses import fields
-
-        from pkvbench.api import RunConfig
-        from pkvbench.config import read_run_config
-
-        values = read_run_config(value, [*(f.name for f in fields(RunConfig)), "html_file"])
-        multiple = {p.name for p in ctx.command.params if getattr(p, "multiple", False)}
-        defaults = {k: _multiple_default(k, v) if k in multiple else _click_default(k, v) for k, v in values.items()}
-        ctx.default_map = {**(ctx.default_map or {}), **defaults}
-    return value
+    config_file, html_file = options.pop("config_file"), options.pop("html_file")
+    if config_file is None:
+        return RunConfig(**options), html_file
+    context = click.get_current_context()
+    given = {k: v for k, v in options.items() if context.get_parameter_source(k) is not ParameterSource.DEFAULT}
+    from_file = read_run_config(config_file, [*(f.name for f in fields(RunConfig)), "html_file"])
+    html_file = html_file if html_file is not None else from_file.pop("html_file", None)
+    from_file.pop("html_file", None)
+    return RunConfig(**{**from_file, **given}), html_file
 
 
 def _default_policies() -> str:
@@ -211,10 +199,8 @@ def _default_policies() -> str:
 @cli.command()
 @click.option(
     "--config",
+    "config_file",
     type=PathType(dir_okay=False),
-    is_eager=True,
-    expose_value=False,
-    callback=_load_config,
     help="YAML file of run options (keys as the long options: task, policy, budget, max-length, ...; "
     "see configs/). Options given on the command line override it.",
 )
@@ -373,10 +359,9 @@ def run(**options) -> None:
     Example:
       pkvbench run --task needle --policy full,snapkv,pyramidkv --budget 128,0.12 --lengths 1000,2000 --depths 0,50,100
     """
-    from pkvbench.api import RunConfig, evaluate, resolve
+    from pkvbench.api import evaluate, resolve
 
-    html_file = options.pop("html_file")
-    config = RunConfig(**options)
+    config, html_file = _run_config(options)
     if html_file is not None:
         from pkvbench.html_report import check_html_target
 
@@ -384,7 +369,7 @@ def run(**options) -> None:
     result = evaluate(config)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
-    if not options["quiet"]:
+    if not config.quiet:
         table = result.summary
         click.echo(table.to_string(index=False) if len(table) else "(no rows)")
     stats, out = result.stats, result.out

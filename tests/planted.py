@@ -141,9 +141,7 @@ BUGS = (
 BUGS_BY_NAME = {bug.name: bug for bug in BUGS}
 
 
-def baseline_for(
-    baseline: Path, policies: tuple[str, ...], path: Path, tasks: tuple[str, ...] | None = None
-) -> Path:
+def baseline_for(baseline: Path, policies: tuple[str, ...], path: Path, tasks: tuple[str, ...] | None = None) -> Path:
     """A baseline (cells and per-sample scores) cut to ``policies`` (and ``tasks``, if given), written to ``path``
     (its samples beside it): the gate then asks only for the rows a run of those has."""
     for source, target in ((baseline, path), (samples_path(baseline), samples_path(path))):

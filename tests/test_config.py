@@ -3,6 +3,7 @@ checks fail (or are captured) before the load."""
 
 from dataclasses import fields
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -79,34 +80,48 @@ def test_negated_flag(tmp_path):
     assert load_run_config(write(tmp_path, "no-verify: true\n")) == {"verify": False}
 
 
-def invoke(args):
-    """Run `pkvbench run` up to the point where it would start working, and return the options it received."""
-    from pkvbench import cli
+class Captured(Exception):
+    pass
 
-    seen = {}
 
-    def capture(**kwargs):
-        seen.update(kwargs)
+def invoke(args) -> RunConfig:
+    """Run `pkvbench run` up to the point where it would start working, and return the ``RunConfig`` it built."""
+    from pkvbench import api, cli
 
-    command = cli.run
-    original = command.callback
-    command.callback = capture
-    try:
+    seen = []
+
+    def capture(config, **_):
+        seen.append(config)
+        raise Captured
+
+    with mock.patch.object(api, "evaluate", capture), pytest.raises(Captured):
         cli.cli.main(args=["run", *args], prog_name="pkvbench", standalone_mode=False)
-    finally:
-        command.callback = original
-    return seen
+    return seen[0]
 
 
 def test_flags_override_the_file(tmp_path):
     path = write(tmp_path, "task: needle\nbudget: [64, 128]\nlengths: [1000]\nquiet: true\nmodel: smollm2-135m\n")
     from_file = invoke(["--config", str(path)])
-    assert from_file["budgets"] == "64,128" and from_file["lengths"] == "1000" and from_file["quiet"] is True
+    # the file's values as YAML reads them: no round trip through the command line's strings
+    assert from_file.budgets == [64, 128] and from_file.lengths == [1000] and from_file.quiet is True
     overridden = invoke(["--budget", "32", "--config", str(path), "--lengths", "2000"])
-    assert overridden["budgets"] == "32" and overridden["lengths"] == "2000"
-    assert overridden["quiet"] is True and overridden["tasks"] == "needle"
-    assert invoke([])["budgets"] is None  # no config: the command's own default (128 entries, as api.resolve reads it)
-    assert invoke([])["policies"] == "full,streamingllm,h2o,snapkv,pyramidkv"  # the registry's default grid
+    assert overridden.budgets == "32" and overridden.lengths == "2000"
+    assert overridden.quiet is True and overridden.tasks == "needle"
+    assert invoke([]).budgets is None  # no config: the command's own default (128 entries, as api.resolve reads it)
+    assert invoke([]).policies == "full,streamingllm,h2o,snapkv,pyramidkv"  # the registry's default grid
+
+
+def test_a_file_s_task_settings_reach_the_run_as_written(tmp_path):
+    """Mappings and lists stay what YAML read: task settings are not rendered into ``name=value`` strings and parsed
+    again."""
+    path = write(
+        tmp_path, r'task_args: {stop_strings: ["\n", "a,b"], chat_template: false}' + "\npolicy_args: {window: 8}\n"
+    )
+    config = invoke(["--config", str(path)])
+    assert config.task_args == {"stop_strings": ["\n", "a,b"], "chat_template": False}
+    assert config.policy_args == {"window": 8}
+    overridden = invoke(["--config", str(path), "--task-arg", "chat_template=true"])
+    assert overridden.task_args == ("chat_template=true",)
 
 
 def test_unknown_key_through_the_cli_is_one_line(tmp_path, capsys):
@@ -164,9 +179,9 @@ def test_paper_needle_is_the_needle_scripts_setting():
 def test_smoke_config_parses_as_a_real_run(tmp_path):
     """Every value of the smoke config passes the run command's own checks (policies, budgets, lists)."""
     loaded = invoke(["--config", str(CONFIGS / "smoke.yaml")])
-    assert loaded["model"] == "smollm2-135m"
-    assert loaded["tasks"] == "needle,niah_single_1,niah_single_2,niah_multivalue"
-    run = resolve(RunConfig(**{k: v for k, v in loaded.items() if k != "html_file"}))  # --html is not a run option
+    assert loaded.model == "smollm2-135m"
+    assert loaded.tasks == ["needle", "niah_single_1", "niah_single_2", "niah_multivalue"]
+    run = resolve(loaded)
     assert [str(b) for b in run.budgets] == ["64", "0.12", "0.25"]
     assert [p.label for p in run.policies][-2:] == ["tova", "adakv(snapkv)"]
     assert len(run.options.lengths) * len(run.options.depths) == run.options.limit == 5
@@ -178,8 +193,8 @@ def test_leaderboard_runs_each_policy_as_kvpress_s_press():
     from pkvbench.export import kvpress_name
 
     loaded = invoke(["--config", str(CONFIGS / "leaderboard.yaml")])
-    assert loaded["protocol"] == "kvpress"
-    run = resolve(RunConfig(**{k: v for k, v in loaded.items() if k != "html_file"}))
+    assert loaded.protocol == "kvpress"
+    run = resolve(loaded)
     assert [kvpress_name(p.label) for p in run.policies] == [
         "no_press",
         "random",
