@@ -9,130 +9,61 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from functools import cache
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
 
 from pkvbench import budgets as budget_rules
-from pkvbench.budgets import Budget, KVFormat, parse_budgets, parse_memory_budgets
-from pkvbench.config import MAX_LAYERS, SEED_MAX, option_name, parse_bool, parse_float, parse_int, shown
+from pkvbench.budgets import Budget, KVFormat, parse_budgets, parse_decode_budgets, parse_memory_budgets
+from pkvbench.config import (
+    MAX_LAYERS,
+    SEED_MAX,
+    Check,
+    as_list,
+    list_value,
+    name_value,
+    one_of,
+    option_name,
+    optional,
+    pair_values,
+    parse_bool,
+    parse_float,
+    parse_int,
+    parse_numbers,
+    path_list,
+    path_value,
+    whole,
+)
 from pkvbench.engine.models import (
     ALIASES,
     DEFAULT_MODEL,
     DEVICES,
     DTYPES,
-    cached_float_copy,
-    check_architecture,
     check_model_name,
-    is_gguf_file,
     load_tokenizer,
-    locate_gguf,
+    model_context_window,
+    model_slug,
 )
 from pkvbench.errors import PkvError
-from pkvbench.io import parse_yaml, read_json
 from pkvbench.policies.base import Policy
-from pkvbench.policies.registry import default_grid
-from pkvbench.policies.spec import check_shared_options, parse_option_pairs, parse_policy
+from pkvbench.policies.spec import parse_policies
 from pkvbench.provenance import git_commit, make_deterministic, package_version, provenance, versions
 from pkvbench.results import ResultStore, decode_budget_label
 from pkvbench.runner import Cell, RunSettings, RunStats, Shard, work_items
 from pkvbench.schema import DEFAULT_QUERY_MODE, QUERY_MODES
 from pkvbench.tasks.base import TaskOptions, TaskSpec
-from pkvbench.tasks.registry import check_sample_options, expand_tasks, requested_prompt_tokens, validate
+from pkvbench.tasks.registry import (
+    check_sample_options,
+    expand_tasks,
+    parse_task_args,
+    requested_prompt_tokens,
+    with_task_args,
+)
 
 EXECUTORS = ("local", "ray")
-
-
-# --- parsing the loose values a user writes ------------------------------------------------------------------------
-
-
-def as_list(value: Any, what: str) -> list[str]:
-    """A comma string or a sequence → a list of non-empty strings; an empty list or item is an error."""
-    items = str(value).split(",") if isinstance(value, (str, int, float)) else [str(v) for v in value]
-    items = [item.strip() for item in items]
-    if not any(items):
-        raise PkvError(f"{what} is empty; give a comma-separated list")
-    if not all(items):
-        raise PkvError(f"{what} {','.join(items)!r} has an empty item; remove the extra comma")
-    return items
-
-
-def parse_numbers(value: Any, what: str, kind: type) -> tuple | None:
-    """``--lengths`` / ``--depths``: positive integers or non-negative numbers, each once, in the order given (``-0``
-    and ``0`` are one depth)."""
-    if value is None:
-        return None
-    if kind is int:
-        values = [parse_int(item, what, minimum=1) for item in as_list(value, what)]
-    else:
-        values = [parse_float(item, what, minimum=0) for item in as_list(value, what)]
-    return tuple(dict.fromkeys(values))
-
-
-def parse_policies(
-    specs: Any, policy_args: Mapping[str, Any] | Sequence[str] = (), protocol: str = "exact"
-) -> list[Policy]:
-    """Policy specs (``snapkv:window=32``) plus options shared by every policy that has them; each label once."""
-    if isinstance(policy_args, Mapping):
-        shared = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in policy_args.items()}
-    else:
-        shared = parse_option_pairs(list(policy_args))
-    names = default_grid() if specs is None else as_list(specs, "--policy")
-    policies = [parse_policy(spec, shared, protocol) for spec in names]
-    check_shared_options(shared, policies)
-    return list({p.label: p for p in policies}.values())
-
-
-def model_slug(model: str) -> str:
-    """A model as one folder name: an alias as it is, a hub id ``org/name`` as ``org--name``, a local folder or
-    GGUF file by its name."""
-    if is_gguf_file(model) or Path(model).is_dir():
-        return Path(model).name.removesuffix(".gguf") or "model"
-    return model.replace("/", "--")
-
-
-# The task settings ``task_args`` may change, and the kind of value each takes.
-TASK_ARGS = {"chat_template": bool, "min_new_tokens": int, "stop_strings": list}
-
-
-def parse_task_args(task_args: Mapping[str, Any] | Sequence[str]) -> dict[str, Any]:
-    """``--task-arg chat_template=false`` (values read as YAML: ``stop_strings=[]``, ``stop_strings=["\\n"]``) or a
-    mapping → checked ``{setting: value}``; a setting given twice is refused."""
-    if isinstance(task_args, Mapping):
-        raw = dict(task_args)
-    else:
-        raw = {}
-        for pair in task_args:
-            key, sep, text = str(pair).partition("=")
-            if not sep or not key.strip():
-                raise PkvError(f"--task-arg {pair!r} is not of the form name=value (e.g. chat_template=false)")
-            if key.strip() in raw:
-                raise PkvError(f"--task-arg {key.strip()} is given twice; give it once")
-            raw[key.strip()] = parse_yaml(text, f"--task-arg {pair!r}") if text.strip() else []
-    for key, value in raw.items():
-        kind = TASK_ARGS.get(key)
-        if kind is None:
-            raise PkvError(f"--task-arg {key}: not a task setting; valid: {', '.join(TASK_ARGS)}")
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)) or (kind is int and value < 0):
-            raise PkvError(
-                f"--task-arg {key}={value!r}: expected {'a non-negative integer' if kind is int else kind.__name__}"
-            )
-        if kind is list and not all(isinstance(s, str) and s for s in value):
-            raise PkvError(f"--task-arg {key}: expected a list of non-empty strings")
-    return raw
-
-
-def with_task_args(task: TaskSpec, task_args: dict[str, Any]) -> TaskSpec:
-    """The task with these settings in its definition (its prompt hash changes with them)."""
-    if not task_args:
-        return task
-    return validate({**task.config, **task_args}, f"{task.source} with --task-arg")
 
 
 def default_out(kind: str, model: str, tasks: list[TaskSpec]) -> Path:
@@ -143,180 +74,66 @@ def default_out(kind: str, model: str, tasks: list[TaskSpec]) -> Path:
 # --- checking a configuration's values ----------------------------------------------------------------------------
 # A ``RunConfig`` or ``FunnelConfig`` built in Python gets the checks the command line gives: every number through
 # the one parser (``config.parse_int`` / ``parse_float``), flags only true or false, paths and lists of the right
-# shape. A wrong type is one ``PkvError`` naming the option, never a TypeError from deep inside.
+# shape (the checks are in ``config``).
 
-Check = Callable[[Any, str], Any]
-
-
-def _whole(minimum: int | None = None, maximum: int | None = None) -> Check:
-    return lambda value, what: parse_int(value, what, minimum, maximum)
-
-
-def _optional(check: Check) -> Check:
-    return lambda value, what: None if value is None else check(value, what)
-
-
-def _name(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise PkvError(f"{what}: expected a name, got {shown(value)}")
-    return value
-
-
-def _path(value: Any, what: str) -> str | os.PathLike:
-    if not isinstance(value, (str, os.PathLike)):
-        raise PkvError(f"{what}: expected a path, got {shown(value)}")
-    if not os.fspath(value).strip():
-        raise PkvError(f"{what} '': an empty path would mean the current folder; give a name")
-    return value
-
-
-def _one_of(choices: Sequence[str]) -> Check:
-    def check(value: Any, what: str) -> str:
-        if value not in choices:
-            raise PkvError(f"{what} {shown(value)}: valid: {', '.join(choices)}")
-        return value
-
-    return check
-
-
-def _single(value: Any) -> bool:
-    return isinstance(value, (str, int, float)) and not isinstance(value, bool)
-
-
-def _listing(value: Any, what: str) -> Any:
-    """A list option: a comma string, one number, or a list of single values."""
-    if _single(value) or (isinstance(value, (list, tuple)) and all(_single(item) for item in value)):
-        return value
-    raise PkvError(f"{what}: expected a comma string or a list of values, got {shown(value)}")
-
-
-def _paths(value: Any, what: str) -> tuple[str, ...]:
-    """Folders: a list of paths, or one comma string (``"a,b"``; one path is one folder, not its characters)."""
-    items = value.split(",") if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)):
-        raise PkvError(f"{what}: expected a list of folders or a comma string, got {shown(value)}")
-    return tuple(os.fspath(_path(item.strip() if isinstance(item, str) else item, what)) for item in items)
-
-
-def _pairs(value: Any, what: str) -> Mapping[str, Any] | list[str]:
-    """Options as a mapping or a list of ``name=value`` (one string: one pair)."""
-    if isinstance(value, Mapping):
-        return value
-    items = [value] if isinstance(value, str) else value
-    if isinstance(items, (list, tuple)) and all(isinstance(item, str) for item in items):
-        return list(items)
-    raise PkvError(f"{what}: expected a mapping or a list of name=value, got {shown(value)}")
-
-
-_COMMON_CHECKS: dict[str, Check] = {
-    "model": _name,
-    "tasks": _listing,
-    "lengths": _optional(_listing),
-    "depths": _optional(_listing),
-    "limit": _optional(_whole(1)),
-    "seed": _whole(0, SEED_MAX),
-    "data_dir": _optional(_path),
+SAMPLE_CHECKS: dict[str, Check] = {  # SampleConfig's fields
+    "model": name_value,
+    "tasks": list_value,
+    "lengths": optional(list_value),
+    "depths": optional(list_value),
+    "limit": optional(whole(1)),
+    "seed": whole(0, SEED_MAX),
+    "data_dir": optional(path_value),
     "verify": parse_bool,
-    "max_length": _optional(_whole(1)),
-    "sample_ids": _optional(_listing),
-    "include_paths": _paths,
-    "device": _one_of(DEVICES),
-    "dtype": _one_of(DTYPES),
-    "attn_implementation": _name,
-    "out": _optional(_path),
+    "max_length": optional(whole(1)),
+    "sample_ids": optional(list_value),
+    "include_paths": path_list,
+    "device": one_of(DEVICES),
+    "dtype": one_of(DTYPES),
+    "attn_implementation": name_value,
+    "out": optional(path_value),
     "overwrite": parse_bool,
     "quiet": parse_bool,
 }
 RUN_CHECKS: dict[str, Check] = {
-    **_COMMON_CHECKS,
-    "policies": _optional(_listing),
-    "budgets": _optional(_listing),
-    "memory": _optional(_listing),
-    "kv_bits": _optional(_listing),
-    "kv_group": _whole(1),
-    "kv_residual": _whole(0),
-    "decode_budgets": _optional(_listing),
-    "decode_interval": _whole(1),
-    "decode_buffer": _whole(0),
-    "policy_args": _pairs,
-    "protocol": _name,
-    "query_modes": _listing,
-    "task_args": _pairs,
-    "max_new_tokens": _optional(_whole(1)),
-    "decode_batch": _optional(_whole(1)),
-    "shard": _optional(_name),
-    "executor": _name,
-    "ray_address": _optional(_name),
-    "workers": _optional(_whole(1)),
-    "gpus_per_worker": _optional(lambda value, what: parse_float(value, what, minimum=0)),
+    **SAMPLE_CHECKS,
+    "policies": optional(list_value),
+    "budgets": optional(list_value),
+    "memory": optional(list_value),
+    "kv_bits": optional(list_value),
+    "kv_group": whole(1),
+    "kv_residual": whole(0),
+    "decode_budgets": optional(list_value),
+    "decode_interval": whole(1),
+    "decode_buffer": whole(0),
+    "policy_args": pair_values,
+    "protocol": name_value,
+    "query_modes": list_value,
+    "task_args": pair_values,
+    "max_new_tokens": optional(whole(1)),
+    "decode_batch": optional(whole(1)),
+    "shard": optional(name_value),
+    "executor": name_value,
+    "ray_address": optional(name_value),
+    "workers": optional(whole(1)),
+    "gpus_per_worker": optional(lambda value, what: parse_float(value, what, minimum=0)),
 }
 FUNNEL_CHECKS: dict[str, Check] = {
-    **_COMMON_CHECKS,
-    "window": _whole(1),
-    "sink": _whole(0),
-    "top_k": _whole(1),
-    "budget": _listing,
+    **SAMPLE_CHECKS,
+    "window": whole(1),
+    "sink": whole(0),
+    "top_k": whole(1),
+    "budget": list_value,
 }
 
 
-def checked(config: RunConfig | FunnelConfig) -> Any:
+def checked(config: SampleConfig) -> Any:
     """``config`` with every value checked and parsed as the command line parses it (``"5"`` → 5)."""
     checks = RUN_CHECKS if isinstance(config, RunConfig) else FUNNEL_CHECKS
     return replace(config, **{name: check(getattr(config, name), option_name(name)) for name, check in checks.items()})
 
 
 # --- what fits the model -------------------------------------------------------------------------------------------
-
-
-@cache
-def _gguf_context_length(path: str, size: int, mtime_ns: int) -> int | None:
-    """``<architecture>.context_length`` from a GGUF file's header (the weights are not read; parsing the header
-    still takes a second or two, so it is done once per file version)."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-
-    def value(name: str):
-        field = reader.fields.get(name)
-        return field.parts[field.data[0]] if field is not None and field.data else None
-
-    architecture = value("general.architecture")
-    length = (
-        value(f"{bytes(architecture).decode('utf-8', 'replace')}.context_length") if architecture is not None else None
-    )
-    return int(length[0]) if length is not None else None
-
-
-def _config_file(model: str) -> Path | None:
-    """A local folder's or a hub model's ``config.json`` (the hub's from its cache, or fetched: a few kB)."""
-    if Path(model).is_dir():
-        return Path(model) / "config.json" if (Path(model) / "config.json").is_file() else None
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return Path(hf_hub_download(model, "config.json"))
-    except Exception:  # offline and not cached, no such model, no access: the model load says which, in one line
-        return None
-
-
-def model_context_window(model: str) -> int | None:
-    """The positions ``model`` was made for, read from its ``config.json`` or GGUF header without loading it; None
-    when that cannot be told (the model load then reports what is wrong with the model).
-
-    A GGUF model's float copy, once made, carries the header's ``context_length`` as ``max_position_embeddings``
-    (transformers' GGUF conversion): its ``config.json`` is read instead of the header, which takes seconds to parse
-    (gguf-py reads every field, the tokenizer's vocabulary included)."""
-    float_copy = cached_float_copy(model)
-    if float_copy is None and (model in ALIASES or is_gguf_file(model)):
-        path = locate_gguf(ALIASES[model]) if model in ALIASES else Path(model)
-        stat = path.stat()
-        return _gguf_context_length(str(path), stat.st_size, stat.st_mtime_ns)
-    path = _config_file(str(float_copy or model))
-    config = read_json(path, "model config") if path is not None else None
-    if isinstance(config, dict):  # an architecture pkvbench cannot run is refused before its tokenizer is used
-        check_architecture(SimpleNamespace(model_type=config.get("model_type")), model)
-    window = config.get("max_position_embeddings") if isinstance(config, dict) else None
-    return window if isinstance(window, int) and window > 0 else None
 
 
 def fit_to_model(
@@ -351,18 +168,42 @@ def fit_to_model(
 # --- the run configuration -----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything a run is: model, tasks, policies × budgets, which samples, where results go, where it runs.
+@dataclass(frozen=True, kw_only=True)
+class SampleConfig:
+    """What ``pkvbench run`` and ``pkvbench funnel`` share: the model and how it runs, which samples, where the
+    results go. List-valued fields take a list or a comma string (``tasks="needle,trec"``)."""
 
-    List-valued fields take a list or a comma string (``tasks="needle,trec"``); ``policies=None`` is the default grid
-    (the full cache and the paper's four policies). Values are checked by ``evaluate`` (``PkvError`` says what is
-    wrong), exactly as the command line checks them.
+    # the model, and how it runs
+    model: str = DEFAULT_MODEL
+    device: str = "auto"
+    dtype: str = "auto"
+    attn_implementation: str = "sdpa"
+    # which samples
+    tasks: Sequence[str] | str = ("needle",)
+    lengths: Sequence[int] | str | None = None
+    depths: Sequence[float] | str | None = None
+    limit: int | None = None
+    seed: int = 0
+    data_dir: str | None = None
+    verify: bool = True
+    max_length: int | None = None
+    sample_ids: Sequence[str] | str | None = None
+    include_paths: Sequence[str] = ()
+    # where the results go
+    out: str | Path | None = None
+    overwrite: bool = False
+    quiet: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(SampleConfig):
+    """Everything a run is: the model, tasks and samples (``SampleConfig``'s fields), policies × budgets, where it
+    runs.
+
+    ``policies=None`` is the default grid (the full cache and the paper's four policies). Values are checked by
+    ``evaluate`` (``PkvError`` says what is wrong), exactly as the command line checks them.
     """
 
-    # what runs
-    model: str = DEFAULT_MODEL
-    tasks: Sequence[str] | str = ("needle",)
     policies: Sequence[str] | str | None = None
     # None: 128 entries, unless memory is given; with a decode budget cr0 (the prefill keeps everything:
     # compression only while decoding)
@@ -391,25 +232,7 @@ class RunConfig:
     decode_budgets: Sequence[str | int] | str | None = None
     decode_interval: int = 16
     decode_buffer: int = 8
-    # which samples
-    lengths: Sequence[int] | str | None = None
-    depths: Sequence[float] | str | None = None
-    limit: int | None = None
-    seed: int = 0
-    data_dir: str | None = None
-    verify: bool = True
-    max_length: int | None = None
-    sample_ids: Sequence[str] | str | None = None
-    include_paths: Sequence[str] = ()
-    # how the model runs
-    device: str = "auto"
-    dtype: str = "auto"
-    attn_implementation: str = "sdpa"
-    # where results go
-    out: str | Path | None = None
-    overwrite: bool = False
-    shard: str | None = None
-    quiet: bool = False
+    shard: str | None = None  # "i/n": every n-th sample, from the i-th
     # where the samples run
     executor: str = "local"
     ray_address: str | None = None
@@ -508,9 +331,7 @@ class ResolvedRun:
         )
 
 
-def recorded(
-    config: RunConfig | FunnelConfig, tasks: list[TaskSpec], options: TaskOptions, own: dict[str, Any]
-) -> dict[str, Any]:
+def recorded(config: SampleConfig, tasks: list[TaskSpec], options: TaskOptions, own: dict[str, Any]) -> dict[str, Any]:
     """What ``run.json`` / ``funnel.json`` record as the options: the model, tasks and samples, and the command's
     ``own`` options. As JSON reads them back (tuples are lists)."""
     common = {
@@ -531,7 +352,7 @@ def recorded(
     return json.loads(json.dumps({**common, **own}))
 
 
-def task_options(config: RunConfig | FunnelConfig) -> TaskOptions:
+def task_options(config: SampleConfig) -> TaskOptions:
     return TaskOptions(
         lengths=parse_numbers(config.lengths, "--lengths", int),
         depths=parse_numbers(config.depths, "--depths", float),
@@ -620,25 +441,6 @@ def resolve_formats(config: RunConfig) -> list[KVFormat | None]:
             )
         formats.append(None if bits == native else KVFormat(bits, config.kv_group, config.kv_residual))
     return list(dict.fromkeys(formats))
-
-
-def parse_decode_budgets(value: Any) -> list[int | None]:
-    """``--decode-budget 128,512`` (entries per KV head; ``none``: no cut while decoding) → each once, in order."""
-    if value is None:
-        return [None]
-    parsed: list[int | None] = []
-    for item in as_list(value, "--decode-budget"):
-        if item.lower() == "none":
-            parsed.append(None)
-            continue
-        try:
-            number = int(item)
-        except ValueError:
-            number = 0
-        if number < 1:
-            raise PkvError(f"--decode-budget {item!r}: give entries per KV head (a positive integer) or none")
-        parsed.append(number)
-    return list(dict.fromkeys(parsed))
 
 
 def check_decoding(policies: list[Policy], decode_budgets: list[int | None], interval: int, buffer: int) -> None:
@@ -799,31 +601,14 @@ def session(model: str) -> dict[str, Any]:
 # --- the funnel ----------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class FunnelConfig:
+@dataclass(frozen=True, kw_only=True)
+class FunnelConfig(SampleConfig):
     """``pkvbench funnel``: how concentrated each layer's and head's attention is (PyramidKV's premise)."""
 
-    model: str = DEFAULT_MODEL
-    tasks: Sequence[str] | str = ("needle",)
-    lengths: Sequence[int] | str | None = None
-    depths: Sequence[float] | str | None = None
-    limit: int | None = None
-    seed: int = 0
-    data_dir: str | None = None
-    verify: bool = True
-    max_length: int | None = None
-    sample_ids: Sequence[str] | str | None = None
-    include_paths: Sequence[str] = ()
-    device: str = "auto"
-    dtype: str = "auto"
-    attn_implementation: str = "sdpa"
     window: int = 8  # the last queries whose attention is measured (SnapKV/PyramidKV's window)
     sink: int = 4  # first tokens counted as the attention sink
     top_k: int = 128  # k of the top-k mass statistic
     budget: str | int | float = 128  # the budget whose PyramidKV per-layer allocation is drawn over the curves
-    out: str | Path | None = None
-    overwrite: bool = False
-    quiet: bool = False
 
 
 @dataclass
@@ -889,8 +674,8 @@ def layer_budget_table(
     layers = parse_int(layers, "--layers", 1, MAX_LAYERS)
     entries = []
     rounding = "half-even" if protocol == "reference" else "half-up"
-    for policy in parse_policies(_listing(policies, "--policy"), _pairs(policy_args, "--policy-arg"), protocol):
-        for budget in parse_budgets(as_list(_listing(budgets, "--budget"), "--budget"), rounding):
+    for policy in parse_policies(list_value(policies, "--policy"), pair_values(policy_args, "--policy-arg"), protocol):
+        for budget in parse_budgets(as_list(list_value(budgets, "--budget"), "--budget"), rounding):
             layer_plan = plan(policy, budget, context, layers)
             entries.append(
                 {
@@ -914,6 +699,7 @@ __all__ = [
     "FunnelConfig",
     "FunnelResult",
     "RunConfig",
+    "SampleConfig",
     "evaluate",
     "layer_budget_table",
     "measure_funnel",

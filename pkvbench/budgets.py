@@ -15,7 +15,9 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from pkvbench.config import as_list
 from pkvbench.errors import PkvError
 
 # kvpress's spelling of a budget: the compression ratio r, the fraction of the cache *removed*; kept entries are
@@ -397,3 +399,22 @@ def memory_plan(
         raise MemoryTooSmall(budget, needed, full, f"{policy.label} at {fmt} bits on {context_len} tokens")
     per_layer = policy.layer_budgets(k, context_len, geometry.layers)
     return LayerPlan(requested=k, effective=k, per_layer=per_layer, context_len=context_len, target_bytes=target)
+
+
+def parse_decode_budgets(value: Any) -> list[int | None]:
+    """``--decode-budget 128,512`` (entries per KV head; ``none``: no cut while decoding) → each once, in order."""
+    if value is None:
+        return [None]
+    parsed: list[int | None] = []
+    for item in as_list(value, "--decode-budget"):
+        if item.lower() == "none":
+            parsed.append(None)
+            continue
+        try:
+            number = int(item)
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise PkvError(f"--decode-budget {item!r}: give entries per KV head (a positive integer) or none")
+        parsed.append(number)
+    return list(dict.fromkeys(parsed))

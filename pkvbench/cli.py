@@ -790,8 +790,9 @@ def check(baseline, results, tolerance, per_cell, selection, min_overlap, exact,
 )
 def list_(include_paths) -> None:
     """Tasks, policies (with their options), model aliases and supported architectures."""
+    from pkvbench.metric_registry import METRICS
     from pkvbench.policies.registry import registry
-    from pkvbench.tasks.registry import catalog
+    from pkvbench.tasks.registry import GENERATORS, catalog
 
     tasks = catalog(tuple(include_paths))
     click.echo("Tasks:")
@@ -800,6 +801,10 @@ def list_(include_paths) -> None:
     click.echo("Task groups (--task GROUP):")
     for group, members in tasks.groups.items():
         click.echo(f"  {group:14} {', '.join(members)}")
+    # What a task file of one's own can name; other packages add to them through entry points (CONTRIBUTING.md).
+    for what, key, names in (("Task generators", "generator", GENERATORS), ("Metrics", "metric", METRICS)):
+        click.echo(f"{what} (a task file's `{key}:`; more from other packages' `{names.group}` entry points):")
+        click.echo(f"  {', '.join(names)}")
     click.echo(
         "Policies (options with defaults; the attention weights each needs, which kernels such as FlashAttention"
     )

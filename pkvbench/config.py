@@ -11,14 +11,17 @@ as if they had been typed.
 
 The numbers and flags of every option — typed on the command line, read from a config, or given to the Python API —
 are parsed here, by ``parse_int``, ``parse_float`` and ``parse_bool``: an integer option takes an integer (never
-1.7 cut to 1, never true as 1), a number is finite, and a bound is checked with the same words everywhere.
+1.7 cut to 1, never true as 1), a number is finite, and a bound is checked with the same words everywhere. Lists,
+paths and ``name=value`` pairs too (``as_list`` and the field checks ``api.checked`` applies); what a policy, budget
+or task setting means is parsed beside it (``policies/spec.py``, ``budgets.py``, ``tasks/registry.py``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -203,3 +206,96 @@ def read_run_config(path: str | Path, fields: Iterable[str]) -> dict[str, Any]:
         value = _value(key_text, field, value)
         result[field] = (not value) if negated else value
     return result
+
+
+# --- lists, paths and option pairs ----------------------------------------------------------------------------------
+
+
+def as_list(value: Any, what: str) -> list[str]:
+    """A comma string or a sequence → a list of non-empty strings; an empty list or item is an error."""
+    items = str(value).split(",") if isinstance(value, (str, int, float)) else [str(v) for v in value]
+    items = [item.strip() for item in items]
+    if not any(items):
+        raise PkvError(f"{what} is empty; give a comma-separated list")
+    if not all(items):
+        raise PkvError(f"{what} {','.join(items)!r} has an empty item; remove the extra comma")
+    return items
+
+
+def parse_numbers(value: Any, what: str, kind: type) -> tuple | None:
+    """``--lengths`` / ``--depths``: positive integers or non-negative numbers, each once, in the order given (``-0``
+    and ``0`` are one depth)."""
+    if value is None:
+        return None
+    if kind is int:
+        values = [parse_int(item, what, minimum=1) for item in as_list(value, what)]
+    else:
+        values = [parse_float(item, what, minimum=0) for item in as_list(value, what)]
+    return tuple(dict.fromkeys(values))
+
+
+# Checks of one configuration field each (``api.checked``): a ``RunConfig`` or ``FunnelConfig`` built in Python gets
+# the checks the command line gives. A wrong type is one ``PkvError`` naming the option, never a TypeError from deep
+# inside.
+
+Check = Callable[[Any, str], Any]
+
+
+def whole(minimum: int | None = None, maximum: int | None = None) -> Check:
+    return lambda value, what: parse_int(value, what, minimum, maximum)
+
+
+def optional(check: Check) -> Check:
+    return lambda value, what: None if value is None else check(value, what)
+
+
+def name_value(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise PkvError(f"{what}: expected a name, got {shown(value)}")
+    return value
+
+
+def path_value(value: Any, what: str) -> str | os.PathLike:
+    if not isinstance(value, (str, os.PathLike)):
+        raise PkvError(f"{what}: expected a path, got {shown(value)}")
+    if not os.fspath(value).strip():
+        raise PkvError(f"{what} '': an empty path would mean the current folder; give a name")
+    return value
+
+
+def one_of(choices: Sequence[str]) -> Check:
+    def check(value: Any, what: str) -> str:
+        if value not in choices:
+            raise PkvError(f"{what} {shown(value)}: valid: {', '.join(choices)}")
+        return value
+
+    return check
+
+
+def _single(value: Any) -> bool:
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+
+
+def list_value(value: Any, what: str) -> Any:
+    """A list option: a comma string, one number, or a list of single values."""
+    if _single(value) or (isinstance(value, (list, tuple)) and all(_single(item) for item in value)):
+        return value
+    raise PkvError(f"{what}: expected a comma string or a list of values, got {shown(value)}")
+
+
+def path_list(value: Any, what: str) -> tuple[str, ...]:
+    """Folders: a list of paths, or one comma string (``"a,b"``; one path is one folder, not its characters)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise PkvError(f"{what}: expected a list of folders or a comma string, got {shown(value)}")
+    return tuple(os.fspath(path_value(item.strip() if isinstance(item, str) else item, what)) for item in items)
+
+
+def pair_values(value: Any, what: str) -> Mapping[str, Any] | list[str]:
+    """Options as a mapping or a list of ``name=value`` (one string: one pair)."""
+    if isinstance(value, Mapping):
+        return value
+    items = [value] if isinstance(value, str) else value
+    if isinstance(items, (list, tuple)) and all(isinstance(item, str) for item in items):
+        return list(items)
+    raise PkvError(f"{what}: expected a mapping or a list of name=value, got {shown(value)}")

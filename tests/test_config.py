@@ -209,3 +209,15 @@ def test_leaderboard_runs_each_policy_as_kvpress_s_press():
         "chunkkv",
         "kvzip",
     ]
+
+
+def test_every_configuration_field_is_checked_once():
+    """A new field of a configuration gets the command line's checks in the Python API too (``api.checked``)."""
+    from pkvbench import api
+
+    for config, checks in [
+        (api.SampleConfig, api.SAMPLE_CHECKS),
+        (api.RunConfig, api.RUN_CHECKS),
+        (api.FunnelConfig, api.FUNNEL_CHECKS),
+    ]:
+        assert set(checks) == {f.name for f in fields(config)}, config.__name__

@@ -8,6 +8,7 @@ Runs where kvpress's own environment exists (``scripts/kvpress_env.sh`` builds `
 import importlib.util
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.skipif(
 def crosscheck(engine):
     spec = importlib.util.spec_from_file_location("kvpress_crosscheck", ROOT / "scripts" / "kvpress_crosscheck.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there (its annotations are strings)
     spec.loader.exec_module(module)
     return module.crosscheck(engine, PYTHON, length=700, max_new_tokens=4)  # 0.1·T above SnapKV's window 64
 

@@ -86,6 +86,10 @@ def test_a_plugin_task_is_listed(plugin_site, tmp_path):
     out = pkvbench_with(plugin_site, "list", "--include-path", str(task_folder(tmp_path)))
     assert out.returncode == 0, out.stderr
     assert "next-word" in out.stdout and "which word follows another (a plugin's task)" in out.stdout
+    generators, metrics = (
+        out.stdout.split(f"{what} (a task file's")[1].splitlines()[1] for what in ("Task generators", "Metrics")
+    )
+    assert "needle" in generators and "next_word" in generators and "first_word" in metrics  # the plugins' beside ours
 
 
 @pytest.mark.model

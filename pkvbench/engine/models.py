@@ -12,9 +12,12 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 
 from pkvbench.errors import PkvError, first_line
+from pkvbench.io import read_json
 
 # RoPE + grouped-query-attention decoders whose attention modules follow transformers' shared layout
 # (q/k/v projections, ``layer_idx``, ``scaling``, the attention-function registry).
@@ -122,23 +125,57 @@ GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 UNQUANTIZED_GGUF_TYPES = ("F32", "F16")
 
 
-def check_gguf_file(path: Path) -> None:
-    """Refuse, in one line and before any slow work, a GGUF file of an architecture or quantization we cannot load."""
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What pkvbench reads of a GGUF file before loading it."""
+
+    architecture: str | None  # general.architecture
+    context_length: int | None  # <architecture>.context_length
+    tensor_types: frozenset[str]  # the quantizations its tensors are stored in
+
+
+@cache
+def _read_gguf_header(path: str, size: int, mtime_ns: int) -> GGUFHeader:
     import gguf
-    from gguf.quants import _type_traits as dequantizable  # gguf-py's table of quantizations it can de-quantize
 
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, OSError, KeyError) as exc:
         raise PkvError(f"{path} is not a readable GGUF file: {first_line(exc)}") from None
-    field = reader.fields.get("general.architecture")
-    architecture = bytes(field.parts[field.data[0]]).decode("utf-8", "replace") if field else None
-    if architecture not in GGUF_ARCHITECTURES:
+
+    def value(name: str):
+        field = reader.fields.get(name)
+        return field.parts[field.data[0]] if field is not None and field.data else None
+
+    architecture = value("general.architecture")
+    architecture = bytes(architecture).decode("utf-8", "replace") if architecture is not None else None
+    length = value(f"{architecture}.context_length") if architecture is not None else None
+    return GGUFHeader(
+        architecture,
+        int(length[0]) if length is not None else None,
+        frozenset(t.tensor_type.name for t in reader.tensors),
+    )
+
+
+def gguf_header(path: Path) -> GGUFHeader:
+    """A GGUF file's header, without de-quantizing its weights. Parsing still takes a second or two (gguf-py reads
+    every field, the tokenizer's vocabulary included), so it is read once per file version."""
+    stat = path.stat()
+    return _read_gguf_header(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+def check_gguf_file(path: Path) -> None:
+    """Refuse, in one line and before any slow work, a GGUF file of an architecture or quantization we cannot load."""
+    from gguf.quants import _type_traits as dequantizable  # gguf-py's table of quantizations it can de-quantize
+
+    header = gguf_header(path)
+    if header.architecture not in GGUF_ARCHITECTURES:
         raise PkvError(
-            f"{path} holds a {architecture!r} model; supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}"
+            f"{path} holds a {header.architecture!r} model; supported GGUF architectures: "
+            f"{', '.join(GGUF_ARCHITECTURES)}"
         )
     known = set(UNQUANTIZED_GGUF_TYPES) | {kind.name for kind in dequantizable}
-    unknown = sorted({t.tensor_type.name for t in reader.tensors} - known)
+    unknown = sorted(header.tensor_types - known)
     if unknown:
         raise PkvError(
             f"{path} uses the quantization {', '.join(unknown)}, which cannot be de-quantized; supported: "
@@ -322,3 +359,44 @@ def load_model(
         load_s=time.perf_counter() - started,
         source=source,
     )
+
+
+# --- what a model holds, read without loading it ------------------------------------------------------------------
+
+
+def model_slug(model: str) -> str:
+    """A model as one folder name: an alias as it is, a hub id ``org/name`` as ``org--name``, a local folder or
+    GGUF file by its name."""
+    if is_gguf_file(model) or Path(model).is_dir():
+        return Path(model).name.removesuffix(".gguf") or "model"
+    return model.replace("/", "--")
+
+
+def _config_file(model: str) -> Path | None:
+    """A local folder's or a hub model's ``config.json`` (the hub's from its cache, or fetched: a few kB)."""
+    if Path(model).is_dir():
+        return Path(model) / "config.json" if (Path(model) / "config.json").is_file() else None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(model, "config.json"))
+    except Exception:  # offline and not cached, no such model, no access: the model load says which, in one line
+        return None
+
+
+def model_context_window(model: str) -> int | None:
+    """The positions ``model`` was made for, read from its ``config.json`` or GGUF header without loading it; None
+    when that cannot be told (the model load then reports what is wrong with the model).
+
+    A GGUF model's float copy, once made, carries the header's ``context_length`` as ``max_position_embeddings``
+    (transformers' GGUF conversion): its ``config.json`` is read instead of the header, which takes seconds to parse
+    (gguf-py reads every field, the tokenizer's vocabulary included)."""
+    float_copy = cached_float_copy(model)
+    if float_copy is None and (model in ALIASES or is_gguf_file(model)):
+        return gguf_header(locate_gguf(ALIASES[model]) if model in ALIASES else Path(model)).context_length
+    path = _config_file(str(float_copy or model))
+    config = read_json(path, "model config") if path is not None else None
+    if isinstance(config, dict):  # an architecture pkvbench cannot run is refused before its tokenizer is used
+        check_architecture(SimpleNamespace(model_type=config.get("model_type")), model)
+    window = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return window if isinstance(window, int) and window > 0 else None

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from pkvbench.config import as_list
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import Policy
-from pkvbench.policies.registry import registry
+from pkvbench.policies.registry import default_grid, registry
 
 
 def parse_option_pairs(pairs: list[str]) -> dict[str, str]:
@@ -114,3 +117,17 @@ def check_shared_options(shared_options: dict[str, str], policies: list[Policy])
         if option not in known:
             names = ", ".join(sorted({p.name for p in policies}))
             raise PkvError(f"--policy-arg {option}: none of the requested policies ({names}) has that option")
+
+
+def parse_policies(
+    specs: Any, policy_args: Mapping[str, Any] | Sequence[str] = (), protocol: str = "exact"
+) -> list[Policy]:
+    """Policy specs (``snapkv:window=32``) plus options shared by every policy that has them; each label once."""
+    if isinstance(policy_args, Mapping):
+        shared = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in policy_args.items()}
+    else:
+        shared = parse_option_pairs(list(policy_args))
+    names = default_grid() if specs is None else as_list(specs, "--policy")
+    policies = [parse_policy(spec, shared, protocol) for spec in names]
+    check_shared_options(shared, policies)
+    return list({p.label: p for p in policies}.values())

@@ -17,7 +17,7 @@ import json
 import os
 import re
 import string
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -352,3 +352,41 @@ def check_selection(tasks: list[TaskSpec], samples: dict[str, list[Sample]], opt
     if unknown:
         forms = "; ".join(f"{task.name}: {GENERATORS[task.generator].ids}" for task in tasks)
         raise PkvError(f"--sample-id {', '.join(unknown)}: no such sample (sample ids are {forms})")
+
+
+# The task settings ``task_args`` may change, and the kind of value each takes.
+TASK_ARGS = {"chat_template": bool, "min_new_tokens": int, "stop_strings": list}
+
+
+def parse_task_args(task_args: Mapping[str, Any] | Sequence[str]) -> dict[str, Any]:
+    """``--task-arg chat_template=false`` (values read as YAML: ``stop_strings=[]``, ``stop_strings=["\\n"]``) or a
+    mapping → checked ``{setting: value}``; a setting given twice is refused."""
+    if isinstance(task_args, Mapping):
+        raw = dict(task_args)
+    else:
+        raw = {}
+        for pair in task_args:
+            key, sep, text = str(pair).partition("=")
+            if not sep or not key.strip():
+                raise PkvError(f"--task-arg {pair!r} is not of the form name=value (e.g. chat_template=false)")
+            if key.strip() in raw:
+                raise PkvError(f"--task-arg {key.strip()} is given twice; give it once")
+            raw[key.strip()] = parse_yaml(text, f"--task-arg {pair!r}") if text.strip() else []
+    for key, value in raw.items():
+        kind = TASK_ARGS.get(key)
+        if kind is None:
+            raise PkvError(f"--task-arg {key}: not a task setting; valid: {', '.join(TASK_ARGS)}")
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)) or (kind is int and value < 0):
+            raise PkvError(
+                f"--task-arg {key}={value!r}: expected {'a non-negative integer' if kind is int else kind.__name__}"
+            )
+        if kind is list and not all(isinstance(s, str) and s for s in value):
+            raise PkvError(f"--task-arg {key}: expected a list of non-empty strings")
+    return raw
+
+
+def with_task_args(task: TaskSpec, task_args: dict[str, Any]) -> TaskSpec:
+    """The task with these settings in its definition (its prompt hash changes with them)."""
+    if not task_args:
+        return task
+    return validate({**task.config, **task_args}, f"{task.source} with --task-arg")
