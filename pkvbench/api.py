@@ -537,23 +537,14 @@ def _execute(
     items: list,
 ) -> RunStats:
     config = run.config
+    grid = (run.tasks, run.cells, run.options, store)
+    how = {"shard": run.shard, "settings": run.settings, "quiet": config.quiet, "on_row": on_row, "items": items}
     if config.executor == "ray":
         from pkvbench.ray_executor import ModelSpec, RaySettings, run_grid_on_ray
 
-        return run_grid_on_ray(
-            RaySettings(config.ray_address, config.workers, config.gpus_per_worker),
-            ModelSpec(config.model, config.device, config.dtype, config.attn_implementation, config.seed),
-            run.tasks,
-            run.cells,
-            run.options,
-            store,
-            shard=run.shard,
-            settings=run.settings,
-            quiet=config.quiet,
-            on_model=record,
-            on_row=on_row,
-            items=items,
-        )
+        workers = RaySettings(config.ray_address, config.workers, config.gpus_per_worker)
+        model = ModelSpec(config.model, config.device, config.dtype, config.attn_implementation, config.seed)
+        return run_grid_on_ray(workers, model, *grid, on_model=record, **how)
     from pkvbench.engine.generation import Engine
     from pkvbench.engine.models import load_model
     from pkvbench.runner import run_grid
@@ -562,18 +553,7 @@ def _execute(
         config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation
     )
     record(loaded.describe())
-    return run_grid(
-        Engine(loaded),
-        run.tasks,
-        run.cells,
-        run.options,
-        store,
-        shard=run.shard,
-        settings=run.settings,
-        quiet=config.quiet,
-        on_row=on_row,
-        items=items,
-    )
+    return run_grid(Engine(loaded), *grid, **how)
 
 
 def samples_of(tasks: list[TaskSpec], model: str, options: TaskOptions, shard: Shard | None = None) -> list:
