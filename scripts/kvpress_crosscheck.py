@@ -91,12 +91,12 @@ PAIRS = [
     Pair("adakv(expected_attention:vnorm=false):critical=true", "critical_adakv_expected_attention"),
     Pair("chunkkv(snapkv)", "chunkkv"),
     Pair(
-        "chunkkv(snapkv:window=64:kernel=5:pooling=avg)",
+        "chunkkv(snapkv:window=64:kernel=5:pooling=avg):pinned=max+1",
         "chunkkv",
         "exact",
         "kvpress within",
         "pkvbench's default fills k with whole chunks while they fit, kvpress keeps int(n_chunks·(1 − r)) of them: "
-        "same ranking, kvpress's chunks a subset (chunkkv.py)",
+        "same ranking (with kvpress's window score, pinned=max+1), kvpress's chunks a subset (chunkkv.py)",
     ),
     Pair(
         "chunkkv(knorm)",

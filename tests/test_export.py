@@ -94,7 +94,8 @@ def test_a_policy_is_named_as_kvpress_s_press_only_with_the_presss_settings():
     assert kvpress_name("snapkv:window=64:kernel=5:pooling=avg") == "snapkv"
     assert kvpress_name("snapkv") == "pkvbench_snapkv"  # window 8, max-pooling: pkvbench's own SnapKV
     assert kvpress_name("knorm:ties=topk") == "knorm" and kvpress_name("knorm") == "pkvbench_knorm"
-    assert kvpress_name("chunkkv(snapkv:window=64:kernel=5:pooling=avg):count=share") == "chunkkv"
+    assert kvpress_name("chunkkv(snapkv:window=64:kernel=5:pooling=avg):count=share:pinned=max+1") == "chunkkv"
+    assert kvpress_name("chunkkv(snapkv:window=64:kernel=5:pooling=avg):count=share") != "chunkkv"  # window at +inf
     assert kvpress_name("chunkkv(snapkv:window=64:kernel=5:pooling=avg)").startswith("chunkkv-snapkv")
     assert kvpress_name("adakv(snapkv:window=64:kernel=5:pooling=avg):critical=true") == "critical_adakv_snapkv"
     assert kvpress_name("adakv(expected_attention:epsilon=0.01)") == "expected_attention"

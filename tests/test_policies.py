@@ -240,6 +240,17 @@ def test_chunkkv_share_keeps_the_budgets_share_of_chunks_as_kvpress():
     assert rows(more) == [[0, 1, 2, 3, 4, 10, 11, 12, 13, 14, 25, 26, 27, 28, 29]] * 2  # int(6·15/30) = 3
 
 
+def test_chunkkv_pinned_max_plus_1_lets_a_chunk_partly_in_the_window_lose_as_kvpress():
+    """kvpress pads SnapKV's window with the highest score + 1: the chunk holding the window (one position of five)
+    then averages (max + 1) / 5 and loses to a chunk of high scores; at +inf (pkvbench's default) it always wins."""
+    window = torch.zeros(4, 30)  # 6 chunks of 5, the window is position 29; one chunk's share of k = 5
+    window[:, 10:15] = 1.0
+    stats = entry_stats(torch.zeros(2, 30, 2), windows={1: window}, query_heads=4)
+    spec = "chunkkv(snapkv:window=1:pooling=none):chunk_length=5:count=share"
+    assert rows(parse_policy(spec).select(stats, 5)) == [[25, 26, 27, 28, 29]] * 2
+    assert rows(parse_policy(f"{spec}:pinned=max+1").select(stats, 5)) == [[10, 11, 12, 13, 14]] * 2
+
+
 def test_random_per_layer_false_draws_the_same_scores_in_every_layer():
     keys = torch.zeros(3, 40, 2)
     policy = parse_policy("random:per_layer=false:seed=7")
@@ -281,7 +292,7 @@ def test_criticalkv_epsilon_is_in_kvpress_units_of_the_inner_score():
         ("pyramidkv", "pyramidkv:window=64:kernel=5:pooling=avg"),
         ("knorm", "knorm:ties=topk"),
         ("random", "random:per_layer=false"),
-        ("chunkkv(snapkv)", "chunkkv(snapkv:window=64:kernel=5:pooling=avg):count=share"),
+        ("chunkkv(snapkv)", "chunkkv(snapkv:window=64:kernel=5:pooling=avg):count=share:pinned=max+1"),
         ("adakv(snapkv):critical=true", "adakv(snapkv:window=64:kernel=5:pooling=avg):critical=true"),
         ("snapkv:window=32", "snapkv:window=32:kernel=5:pooling=avg"),  # an option given wins
         ("tova", "tova"),

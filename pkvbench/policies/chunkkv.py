@@ -2,8 +2,9 @@
 
 A wrapper over any scoring policy (``chunkkv(snapkv)``): the prompt is cut into chunks of ``chunk_length`` tokens
 from position 0 (the last one may be shorter); a chunk's score is the mean over its positions of the inner scores
-summed over KV heads (what the inner policy always keeps, e.g. SnapKV's window, counts as +inf, so its chunks win);
-the best chunks are kept whole, the same positions for every head. This is kvpress's ``ChunkKVPress``
+summed over KV heads (what the inner policy always keeps, e.g. SnapKV's window, counts as +inf, so its chunks win;
+``pinned=max+1``: as the highest other score + 1, kvpress's padding, so a chunk only partly in the window competes on
+its mean); the best chunks are kept whole, the same positions for every head. This is kvpress's ``ChunkKVPress``
 (chunk_length 20; the paper prefers 10). How many chunks:
 
 - ``count=fill`` (pkvbench's default): chunks are taken in score order while they fit in k, so a layer keeps
@@ -33,10 +34,11 @@ class ChunkKV(Wrapper):
     summary = "whole chunks of chunk_length tokens, ranked by the inner policy's mean score summed over heads"
     exact_count: ClassVar[bool] = False  # whole chunks: up to chunk_length - 1 fewer than k
     positive = ("chunk_length",)
-    choices: ClassVar[dict[str, tuple[str, ...]]] = {"count": ("fill", "share")}
-    kvpress_options: ClassVar[dict[str, object]] = {"count": "share"}
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {"count": ("fill", "share"), "pinned": ("inf", "max+1")}
+    kvpress_options: ClassVar[dict[str, object]] = {"count": "share", "pinned": "max+1"}
     chunk_length: int = 20
     count: str = "fill"
+    pinned: str = "inf"  # the score of what the inner policy always keeps
 
     @property
     def min_budget(self) -> int:
@@ -46,7 +48,7 @@ class ChunkKV(Wrapper):
         length, heads = stats.context_len, stats.num_kv_heads
         if k >= length:
             return keep_all(length, heads)
-        summed = full_scores(self.inner, stats).sum(dim=0)
+        summed = full_scores(self.inner, stats, self.pinned).sum(dim=0)
         starts = torch.arange(0, length, self.chunk_length)
         sizes = (length - starts).clamp(max=self.chunk_length)
         means = torch.stack([summed[s : s + n].mean() for s, n in zip(starts.tolist(), sizes.tolist())])

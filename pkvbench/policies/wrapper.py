@@ -11,8 +11,10 @@ import torch
 from pkvbench.policies.base import LayerStats, Needs, Policy, ScoringPolicy
 
 
-def full_scores(policy: ScoringPolicy, stats: LayerStats) -> torch.Tensor:
-    """``[heads, T]`` scores of a scoring policy with what it always keeps (its recent window) at +inf."""
+def full_scores(policy: ScoringPolicy, stats: LayerStats, pinned: str = "inf") -> torch.Tensor:
+    """``[heads, T]`` scores of a scoring policy with what it always keeps (its recent window) at +inf, or with
+    ``pinned="max+1"`` at the highest other score + 1 (kvpress's SnapKV pads its window so: the same top-k, but a
+    mean over a span only partly in the window stays finite)."""
     scores = policy.score(stats).float()
     length = stats.context_len
     if scores.shape[1] < length:  # the policy left out the window's scores
@@ -20,7 +22,9 @@ def full_scores(policy: ScoringPolicy, stats: LayerStats) -> torch.Tensor:
     else:
         scores = scores.clone()
     if policy.keeps_recent:
-        scores[:, length - policy.keeps_recent :] = float("inf")
+        scored = length - policy.keeps_recent
+        top = float(scores[:, :scored].max()) if scored > 0 else 0.0
+        scores[:, scored:] = float("inf") if pinned == "inf" else top + 1
     return scores
 
 
