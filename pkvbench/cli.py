@@ -185,9 +185,8 @@ def _run_config(options: dict) -> tuple:
     context = click.get_current_context()
     given = {k: v for k, v in options.items() if context.get_parameter_source(k) is not ParameterSource.DEFAULT}
     from_file = read_run_config(config_file, [*(f.name for f in fields(RunConfig)), "html_file"])
-    html_file = html_file if html_file is not None else from_file.pop("html_file", None)
-    from_file.pop("html_file", None)
-    return RunConfig(**{**from_file, **given}), html_file
+    html_in_file = from_file.pop("html_file", None)  # the command's option, not a RunConfig field
+    return RunConfig(**{**from_file, **given}), html_file if html_file is not None else html_in_file
 
 
 def _default_policies() -> str:

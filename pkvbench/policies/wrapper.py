@@ -23,8 +23,10 @@ def full_scores(policy: ScoringPolicy, stats: LayerStats, pinned: str = "inf") -
         scores = scores.clone()
     if policy.keeps_recent:
         scored = length - policy.keeps_recent
-        top = float(scores[:, :scored].max()) if scored > 0 else 0.0
-        scores[:, scored:] = float("inf") if pinned == "inf" else top + 1
+        if pinned == "inf":
+            scores[:, scored:] = float("inf")
+        else:  # a reduction over the layer's scores: only where asked for
+            scores[:, scored:] = (float(scores[:, :scored].max()) if scored > 0 else 0.0) + 1
     return scores
 
 
