@@ -24,17 +24,15 @@ from typing import Any
 
 import altair as alt
 import pandas as pd
-import seaborn as sns
 import vl_convert
 from altair.utils.html import vl_version_for_vl_convert
-from matplotlib.colors import to_hex
 
 from pkvbench import frontier
 from pkvbench._version import __version__
 from pkvbench.budgets import ALL, MEMORY_PREFIX, Budget
 from pkvbench.errors import PkvError
+from pkvbench.figure_data import NEEDLE_COLOURS, full_reference, is_full, needle_cells, needle_rows, policy_colour
 from pkvbench.paper_compare import compare, load_reference
-from pkvbench.plots import NEEDLE_CMAP, needle_rows
 from pkvbench.report import (
     Runs,
     budget_sort_key,
@@ -52,7 +50,6 @@ from pkvbench.schema import DEFAULT_QUERY_MODE, FIELDS, LOADED, SAMPLE, TEXT, fi
 
 ASSETS = "html_assets"  # inside the pkvbench package: the page's skeleton, style sheet and script
 PAPER_REFERENCE = "pyramidkv-table1"
-FULL = "full"
 FULL_CACHE = "full cache"  # the reference line of the curves
 # Row fields that name or measure one policy × budget, not the sample: every field of the schema but the sample's and
 # the texts shown on their own, and what report.load_runs adds; the sample's own fields (context_tokens, length,
@@ -155,7 +152,7 @@ def page_data(runs: Runs) -> dict[str, Any]:
     rows = runs.rows
     summary = summary_table(rows)
     tables = {"summary": table_json(summary), "report": table_json(report_table(rows, intervals=True))}
-    figures = budget_curve_figures(with_bits_in_policy(summary))
+    figures = budget_curve_figures(with_bits_in_policy(summary), rows)
     if frontier.has_frontier(rows):  # runs with --kv-bits or --memory: accuracy per byte (docs/memory.md)
         points = frontier.points(rows)
         tables["frontier"] = table_json(points)
@@ -205,10 +202,6 @@ def _query_modes(rows: pd.DataFrame) -> pd.Series:
     return rows["query_mode"].fillna(DEFAULT_QUERY_MODE)
 
 
-def _is_full(policy: str) -> bool:
-    return str(policy).split(":")[0].split(" ")[0] == FULL
-
-
 def summary_table(rows: pd.DataFrame) -> pd.DataFrame:
     """summary.csv's table (task, policy, budget, [query_mode,] n, score and whatever ``results.summarize`` adds,
     such as intervals) per model, in the report's order, with ``vs full``: the score minus the full cache's on the
@@ -219,10 +212,14 @@ def summary_table(rows: pd.DataFrame) -> pd.DataFrame:
         table.insert(0, "model", model)
         parts.append(table)
     table = pd.concat(parts, ignore_index=True)
-    axes = ["model", "task"] + (["query_mode"] if "query_mode" in table.columns else [])
-    full = table[table["policy"].map(_is_full)].groupby(axes)["score"].mean().rename("full_score")
-    table = table.join(full, on=axes)
-    table["vs full"] = (table["score"] - table.pop("full_score")).round(2)
+    modes = table["query_mode"] if "query_mode" in table.columns else [None] * len(table)
+    references = {
+        key: full_reference(rows[rows["model"] == key[0]], key[1], key[2])
+        for key in set(zip(table["model"], table["task"], modes))
+    }
+    full_scores = [references[key] for key in zip(table["model"], table["task"], modes)]
+    full_scores = [round(reference[0], 2) if reference else float("nan") for reference in full_scores]
+    table["vs full"] = (table["score"] - pd.Series(full_scores, index=table.index)).round(2)
     tasks = task_order(table["task"].unique())
     models = list(dict.fromkeys(table["model"]))
     order = sorted(
@@ -416,7 +413,7 @@ def sample_flags(members: list[dict]) -> dict[str, bool]:
     for group in groups.values():
         disagree |= len({_string_or_empty(r.get("pred")).strip() for r in group}) > 1
         scored = [r for r in group if _rounded(r.get("score"), 6) is not None]
-        full = [r["score"] for r in scored if _is_full(r["policy"])]
+        full = [r["score"] for r in scored if is_full(r["policy"])]
         if full:
             reference = sum(full) / len(full)
             lost |= any(r["score"] < reference - SCORE_TOLERANCE for r in scored)
@@ -493,15 +490,9 @@ def budget_axis(label: str) -> tuple[str, float]:
     return ("entries per head", value) if value >= 1 else ("fraction of the prompt", value)
 
 
-@functools.cache
-def _palette() -> tuple[str, ...]:
-    """The palette of the PNG figures (plots.py), so that a policy has one colour everywhere."""
-    return tuple(sns.color_palette("colorblind", 10).as_hex())
-
-
 def _policy_scale(policies):
     domain = sorted(dict.fromkeys(policies), key=policy_sort_key)
-    return alt.Scale(domain=domain, range=[_palette()[i % len(_palette())] for i in range(len(domain))])
+    return alt.Scale(domain=domain, range=[policy_colour(i) for i in range(len(domain))])
 
 
 def _figure(kind: str, title: str, caption: str, chart) -> dict[str, Any]:
@@ -521,9 +512,10 @@ def budget_panels(budgets, modes, several: bool) -> tuple[list[str], list[str]]:
     return [label[pair] for pair in pairs], [label[pair] for pair in ordered]
 
 
-def budget_curve_figures(summary: pd.DataFrame) -> list[dict]:
-    """Per model, score vs budget: a panel per task and budget kind, a line per policy, the full cache dashed;
-    whiskers for the interval when the summary has one (``ci_low``, ``ci_high``). Hover shows n and the interval."""
+def budget_curve_figures(summary: pd.DataFrame, rows: pd.DataFrame) -> list[dict]:
+    """Per model, score vs budget (``summary``'s cells): a panel per task and budget kind, a line per policy, the
+    full cache dashed (from the ``rows`` the summary was made of); whiskers for the interval when the summary has one
+    (``ci_low``, ``ci_high``). Hover shows n and the interval."""
     interval = {"ci_low", "ci_high"} <= set(summary.columns)
     summary = with_decode_in_policy(summary)
     figures = []
@@ -534,24 +526,19 @@ def budget_curve_figures(summary: pd.DataFrame) -> list[dict]:
         several = modes.nunique() > 1
         points, panels = [], {}
         for row, mode in zip(table.to_dict("records"), modes):
-            if _is_full(row["policy"]):
+            if is_full(row["policy"]):
                 continue
             kind, value = budget_axis(row["budget"])
             panel = f"{row['task']} · {kind}{_mode_suffix(mode, several)}"
             panels.setdefault(panel, (row["task"], mode))
             points.append({**_point(row, interval), "panel": panel, "x": value, "series": row["policy"]})
-        full = table[table["policy"].map(_is_full)].assign(mode=modes)
+        model_rows = rows[rows["model"] == model]
         for panel, (task, mode) in panels.items():
-            reference = full[(full["task"] == task) & (full["mode"] == mode)]
-            if not reference.empty:
+            reference = full_reference(model_rows, task, mode)
+            if reference is not None:
+                score, n = reference
                 points.append(
-                    {
-                        "panel": panel,
-                        "series": FULL_CACHE,
-                        "policy": FULL_CACHE,
-                        "score": round(float(reference["score"].mean()), 2),
-                        "n": int(reference["n"].max()),
-                    }
+                    {"panel": panel, "series": FULL_CACHE, "policy": FULL_CACHE, "score": round(score, 2), "n": n}
                 )
         if not panels:
             continue
@@ -691,14 +678,9 @@ def needle_heatmap_figures(rows: pd.DataFrame) -> list[dict]:
         return []
     grid = grid.assign(query_mode=_query_modes(grid))
     several = grid["query_mode"].nunique() > 1
-    colours = [to_hex(NEEDLE_CMAP(x)) for x in (0.0, 0.5, 1.0)]
     figures = []
     for (model, task), per_task in grid.groupby(["model", "task"], sort=False):
-        cells = (
-            per_task.groupby(["policy", "budget", "query_mode", "length", "depth"], sort=False)["score"]
-            .agg(score="mean", n="count")
-            .reset_index()
-        )
+        cells = needle_cells(per_task, ["policy", "budget", "query_mode"])
         cells["row"], row_order = budget_panels(cells["budget"], cells["query_mode"], several)
         cells["score"] = cells["score"].round(3)
         lengths, depths = sorted(cells["length"].unique()), sorted(cells["depth"].unique())
@@ -709,7 +691,9 @@ def needle_heatmap_figures(rows: pd.DataFrame) -> list[dict]:
             y=alt.Y("depth:O", sort=[json_value(v) for v in depths], title="depth %"),
         )
         rect = base.mark_rect().encode(
-            color=alt.Color("score:Q", scale=alt.Scale(domain=[0, 0.5, 1], range=colours), title="score (0–1)"),
+            color=alt.Color(
+                "score:Q", scale=alt.Scale(domain=[0, 0.5, 1], range=list(NEEDLE_COLOURS)), title="score (0–1)"
+            ),
             tooltip=["policy:N", "budget:N", "length:O", "depth:O", alt.Tooltip("score:Q", format=".2f"), "n:Q"],
         )
         text = (
@@ -752,7 +736,7 @@ def layer_budget_figures(rows: pd.DataFrame) -> list[dict]:
     if "kv_kept" not in rows.columns:
         return []
     recorded = rows["kv_kept"].map(lambda v: isinstance(v, list) and len(v) > 0)
-    kept = rows[recorded & ~rows["policy"].map(_is_full)]
+    kept = rows[recorded & ~rows["policy"].map(is_full)]
     kept = kept.assign(query_mode=_query_modes(kept))
     several = kept["query_mode"].nunique() > 1
     figures = []

@@ -25,6 +25,7 @@ from matplotlib.colors import LinearSegmentedColormap, Normalize
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from pkvbench.errors import PkvError
+from pkvbench.figure_data import NEEDLE_COLOURS, full_reference, is_full, needle_cells, needle_rows, policy_colour
 from pkvbench.io import atomic_write
 from pkvbench.outputs import Outputs
 from pkvbench.report import (
@@ -39,8 +40,7 @@ from pkvbench.report import (
 from pkvbench.schema import AGNOSTIC
 from pkvbench.stats import group_interval, mean_interval
 
-# Red → yellow → green, the colours of Kamradt's needle plots that the paper reuses.
-NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
+NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", NEEDLE_COLOURS)
 DPI = 100
 
 
@@ -97,18 +97,9 @@ def _under_rule(outputs: Outputs | None, option: str) -> Iterator[Outputs]:
 # --- needle heatmaps -------------------------------------------------------------------------------------------------
 
 
-def needle_rows(rows: pd.DataFrame) -> pd.DataFrame:
-    """Rows of tasks laid out on a length × depth grid (the needle task)."""
-    if not {"length", "depth"} <= set(rows.columns):
-        return rows.iloc[0:0]
-    grid = rows[rows["length"].notna() & rows["depth"].notna()]
-    # A task is a grid task only if all of its rows carry a depth (LongBench rows carry a length, never a depth).
-    tasks = [t for t, g in rows.groupby("task") if g["depth"].notna().all()]
-    return grid[grid["task"].isin(tasks)].copy()
-
-
-def _grid(cell: pd.DataFrame, stat: str = "mean") -> pd.DataFrame:
-    grid = cell.groupby(["depth", "length"])["score"].agg(stat).unstack("length")
+def _grid(cell: pd.DataFrame, stat: str = "score") -> pd.DataFrame:
+    """A depth × length table of ``cell``'s squares: their mean score, or (``n``) their sample counts."""
+    grid = needle_cells(cell, []).pivot(index="depth", columns="length", values=stat)
     grid = grid.sort_index().reindex(columns=sorted(grid.columns))
     grid.index = [f"{d:g}" for d in grid.index]
     grid.columns = [f"{int(c)}" for c in grid.columns]
@@ -118,7 +109,7 @@ def _grid(cell: pd.DataFrame, stat: str = "mean") -> pd.DataFrame:
 def _annotations(cell: pd.DataFrame) -> pd.DataFrame:
     """Each square's mean, and its sample count where the counts differ across the grid (so a square of 1 sample
     is not read as one of 5)."""
-    means, counts = _grid(cell), _grid(cell, "count")
+    means, counts = _grid(cell), _grid(cell, "n")
     text = means.map(lambda m: "" if pd.isna(m) else f"{m:.2f}")
     if counts.stack().nunique() > 1:
         text = text + counts.map(lambda n: "" if pd.isna(n) else f"\nn={int(n)}")
@@ -228,21 +219,6 @@ def curve_table(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(points, columns=[*axes, "task", "score", "ci_low", "ci_high"])
 
 
-def _full_reference(rows: pd.DataFrame, model: str, task: str) -> float | None:
-    """The full cache keeps everything at every budget: its score is the mean over its samples (each once)."""
-    full = rows[(rows["model"] == model) & (rows["policy"] == "full")]
-    if task != "avg":
-        full = full[full["task"] == task]
-        if full.empty:
-            return None
-        return full.drop_duplicates("sample_id")["score"].mean() * 100
-    tasks = rows[rows["model"] == model]["task"].unique()
-    means = [full[full["task"] == t].drop_duplicates("sample_id")["score"].mean() for t in tasks]
-    if not means or any(pd.isna(m) for m in means):
-        return None
-    return sum(means) / len(means) * 100
-
-
 def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path, outputs: Outputs | None = None) -> list[Path]:
     """Per model one figure: a row of panels per task (and one for the average over tasks), a column per budget
     kind (token budgets, fractions of the prompt), each on its own log axis; a line per policy; the full cache as
@@ -254,7 +230,6 @@ def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path, outputs: Outputs
 def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[Path]:
     points = curve_table(rows)
     paths = []
-    palette = sns.color_palette("colorblind", 10)
     for model, per_model in points.groupby("model", sort=False):
         name = model_display_name(model)
         tasks = task_order(t for t in per_model["task"].unique() if t != "avg")
@@ -267,8 +242,8 @@ def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[
             if any(pred(b) for b in budgets)
         ]
         # the full cache is the dashed reference line (in either query mode it decodes the same tokens)
-        policies = sorted((p for p in per_model["policy"].unique() if p.split(" ")[0] != "full"), key=policy_sort_key)
-        colours = {p: palette[i % len(palette)] for i, p in enumerate(policies)}
+        policies = sorted((p for p in per_model["policy"].unique() if not is_full(p)), key=policy_sort_key)
+        colours = {p: policy_colour(i) for i, p in enumerate(policies)}
         panels = [(task, kind) for task in tasks for kind in kinds]  # a task's kinds side by side
         n_cols = min(len(panels), 4)
         n_rows = math.ceil(len(panels) / n_cols)
@@ -277,7 +252,7 @@ def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[
             ax.set_visible(False)
         handles = {}
         for (task, kind), ax in zip(panels, axes.flat):
-            full_score = _full_reference(rows, model, task)
+            reference = full_reference(rows[rows["model"] == model], task)
             sub = per_model[per_model["task"] == task]
             sub = sub[[(float(b) >= 1) == (kind == "tokens") for b in sub["budget"]]]
             ticks = sorted({float(b) for b in sub["budget"]})
@@ -301,8 +276,8 @@ def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[
                     ]
                     ax.errorbar(line["x"], line["score"], yerr=spread, fmt="none", ecolor=colours[policy], capsize=3)
                 handles.setdefault(policy, handle)
-            if full_score is not None:
-                handle = ax.axhline(full_score, color="black", linestyle="--", linewidth=1.2, label="full cache")
+            if reference is not None:
+                handle = ax.axhline(reference[0], color="black", linestyle="--", linewidth=1.2, label="full cache")
                 handles.setdefault("full cache", handle)
             if ticks:
                 ax.set_xscale("log")
@@ -375,7 +350,6 @@ def plot_layer_budgets(entries: list[dict], path: str | Path, outputs: Outputs |
 def _layer_budgets_figure(entries: list[dict]):
     budgets = list(dict.fromkeys(e["budget"] for e in entries))
     fig, axes = plt.subplots(len(budgets), 1, figsize=(9, 3.4 * len(budgets)), squeeze=False)
-    palette = sns.color_palette("colorblind", 10)
     for ax, budget in zip(axes[:, 0], budgets):
         panel = [e for e in entries if e["budget"] == budget]
         shaped = [e for e in panel if len(set(e["per_layer"])) > 1]
@@ -387,7 +361,7 @@ def _layer_budgets_figure(entries: list[dict]):
                 xs,
                 e["per_layer"],
                 width=width,
-                color=palette[i % len(palette)],
+                color=policy_colour(i),
                 label=f"{e['policy']} (mean {e['mean']:g})",
             )
         names = ", ".join(e["policy"] for e in flat)
@@ -422,7 +396,7 @@ def plot_funnel(per_layer: pd.DataFrame, overlays: dict[str, dict], title: str, 
     shares = [name for name in STATISTICS if name != "keys_for_90"]  # the ones on a 0–1 scale
     tasks = list(dict.fromkeys(per_layer["task"]))
     fig, axes = plt.subplots(len(tasks), 1, figsize=(10, 4.2 * len(tasks)), squeeze=False)
-    palette = dict(zip(shares, sns.color_palette("colorblind", len(shares))))
+    palette = {name: policy_colour(i) for i, name in enumerate(shares)}
     for ax, task in zip(axes[:, 0], tasks):
         overlay = overlays[task]
         budget_ax = ax.twinx()

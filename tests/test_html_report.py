@@ -190,13 +190,14 @@ def test_figures_curves_heatmap_and_layer_budgets(run_folder):
 
 
 def test_intervals_in_the_summary_are_drawn_and_hovered(run_folder):
-    summary = summary_table(load_runs([run_folder]).rows)
+    rows = load_runs([run_folder]).rows
+    summary = summary_table(rows)
     summary["ci_low"], summary["ci_high"] = summary["score"] - 5, summary["score"] + 5
-    (figure,) = budget_curve_figures(summary)
+    (figure,) = budget_curve_figures(summary, rows)
     spec = json.dumps(figure["spec"])
     assert '"y2": {"field": "ci_high"' in spec
     assert '"field": "ci_low"' in spec and "interval" in figure["caption"]
-    no_interval = budget_curve_figures(summary.drop(columns=["ci_low", "ci_high"]))
+    no_interval = budget_curve_figures(summary.drop(columns=["ci_low", "ci_high"]), rows)
     assert "ci_high" not in json.dumps(no_interval[0]["spec"])
 
 

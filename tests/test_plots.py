@@ -59,14 +59,16 @@ def test_curves_one_figure_per_model(rendered):
 
 
 def test_curve_points_and_full_reference():
-    from pkvbench.plots import _full_reference, curve_table
+    from pkvbench.figure_data import full_reference
+    from pkvbench.plots import curve_table
 
     rows = load_runs([RUNS / "longbench_llama"]).rows
     points = curve_table(rows)
     avg = points[points["task"] == "avg"].set_index("policy")["score"]
     assert avg["snapkv"] == pytest.approx(46.67, abs=0.005)
     assert "pyramidkv" not in avg.index  # an average needs every task
-    assert _full_reference(rows, "meta-llama/Meta-Llama-3-8B-Instruct", "trec") == pytest.approx(50.0)
+    llama = rows[rows["model"] == "meta-llama/Meta-Llama-3-8B-Instruct"]
+    assert full_reference(llama, "trec")[0] == pytest.approx(50.0)
 
 
 def test_layer_budget_chart(tmp_path):

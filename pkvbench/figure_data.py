@@ -1,0 +1,82 @@
+"""The numbers behind the figures, computed once for both renderers: ``plots.py`` draws them as PNG files
+(matplotlib), ``html_report.py`` as Vega-Lite specs (altair). The colours live here too, so that a policy has one
+colour, and a needle score one shade, in every figure, and the HTML page needs no plotting library to know them.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from pkvbench.results import bits_sort_key
+from pkvbench.schema import DEFAULT_QUERY_MODE
+
+# seaborn's "colorblind" palette, written out: a policy's colour is the same on a PNG and on the HTML page.
+POLICY_COLOURS = (
+    "#0173b2",
+    "#de8f05",
+    "#029e73",
+    "#d55e00",
+    "#cc78bc",
+    "#ca9161",
+    "#fbafe4",
+    "#949494",
+    "#ece133",
+    "#56b4e9",
+)
+# Red → yellow → green at scores 0, 0.5 and 1: the colours of Kamradt's needle plots that the paper reuses.
+NEEDLE_COLOURS = ("#F0496E", "#EBB839", "#0CD79F")
+FULL = "full"
+
+
+def policy_colour(index: int) -> str:
+    return POLICY_COLOURS[index % len(POLICY_COLOURS)]
+
+
+def is_full(policy: str) -> bool:
+    """The full cache under any label the figures give it (``full``, ``full · 16 bits``, ``full (agnostic)``)."""
+    return str(policy).split(":")[0].split(" ")[0] == FULL
+
+
+# --- needle grids ----------------------------------------------------------------------------------------------------
+
+
+def needle_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows of tasks laid out on a length × depth grid (the needle task)."""
+    if not {"length", "depth"} <= set(rows.columns):
+        return rows.iloc[0:0]
+    grid = rows[rows["length"].notna() & rows["depth"].notna()]
+    # A task is a grid task only if all of its rows carry a depth (LongBench rows carry a length, never a depth).
+    tasks = [t for t, g in rows.groupby("task") if g["depth"].notna().all()]
+    return grid[grid["task"].isin(tasks)].copy()
+
+
+def needle_cells(rows: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """One square per ``by`` × depth × length of a needle grid: its mean ``score`` (0–1) and sample count ``n``."""
+    return rows.groupby([*by, "depth", "length"], sort=False)["score"].agg(score="mean", n="count").reset_index()
+
+
+# --- the full cache's reference line ---------------------------------------------------------------------------------
+
+
+def full_reference(rows: pd.DataFrame, task: str, query_mode: str | None = None) -> tuple[float, int] | None:
+    """The full cache's score × 100 and its sample count on ``task`` among one model's ``rows`` (``avg``: the mean
+    over the tasks the rows have, each of which must have the full cache), in ``query_mode`` only if given.
+
+    The full cache keeps every entry whatever the budget, so a sample run at several budgets counts once. Where the
+    caches were stored at several widths (``kv_bits``), the reference is the widest: a full cache at 2 bits is
+    KIVI, a compressed point of its own."""
+    full = rows[rows["policy"].map(is_full)]
+    if "query_mode" in full.columns:
+        if query_mode is None and full["query_mode"].nunique() > 1:
+            query_mode = DEFAULT_QUERY_MODE
+        if query_mode is not None:
+            full = full[full["query_mode"] == query_mode]
+    if "kv_bits" in full.columns and full["kv_bits"].nunique() > 1:
+        widest = min(full["kv_bits"].unique(), key=lambda bits: bits_sort_key(str(bits)))
+        full = full[full["kv_bits"] == widest]
+    tasks = list(rows["task"].unique()) if task == "avg" else [task]
+    per_task = [full[full["task"] == t].drop_duplicates("sample_id")["score"] for t in tasks]
+    if not per_task or any(scores.empty for scores in per_task):
+        return None
+    score = sum(scores.mean() for scores in per_task) / len(per_task) * 100
+    return float(score), max(len(scores) for scores in per_task)
