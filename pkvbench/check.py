@@ -16,9 +16,12 @@ Improvements and new cells are reported, never failed.
 
 Accuracy on a few samples cannot see a bug that changes *which* entries a policy keeps without moving its score
 much, so the per-sample file also records each row's prediction and selection fingerprint
-(``pkvbench/fingerprints.py``): a cell also fails when any layer's kept counts differ from the baseline's, or when
-the share of kept entries in common falls below ``min_overlap`` (set from what a change of thread count, decode
-batch and sample order does, docs/ci-gate.md). A baseline is validated whole before it is trusted.
+(``pkvbench/fingerprints.py``): a cell also fails when any layer keeps another number of entries than the
+baseline's (its budget arithmetic changed), or when the share of kept entries in common falls below ``min_overlap``
+(set from what a change of thread count, decode batch, sample order and CPU family does, docs/ci-gate.md). Where a
+head-wise policy (AdaKV) splits a layer's entries among its heads by one top-k over all of them, a near-tie can move
+an entry from one head to another on another CPU; the layer's total stands, and the move is judged by the overlap
+like any other changed entry. A baseline is validated whole before it is trusted.
 """
 
 from __future__ import annotations
@@ -289,9 +292,10 @@ class CheckResult:
         if self.selection == "absent":
             return "kept sets not compared (the baseline has no selection fingerprints)"
         states = self.cells["selection"].value_counts().to_dict()
-        parts = [f"{states[s]} {s.lower()}" for s in ("identical", "changed", "CHANGED") if s in states]
+        words = {"identical": "identical", "changed": "changed within the rule", "CHANGED": "CHANGED (failing)"}
+        parts = [f"{states[s]} {word}" for s, word in words.items() if s in states]
         changed = self.cells[self.cells["selection"].isin(["changed", "CHANGED"])]
-        lowest = f", lowest overlap {changed['overlap'].min():.3f}" if len(changed) else ""
+        lowest = f", lowest overlap {changed['overlap'].min():.4f}" if len(changed) else ""
         return f"kept sets: {', '.join(parts)}{lowest} (fails below {self.rule.min_overlap:g})"
 
 
@@ -321,10 +325,11 @@ def _paired_tests(baseline_samples: pd.DataFrame, run: pd.DataFrame) -> pd.DataF
 
 def compare_selection(baseline_samples: pd.DataFrame, run: pd.DataFrame, rule: SelectionRule) -> pd.DataFrame:
     """Per cell, the run's kept sets against the baseline's, sample by sample: ``layers`` of the model,
-    ``layers_changed`` (a layer any sample kept other entries in), ``counts_changed`` (layers where a head kept
-    another number), ``counts_example`` (the first such layer's counts, before → after), ``overlap`` (entries in
-    common over the larger kept set, summed over samples and layers) and ``selection``: identical, changed (within
-    the rule) or CHANGED (fails)."""
+    ``layers_changed`` (a layer any sample kept other entries in), ``counts_changed`` (layers that kept another
+    number of entries over their heads), ``split_moved`` (layers that kept as many, split otherwise among their
+    heads), ``counts_example`` (the first such layer's counts, before → after; a changed total first), ``overlap``
+    (entries in common over the larger kept set, summed over samples and layers) and ``selection``: identical,
+    changed (within the rule) or CHANGED (fails)."""
     both = baseline_samples.merge(run, on=[*CELL, "sample_id"], suffixes=("_baseline", "_run"))
     lacking = both["kept_fingerprint_run"].isna()
     if lacking.any():
@@ -338,21 +343,21 @@ def compare_selection(baseline_samples: pd.DataFrame, run: pd.DataFrame, rule: S
         layers = 0
         changed: set[int] = set()
         counts_changed: set[int] = set()
-        example, common, larger = "", 0.0, 0.0
+        split_moved: set[int] = set()
+        examples: dict[str, str] = {}  # "total" and "split": the first layer of each kind, before → after
+        common, larger = 0.0, 0.0
         for before, after in zip(group["kept_fingerprint_baseline"], group["kept_fingerprint_run"]):
             a, b = Fingerprint.parse(before), _parse_run(after, key)
             result = compare(a, b)
             layers = max(layers, len(result.changed))
             changed.update(np.flatnonzero(result.changed).tolist())
-            differ = np.flatnonzero(result.counts_differ).tolist()
-            if differ and not example:
-                layer = differ[0]
-                example = (
-                    f"layer {layer}: {_heads(a.counts, layer)} → {_heads(b.counts, layer)}"
-                    if len(a.counts) == len(b.counts)
-                    else f"{len(a.counts)} → {len(b.counts)} layers"
-                )
-            counts_changed.update(differ)
+            totals = np.flatnonzero(result.totals_differ).tolist()
+            split = np.flatnonzero(result.counts_differ & ~result.totals_differ).tolist()
+            for kind, differ in (("total", totals), ("split", split)):
+                if differ and kind not in examples:
+                    examples[kind] = _counts_change(a, b, differ[0])
+            counts_changed.update(totals)
+            split_moved.update(split)
             common += float(result.common.sum())
             larger += float(result.larger.sum())
         overlap = common / larger if larger else 1.0
@@ -360,9 +365,18 @@ def compare_selection(baseline_samples: pd.DataFrame, run: pd.DataFrame, rule: S
             state = "CHANGED"
         else:
             state = "changed" if changed else "identical"
-        cells.append([*key, layers, len(changed), len(counts_changed), example, round(overlap, 4), state])
-    columns = [*CELL, "layers", "layers_changed", "counts_changed", "counts_example", "overlap", "selection"]
-    return pd.DataFrame(cells, columns=columns)
+        example = examples.get("total", examples.get("split", ""))
+        cells.append(
+            [*key, layers, len(changed), len(counts_changed), len(split_moved), example, round(overlap, 4), state]
+        )
+    columns = [*CELL, "layers", "layers_changed", "counts_changed", "split_moved", "counts_example", "overlap"]
+    return pd.DataFrame(cells, columns=[*columns, "selection"])
+
+
+def _counts_change(before: Fingerprint, after: Fingerprint, layer: int) -> str:
+    if len(before.counts) != len(after.counts):
+        return f"{len(before.counts)} → {len(after.counts)} layers"
+    return f"layer {layer}: {_heads(before.counts, layer)} → {_heads(after.counts, layer)}"
 
 
 def _heads(counts: list[tuple[int, ...]], layer: int) -> str:
@@ -525,6 +539,11 @@ def selection_line(row: dict) -> str:
     text = f"{cell}: kept sets changed in {int(row['layers_changed'])} of {layers} layers, overlap {row['overlap']:.3f}"
     if row["counts_changed"]:
         text += f"; kept counts differ in {int(row['counts_changed'])} of {layers} layers ({row['counts_example']})"
+    elif row.get("split_moved"):
+        text += (
+            f"; the heads' split of a layer's entries moved in {int(row['split_moved'])} of {layers} layers "
+            f"({row['counts_example']})"
+        )
     return text
 
 

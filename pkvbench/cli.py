@@ -751,8 +751,9 @@ def check(baseline, results, tolerance, per_cell, selection, min_overlap, exact,
 
     Every cell of the baseline must be in the run with the same sample count. A cell fails when its score fell by
     more than the tolerance and below the baseline's 95% interval, or when a paired test on the same samples (per
-    cell, and per policy over all its cells; Holm-adjusted) says it fell; or when a layer's kept counts differ from
-    the baseline's, or the kept entries in common fall below --min-overlap. Improvements and new cells pass.
+    cell, and per policy over all its cells; Holm-adjusted) says it fell; or when a layer keeps another number of
+    entries than in the baseline, or the kept entries in common fall below --min-overlap. Improvements and new
+    cells pass.
     """
     from pkvbench.check import SelectionRule, check_run, format_failures, prediction_lines, samples_path, write_baseline
 

@@ -131,6 +131,7 @@ class Comparison:
     """One row's kept sets against another's, per layer."""
 
     counts_differ: np.ndarray  # [layers] bool: a head keeps another number of entries (or the heads differ)
+    totals_differ: np.ndarray  # [layers] bool: the layer keeps another number of entries over its heads
     changed: np.ndarray  # [layers] bool: the kept positions are not the same
     common: np.ndarray  # [layers] entries in common (exact where unchanged, estimated from the sketch elsewhere)
     larger: np.ndarray  # [layers] the larger of the two kept sets' sizes
@@ -147,11 +148,12 @@ def compare(baseline: Fingerprint, run: Fingerprint) -> Comparison:
     if len(baseline.counts) != len(run.counts):  # another model: nothing in common that could be said
         layers = max(len(baseline.counts), len(run.counts))
         larger = np.ones(layers)
-        return Comparison(np.ones(layers, bool), np.ones(layers, bool), np.zeros(layers), larger)
+        return Comparison(np.ones(layers, bool), np.ones(layers, bool), np.ones(layers, bool), np.zeros(layers), larger)
     counts_differ = np.array([a != b for a, b in zip(baseline.counts, run.counts)])
-    changed = (baseline.hashes != run.hashes).any(axis=1) | counts_differ
     size_a, size_b = baseline.sizes, run.sizes
+    totals_differ = np.array([len(a) != len(b) for a, b in zip(baseline.counts, run.counts)]) | (size_a != size_b)
+    changed = (baseline.hashes != run.hashes).any(axis=1) | counts_differ
     similarity = jaccard(baseline.sketch, run.sketch)
     estimated = similarity * (size_a + size_b) / (1 + similarity)  # |A ∩ B| from J = |A ∩ B| / |A ∪ B|
     common = np.where(changed, np.minimum(estimated, np.minimum(size_a, size_b)), size_a)
-    return Comparison(counts_differ, changed, common, np.maximum(size_a, size_b))
+    return Comparison(counts_differ, totals_differ, changed, common, np.maximum(size_a, size_b))

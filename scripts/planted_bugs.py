@@ -55,7 +55,7 @@ def caught_by(result: CheckResult) -> dict:
         "paired": f"{int(paired[cells.index].sum())} cells, {int(paired[pooled.index].sum())} pooled",
         "selection": f"{by['selection']} cells",
         "kept sets changed": f"{len(changed)} of {len(cells)}" if result.selection == "on" else "not compared",
-        "lowest overlap": f"{changed['overlap'].min():.3f}"
+        "lowest overlap": f"{changed['overlap'].min():.4f}"
         if len(changed)
         else "1 (identical)"
         if result.selection == "on"

@@ -69,7 +69,15 @@ def test_changed_counts_are_flagged():
     layers = [[np.arange(64)] * 3] * 4
     fewer = [[np.arange(64)] * 3] * 3 + [[np.arange(64), np.arange(63), np.arange(64)]]
     result = compare(Fingerprint.parse(fingerprint(layers)), Fingerprint.parse(fingerprint(fewer)))
-    assert np.flatnonzero(result.counts_differ).tolist() == [3]
+    assert np.flatnonzero(result.counts_differ).tolist() == [3] and np.flatnonzero(result.totals_differ).tolist() == [3]
+
+
+def test_an_entry_moved_between_heads_changes_the_split_not_the_total():
+    layers = [[np.arange(64)] * 3] * 4
+    moved = [[np.arange(64)] * 3] * 3 + [[np.arange(63), np.arange(65), np.arange(64)]]
+    result = compare(Fingerprint.parse(fingerprint(layers)), Fingerprint.parse(fingerprint(moved)))
+    assert np.flatnonzero(result.counts_differ).tolist() == [3] and not result.totals_differ.any()
+    assert np.flatnonzero(result.changed).tolist() == [3]
 
 
 @pytest.mark.parametrize(
