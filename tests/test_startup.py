@@ -11,7 +11,6 @@ import pytest
 
 from pkvbench.engine.models import DEFAULT_MODEL, model_path
 
-pytestmark = pytest.mark.model
 PROBE = Path(__file__).parents[1] / "scripts" / "startup_probe.py"
 # Report, plotting and distribution libraries (a run writes rows and a summary, nothing else), and gguf: once the
 # float copy exists, the model's context window comes from its config.json, not from parsing the GGUF file.
@@ -29,6 +28,7 @@ PHASES = [
 ]
 
 
+@pytest.mark.model
 def test_a_run_reaches_its_first_prefill_without_report_plot_or_gguf_libraries(tmp_path):
     model_path(DEFAULT_MODEL)  # the float copy exists (the first run ever makes it, from the GGUF file)
     report = tmp_path / "startup.json"
@@ -45,3 +45,19 @@ def test_a_run_reaches_its_first_prefill_without_report_plot_or_gguf_libraries(t
     assert phases["model: weights"] > 0 and phases["task build"] > 0
     assert sum(phases.values()) == pytest.approx(startup["total_s"], abs=0.05)  # the phases cover the whole start-up
     assert not (tmp_path / "run" / "samples.jsonl").exists() or not (tmp_path / "run" / "samples.jsonl").read_text()
+
+
+def test_deterministic_kernels_are_asked_for_without_importing_the_compiler():
+    # torch.use_deterministic_algorithms imports torch._inductor to set its flag: 0.8 s of every run that never
+    # compiles. make_deterministic sets the same switches without it.
+    script = (
+        "import os, sys, torch\n"
+        "from pkvbench.provenance import make_deterministic\n"
+        "make_deterministic(0)\n"
+        "assert torch.are_deterministic_algorithms_enabled()\n"
+        "assert torch.is_deterministic_algorithms_warn_only_enabled()\n"
+        "assert 'torch._inductor' not in sys.modules, 'the compiler was imported'\n"
+        "import torch._inductor.config as inductor\n"
+        "assert inductor.deterministic, 'a compiler imported later is not deterministic'\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)
