@@ -116,31 +116,25 @@ def grid_speed(engine: Engine, length: int) -> list[dict]:
     ]
 
 
-def kvzip_floor(engine: Engine, prompt: list[int], chunk: int) -> tuple[float, float]:
-    """The least KVzip's prefill + repeat passes can cost over a plain prefill, counting FLOPs at equal throughput:
-    ``(floor, floor with the scores' own q·k product)``. The passes' tokens run the same projections and MLP as
-    the prompt's and attend over the whole prompt as well as causally over themselves; the scores need each query's
-    q·k against its chunk's keys once more. A ratio above this floor is time lost to kernels, not to arithmetic."""
-    config = engine.model.config
-    hidden, dim = config.hidden_size, config.hidden_size // config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or dim
+def kvzip_floor(config, length: int, passes: list[tuple[int, int]]) -> tuple[float, float]:
+    """The least KVzip's prefill + repeat passes can cost over a plain prefill of ``length`` tokens, counting FLOPs at
+    equal throughput, for a model of ``config`` (a transformers config): ``(floor, floor with the scores' own q·k
+    product)``. ``passes``: (the pass's tokens, the chunk entries it scores) per repeat pass. A pass's tokens run the
+    same projections and MLP as the prompt's and attend over the whole prompt as well as causally over themselves;
+    the scores need each query's q·k against its chunk's keys once more. Above this floor is time lost to kernels."""
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     query_heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    per_layer = 2 * hidden * dim * (2 * query_heads + 2 * kv_heads) + 2 * 3 * hidden * config.intermediate_size
-    per_token = config.num_hidden_layers * per_layer
+    projections = 2 * config.hidden_size * dim * (2 * query_heads + 2 * kv_heads)
+    per_token = config.num_hidden_layers * (projections + 2 * 3 * config.hidden_size * config.intermediate_size)
     per_pair = 2 * 2 * query_heads * dim * config.num_hidden_layers  # q·k and the weighted sum of values
-    forward_extra = 2 * hidden * config.vocab_size  # logits of the last position only
+    last_logits = 2 * config.hidden_size * config.vocab_size  # every forward computes the last position's only
 
-    def causal(n: int) -> int:
-        return n * (n + 1) // 2
+    def forward(tokens: int, cached: int) -> int:
+        return tokens * per_token + (tokens * cached + tokens * (tokens + 1) // 2) * per_pair + last_logits
 
-    length = len(prompt)
-    prefill = length * per_token + causal(length) * per_pair + forward_extra
-    passes = score_pairs = 0
-    for start, end, ids in repeat_inputs(engine.tokenizer, prompt, chunk)[1]:
-        passes += len(ids) * per_token + (len(ids) * length + causal(len(ids))) * per_pair + forward_extra
-        score_pairs += len(ids) * (end - start)
-    floor = (prefill + passes) / prefill
-    return floor, floor + score_pairs * per_pair / 2 / prefill
+    prefill = forward(length, 0)
+    floor = (prefill + sum(forward(tokens, length) for tokens, _ in passes)) / prefill
+    return floor, floor + sum(tokens * scored for tokens, scored in passes) * per_pair / 2 / prefill
 
 
 def statistics_overhead(engine: Engine, length: int, repeats: int = 2) -> list[dict]:
@@ -158,7 +152,9 @@ def statistics_overhead(engine: Engine, length: int, repeats: int = 2) -> list[d
         what = "repeat passes" if spec == "kvzip" else "statistics"
         note = f"overhead {100 * (best / plain - 1):.0f}%"
         if spec == "kvzip":
-            floor, with_scores = kvzip_floor(engine, sample.input_ids, policy.chunk)
+            _, inputs = repeat_inputs(engine.tokenizer, sample.input_ids, policy.chunk)
+            passes = [(len(tokens), end - start) for start, end, tokens in inputs]
+            floor, with_scores = kvzip_floor(engine.model.config, len(sample.input_ids), passes)
             note += f"; arithmetic floor {floor:.2f}x, {with_scores:.2f}x with the scores' q.k product"
         rows.append(
             row(
