@@ -17,7 +17,7 @@ standard library is imported here.
     task build         ``samples_of``: the tokenizer loaded, every sample tokenized (before the model, so bad input
                        stops the run before the slow load)
     model: config      ``AutoConfig`` inside ``load_model`` (with the import of the model's configuration code)
-    model: tokenizer   ``AutoTokenizer`` inside ``load_model``
+    model: tokenizer   ``AutoTokenizer`` inside ``load_model`` (0 when the samples' tokenizer is reused)
     model: weights     ``AutoModelForCausalLM`` (with the import of the model's code; the weights are memory-mapped)
     model: other       the rest of ``load_model`` (finding the float copy, moving, installing the recorder)
     to first prefill   → the first ``Engine.prefill`` (run.json, the engine, the grid's plan, the progress bar)
