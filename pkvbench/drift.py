@@ -13,12 +13,9 @@ import math
 
 import pandas as pd
 
+from pkvbench.figure_data import is_full
 from pkvbench.report import interval_columns, row_axes, sort_rows
 from pkvbench.stats import mean_interval
-
-
-def _is_full(policy: str) -> bool:
-    return policy.split(":")[0] == "full"
 
 
 def length_table(rows: pd.DataFrame) -> pd.DataFrame | None:
@@ -30,7 +27,7 @@ def length_table(rows: pd.DataFrame) -> pd.DataFrame | None:
         return None
     key = [*row_axes(rows), "task"]
     same = ["model", "task", "sample_id", "query_mode"]
-    full = rows[[_is_full(p) for p in rows["policy"]]].drop_duplicates(same).set_index(same)["new_tokens"]
+    full = rows[rows["policy"].map(is_full)].drop_duplicates(same).set_index(same)["new_tokens"]
     rows["length_ratio"] = [
         tokens / full.get(tuple(r), math.nan) if full.get(tuple(r), 0) else math.nan
         for tokens, r in zip(rows["new_tokens"], rows[same].itertuples(index=False))

@@ -20,6 +20,7 @@ import pandas as pd
 
 from pkvbench.budgets import budget_label
 from pkvbench.errors import PkvError
+from pkvbench.figure_data import is_full
 from pkvbench.lock import FolderLock
 from pkvbench.policies.registry import policy_order
 from pkvbench.results import (
@@ -192,8 +193,7 @@ def with_decode_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
     if "decode_budget" not in frame.columns:
         return frame
     labels = [
-        p if d == "none" or p.split(":")[0] == "full" else f"{p} (decode {d})"
-        for p, d in zip(frame["policy"], frame["decode_budget"])
+        p if d == "none" or is_full(p) else f"{p} (decode {d})" for p, d in zip(frame["policy"], frame["decode_budget"])
     ]
     return frame.assign(policy=labels)
 
