@@ -428,6 +428,8 @@ def browser():
 
 
 def test_the_page_renders_in_chromium_offline_and_shows_a_samples_predictions(browser, run_folder, tmp_path):
+    from playwright.sync_api import expect  # installed: the browser fixture skips otherwise
+
     page_file = write_html_report([run_folder], tmp_path / "report.html").path
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     problems, requests = [], []
@@ -461,9 +463,10 @@ def test_the_page_renders_in_chromium_offline_and_shows_a_samples_predictions(br
     # The per-sample view: filter, click through, read the predictions.
     page.click("#tabs a[data-tab=samples]")
     page.select_option("#sample-filter", "lost")
-    assert page.inner_text("#sample-count") == "2 of 4 samples"
+    expect(page.locator("#sample-count")).to_have_text("2 of 4 samples")
+    # A click sets the address's hash; the page draws the sample on the hashchange event that follows, so wait for it.
     page.click("#sample-list li[data-sample=len1000_depth50] button")
-    assert page.inner_text("#sample-title").startswith("needle · len1000_depth50")
+    expect(page.locator("#sample-title")).to_have_text(re.compile(r"^needle · len1000_depth50"))
     assert page.url.endswith("#samples/needle/len1000_depth50")  # a link to this sample
     wrong = page.locator("table.predictions tr[data-policy=pyramidkv][data-budget='64']")
     assert wrong.locator("td.pred").inner_text() == WRONG
@@ -476,12 +479,13 @@ def test_the_page_renders_in_chromium_offline_and_shows_a_samples_predictions(br
 
     # A prediction that is HTML is shown as text; a link opens its sample directly.
     page.goto(page_file.as_uri() + "#samples/needle/len2000_depth50")
+    expect(page.locator("#sample-title")).to_have_text(re.compile(r"^needle · len2000_depth50"))
     injected = page.locator("table.predictions tr[data-policy=streamingllm][data-budget='64'] td.pred")
     assert injected.inner_text() == INJECTED
     assert page.locator("#injected").count() == 0
 
     page.click("#tabs a[data-tab=run]")
-    assert "0123456789abcdef" in page.inner_text("#run")
+    expect(page.locator("#run")).to_contain_text("0123456789abcdef")
     screenshot = tmp_path / "report.png"
     page.screenshot(path=str(screenshot), full_page=True)
     assert screenshot.stat().st_size > 10_000
