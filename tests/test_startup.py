@@ -48,8 +48,8 @@ def test_a_run_reaches_its_first_prefill_without_report_plot_or_gguf_libraries(t
 
 
 def test_deterministic_kernels_are_asked_for_without_importing_the_compiler():
-    # torch.use_deterministic_algorithms imports torch._inductor to set its flag: 0.8 s of every run that never
-    # compiles. make_deterministic sets the same switches without it.
+    # torch.use_deterministic_algorithms imports torch._inductor to set its flag: about a second of every run that
+    # never compiles. make_deterministic sets the same switches without it.
     script = (
         "import os, sys, torch\n"
         "from pkvbench.provenance import make_deterministic\n"
