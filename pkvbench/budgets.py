@@ -254,11 +254,21 @@ class LayerPlan:
         return sum(self.per_layer) / len(self.per_layer)
 
 
-def plan(policy, budget: Budget, context_len: int, num_layers: int) -> LayerPlan:
-    """Per-layer budgets for ``policy`` at ``budget`` on a prompt of ``context_len`` tokens."""
+def layer_budgets(policy, k: int, context_len: int, num_layers: int, whole: Sequence[bool] = ()) -> list[int]:
+    """``policy``'s per-layer budgets at k. A layer kept ``whole`` (a mixed model's local sliding layers,
+    ``engine/architecture.py``) keeps all ``context_len`` entries; the policy splits k over the others."""
+    if not any(whole):
+        return policy.layer_budgets(k, context_len, num_layers)
+    compressed = iter(policy.layer_budgets(k, context_len, num_layers - sum(whole)) if not all(whole) else ())
+    return [context_len if kept_whole else next(compressed) for kept_whole in whole]
+
+
+def plan(policy, budget: Budget, context_len: int, num_layers: int, whole: Sequence[bool] = ()) -> LayerPlan:
+    """Per-layer budgets for ``policy`` at ``budget`` on a prompt of ``context_len`` tokens (``whole``: the layers
+    kept whole, see ``layer_budgets``)."""
     requested = budget.entries(context_len)
     effective = min(max(requested, policy.min_budget), context_len)
-    per_layer = policy.layer_budgets(effective, context_len, num_layers)
+    per_layer = layer_budgets(policy, effective, context_len, num_layers, whole)
     return LayerPlan(requested=requested, effective=effective, per_layer=per_layer, context_len=context_len)
 
 
@@ -278,6 +288,10 @@ class CacheGeometry:
     layers: int
     kv_heads: int
     head_dim: int
+    whole: tuple[bool, ...] = ()  # per layer: kept whole, never compressed (``layer_budgets``)
+
+    def layer_budgets(self, policy, k: int, context_len: int) -> list[int]:
+        return layer_budgets(policy, k, context_len, self.layers, self.whole)
 
     def full_bytes(self, context_len: int) -> int:
         """The full cache of ``context_len`` tokens at 16 bits per value: what memory fractions are of."""
@@ -375,7 +389,7 @@ class MemoryTooSmall(PkvError):
 def floor_bytes(policy, context_len: int, geometry: CacheGeometry, fmt: KVFormat, heads: int | None = None) -> int:
     """The bytes of the smallest cache ``policy`` keeps (its floor: window, sinks) in ``fmt``."""
     floor = min(max(policy.min_budget, 1), context_len)
-    per_layer = policy.layer_budgets(floor, context_len, geometry.layers)
+    per_layer = geometry.layer_budgets(policy, floor, context_len)
     return planned_bytes(fmt, per_layer, heads or geometry.kv_heads, geometry.head_dim)
 
 
@@ -391,13 +405,13 @@ def memory_plan(
     target = budget.target_bytes(full)
 
     def cost(k: int) -> int:
-        return planned_bytes(fmt, policy.layer_budgets(k, context_len, geometry.layers), heads, geometry.head_dim)
+        return planned_bytes(fmt, geometry.layer_budgets(policy, k, context_len), heads, geometry.head_dim)
 
     k = largest(min(max(policy.min_budget, 1), context_len), context_len, lambda k: cost(k) <= target)
     if k is None:
         needed = floor_bytes(policy, context_len, geometry, fmt, heads)
         raise MemoryTooSmall(budget, needed, full, f"{policy.label} at {fmt} bits on {context_len} tokens")
-    per_layer = policy.layer_budgets(k, context_len, geometry.layers)
+    per_layer = geometry.layer_budgets(policy, k, context_len)
     return LayerPlan(requested=k, effective=k, per_layer=per_layer, context_len=context_len, target_bytes=target)
 
 
