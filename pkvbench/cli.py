@@ -233,17 +233,17 @@ def _default_policies() -> str:
 )
 @click.option(
     "--kv-group",
-    type=int,
-    default=32,
-    show_default=True,
-    help="KIVI's group size G: tokens per key group, channels per value group (must divide the head size).",
+    type=Number(int),
+    show_default="32",
+    help="With --kv-bits 8, 4 or 2: KIVI's group size G, tokens per key group, channels per value group (must divide "
+    "the head size).",
 )
 @click.option(
     "--kv-residual",
-    type=int,
-    default=128,
-    show_default=True,
-    help="KIVI's residual R: each head's last R kept entries stay in 16 bits, as do the answer's.",
+    type=Number(int),
+    show_default="128",
+    help="With --kv-bits 8, 4 or 2: KIVI's residual R, each head's last R kept entries stay in 16 bits, as do the "
+    "answer's.",
 )
 @click.option(
     "--policy-arg",
@@ -294,15 +294,13 @@ def _default_policies() -> str:
 @click.option(
     "--decode-interval",
     type=Number(int),
-    default=16,
-    show_default=True,
+    show_default="16",
     help="With --decode-budget: cut every this many new tokens.",
 )
 @click.option(
     "--decode-buffer",
     type=Number(int),
-    default=8,
-    show_default=True,
+    show_default="8",
     help="With --decode-budget: the newest entries a cut always keeps.",
 )
 @click.option("--out", type=PathType(file_okay=False), help="Result folder (default: results/runs/<model>/<tasks>).")
@@ -897,12 +895,17 @@ def _quiet_libraries() -> None:
         pass
 
 
+MESSAGE_LIMIT = 2000  # characters of an error line: a message that echoes a value is cut, never megabytes
+
+
 def main(argv: list[str] | None = None) -> None:
     _quiet_libraries()
     try:
         code = cli.main(args=argv, prog_name="pkvbench", standalone_mode=False)
     except PkvError as exc:
-        click.echo(f"pkvbench: error: {exc}", err=True)
+        from pkvbench.config import excerpt
+
+        click.echo(f"pkvbench: error: {excerpt(str(exc), MESSAGE_LIMIT)}", err=True)  # one line, whatever it echoes
         sys.exit(2)
     except click.exceptions.NoArgsIsHelpError as exc:
         click.echo(exc.ctx.get_help())

@@ -5,8 +5,10 @@ partial last line (a kill mid-write) is cut off when the folder is opened again.
 skips the rows already there.
 
 A store touches nothing it did not write. ``claim`` checks the folder before anything slow and locks it for one
-writer (``pkvbench.lock``); the folder changes only at ``record``, once the run's model has loaded: a folder being
-replaced (``--overwrite``) loses its previous pkvbench files then, never a file of anyone else's. ``run.json`` and
+writer (``pkvbench.lock``); the folder changes only when the run's first row is written (or the run ends with
+nothing left to compute): a folder being replaced (``--overwrite``) loses its previous pkvbench files then, never a
+file of anyone else's, and a run refused or failed before its first row leaves the folder as it was (a folder it
+made is removed again). ``run.json`` and
 ``summary.csv`` are replaced atomically (``io.atomic_write``).
 """
 
@@ -217,8 +219,9 @@ class ResultStore:
     """A result folder: a JSON record of the run (its options first), an append-only JSON-lines file of rows, and
     files made from the rows (``outputs``). ``key`` says which rows are the same; ``check`` refuses a malformed row.
 
-    A run goes ``claim`` (check and lock the folder) → ``record`` (the model has loaded: write the record) →
-    ``append`` … → ``close`` (let go of the lock); ``with store.claim(options): …`` closes it.
+    A run goes ``claim`` (check and lock the folder) → ``record`` (the model has loaded: the record to write) →
+    ``append`` … (the first writes the record) → ``close`` (let go of the lock); ``with store.claim(options): …``
+    closes it.
     """
 
     def __init__(
@@ -238,6 +241,7 @@ class ResultStore:
         self.check = check
         self.lock = FolderLock(self.dir)
         self.started = False  # the run is recorded: the folder is this run's
+        self._record: dict[str, Any] | None = None  # the run's record, written with the first row
         self.duplicates = 0  # rows of a key already seen, left out by the last rows()
         self.notes: list[str] = []  # what the user should know about the folder (a resume under other versions)
         self._replacing = False  # the folder's previous files go when the run is recorded
@@ -334,8 +338,17 @@ class ResultStore:
         ]
 
     def record(self, run_info: dict[str, Any]) -> None:
-        """Write the run's record: the run has started (its model has loaded). A folder being replaced loses its
-        previous pkvbench files now, not at ``claim``: a run that fails before this leaves it as it was."""
+        """The run's record (its model has loaded), written with the first row or by ``write_summary``, whichever
+        comes first: a run refused or failed between the model load and its first row (a check that needs the model,
+        a first prefill out of memory) deletes nothing of a folder being replaced and leaves no record behind."""
+        self._record = run_info
+
+    def _write_record(self) -> None:
+        """Write the pending record: the run has started. A folder being replaced loses its previous pkvbench
+        files now, not at ``claim`` or ``record``."""
+        if self._record is None:
+            return
+        run_info, self._record = self._record, None
         if self._replacing:
             for path in self.own_paths:
                 remove_file(path)
@@ -356,6 +369,7 @@ class ResultStore:
         process writes (tests, tools). A run holds the lock from ``claim`` to ``close``."""
         with self.claim(run_info["options"], overwrite):
             self.record(run_info)
+            self._write_record()
 
     def discard(self) -> None:
         """Remove what this store wrote (a merge that failed part-way leaves no half a folder)."""
@@ -411,6 +425,7 @@ class ResultStore:
 
     def extend(self, rows: list[Row]) -> None:
         """Append ``rows`` in one write and one fsync (a merge of thousands of rows should not pay a sync each)."""
+        self._write_record()
         data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
         try:
             fd = os.open(self.rows_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -427,6 +442,7 @@ class ResultStore:
             os.close(fd)
 
     def write_summary(self) -> pd.DataFrame:
+        self._write_record()
         table = summarize(self.rows())
         atomic_write(self.dir / SUMMARY, table.to_csv(index=False))
         return table
