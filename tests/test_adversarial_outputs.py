@@ -1,9 +1,14 @@
 """Issue 40, the third adversarial round: its results, gate and data half (N2–N7, N10, N12, round 2's W6). Each
 test is a case a hostile user tried on main at 51430f3 that went wrong then."""
 
+import json
+
 import pytest
 
+from pkvbench.errors import PkvError
 from pkvbench.metrics import final_number
+from pkvbench.tasks.base import Sample, TaskOptions, refuse_repeated_samples
+from pkvbench.tasks.registry import build_samples, get_task
 
 
 @pytest.mark.parametrize(
@@ -21,3 +26,38 @@ from pkvbench.metrics import final_number
 )
 def test_boxed_answers_read_tex_separators_and_the_unicode_minus(prediction, number):
     assert final_number(prediction) == number
+
+
+def _write_lines(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        (
+            ["test/a.json", "test/a.json"],
+            r"math500.jsonl, line 2: the sample id 'test/a.json' again \(.*line 1 has it\)",
+        ),
+        ([None, None], r"math500.jsonl, line 1: the id 'unique_id' must be a string or a whole number, got None"),
+    ],
+)
+def test_a_reasoning_file_with_an_id_twice_is_refused_naming_the_line(tmp_path, ids, message):
+    """N4: the second problem of an id ran and then vanished ("1 rows written, 2 prefills")."""
+    rows = [{"problem": f"What is {i} + 1?", "answer": str(i + 1), "unique_id": id_} for i, id_ in enumerate(ids)]
+    _write_lines(tmp_path / "math500.jsonl", rows)
+    with pytest.raises(PkvError, match=message):
+        build_samples(get_task("math500"), None, TaskOptions(data_dir=str(tmp_path)))  # refused before tokenizing
+
+
+def test_a_longbench_file_with_an_id_twice_is_refused_naming_the_line(tmp_path):
+    row = {"input": "q?", "context": "c", "answers": ["a"], "length": 10, "all_classes": None, "_id": "x1"}
+    _write_lines(tmp_path / "narrativeqa.jsonl", [row, {**row, "_id": "x2"}, row])
+    with pytest.raises(PkvError, match=r"narrativeqa.jsonl, line 3: the sample id 'x1' again"):
+        build_samples(get_task("narrativeqa"), None, TaskOptions(data_dir=str(tmp_path), verify=False))
+
+
+def test_a_generator_that_makes_an_id_twice_is_refused():
+    sample = Sample.one_question("s0", [1, 2, 3], 2, ["a"])
+    with pytest.raises(PkvError, match="mine: two samples have the id 's0'"):
+        refuse_repeated_samples("mine", [sample, sample])
