@@ -3,10 +3,12 @@ test is a case a hostile user tried on main at 51430f3 that went wrong then."""
 
 import json
 
+import pandas as pd
 import pytest
 
 from pkvbench.errors import PkvError
 from pkvbench.metrics import final_number
+from pkvbench.report import to_latex, to_markdown
 from pkvbench.tasks.base import Sample, TaskOptions, refuse_repeated_samples
 from pkvbench.tasks.registry import build_samples, get_task
 
@@ -61,3 +63,13 @@ def test_a_generator_that_makes_an_id_twice_is_refused():
     sample = Sample.one_question("s0", [1, 2, 3], 2, ["a"])
     with pytest.raises(PkvError, match="mine: two samples have the id 's0'"):
         refuse_repeated_samples("mine", [sample, sample])
+
+
+def test_latex_writes_a_backslash_as_one_and_markdown_keeps_a_pipe_inside_its_cell():
+    """Round 2's W6: ``\\textbackslash\\{\\}`` printed ``\\{}``; a ``|`` in a model name split the row."""
+    table = pd.DataFrame({"model": ["C:\\models\\a|b"], "policy": ["snapkv_{x}"], "score": [50.0]})
+    latex = to_latex(table)
+    assert r"C:\textbackslash{}models\textbackslash{}a\textbar{}b & snapkv\_\{x\} & 50.00 \\" in latex
+    markdown = to_markdown(table).splitlines()
+    assert markdown[2] == "| C:\\models\\a\\|b | snapkv_{x} | 50.00 |"
+    assert all(line.replace("\\|", "").count("|") == 4 for line in markdown)  # 3 cells in every line
