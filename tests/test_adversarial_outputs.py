@@ -2,15 +2,20 @@
 test is a case a hostile user tried on main at 51430f3 that went wrong then."""
 
 import json
+import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from pkvbench.cli import main
 from pkvbench.errors import PkvError
 from pkvbench.metrics import final_number
 from pkvbench.report import to_latex, to_markdown
 from pkvbench.tasks.base import Sample, TaskOptions, refuse_repeated_samples
 from pkvbench.tasks.registry import build_samples, get_task
+
+RUNS = Path(__file__).parent / "fixtures" / "runs"
 
 
 @pytest.mark.parametrize(
@@ -73,3 +78,27 @@ def test_latex_writes_a_backslash_as_one_and_markdown_keeps_a_pipe_inside_its_ce
     markdown = to_markdown(table).splitlines()
     assert markdown[2] == "| C:\\models\\a\\|b | snapkv_{x} | 50.00 |"
     assert all(line.replace("\\|", "").count("|") == 4 for line in markdown)  # 3 cells in every line
+
+
+def _main(capsys, *args):
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--out", "{html}"], "--html and --out are both .*page.html: the table would overwrite the page"),
+        (["--view", "frontier"], "--view shapes the table, and with --html alone there is none"),
+        (["--format", "latex"], "--format shapes the table"),
+    ],
+)
+def test_report_html_refuses_its_own_path_twice_and_table_options_it_would_ignore(tmp_path, capsys, extra, message):
+    """N7: the page was written, then overwritten by the Markdown table, exit 0; --view and --format were ignored."""
+    html = tmp_path / "page.html"
+    args = [a.replace("{html}", str(html)) for a in extra]
+    code, _, err = _main(capsys, "report", str(RUNS / "needle_a"), "--html", str(html), *args)
+    assert code == 2 and re.search(message, err) and len(err.strip().splitlines()) == 1
+    assert not html.exists()  # nothing written
