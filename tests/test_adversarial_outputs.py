@@ -12,6 +12,7 @@ from pkvbench.cli import main
 from pkvbench.errors import PkvError
 from pkvbench.metrics import final_number
 from pkvbench.report import to_latex, to_markdown
+from pkvbench.results import ResultStore
 from pkvbench.tasks.base import Sample, TaskOptions, refuse_repeated_samples
 from pkvbench.tasks.registry import build_samples, get_task
 
@@ -102,3 +103,43 @@ def test_report_html_refuses_its_own_path_twice_and_table_options_it_would_ignor
     code, _, err = _main(capsys, "report", str(RUNS / "needle_a"), "--html", str(html), *args)
     assert code == 2 and re.search(message, err) and len(err.strip().splitlines()) == 1
     assert not html.exists()  # nothing written
+
+
+def make_run(folder, rows, options=None):
+    """A run folder holding ``rows`` (each a result row's fields beyond the defaults below)."""
+    store = ResultStore(folder)
+    store.open({"options": {"model": "smollm2-135m", **(options or {})}}, overwrite=True)
+    for row in rows:
+        store.append({"task": "needle", "model": "smollm2-135m", "policy": "snapkv", "budget": 64, **row})
+    return str(folder)
+
+
+def stored(bits, **row):
+    """A row whose cache was stored in ``bits`` (a ``--kv-bits`` run: not the model's own cache)."""
+    return {"kv_native": False, "kv_bits": bits, "kv_group": 32, "kv_residual": 128, **row}
+
+
+def test_export_of_rows_without_the_fields_the_schema_does_not_require(tmp_path, capsys):
+    """N10: rows without budget_tokens or context_tokens (or pred, answers) were a KeyError in export."""
+    rows = [{"sample_id": f"s{i}", "score": i / 2, "budget": budget} for i in range(2) for budget in (64, 0.25)]
+    code, _, err = _main(capsys, "export", make_run(tmp_path / "run", rows), "--out", str(tmp_path / "out"))
+    assert code in (0, None), err
+    folders = sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir())
+    assert folders == ["needle__data__SmolLM2-135M-Instruct__pkvbench_snapkv__0.75__query_aware",
+                       "needle__data__SmolLM2-135M-Instruct__pkvbench_snapkv__budget64__query_aware"]  # fmt: skip
+    predictions = pd.read_csv(tmp_path / "out" / folders[0] / "predictions.csv")
+    assert list(predictions["sample_id"]) == ["s0", "s1"] and predictions["context_tokens"].isna().all()
+
+
+def test_export_keeps_storage_formats_in_folders_of_their_own(tmp_path, capsys):
+    """N3: a --kv-bits 16,4 run's two formats were written into one kvpress folder (n doubled)."""
+    common = {"budget_tokens": 64, "context_tokens": 256}
+    rows = [stored(bits, sample_id=f"s{i}", score=float(bits == 16), **common) for bits in (16, 4) for i in range(2)]
+    code, _, err = _main(capsys, "export", make_run(tmp_path / "run", rows), "--out", str(tmp_path / "out"))
+    assert code in (0, None), err
+    folders = sorted(p for p in (tmp_path / "out").iterdir() if p.is_dir())
+    assert [p.name.split("__")[3] for p in folders] == ["pkvbench_snapkv-kv16", "pkvbench_snapkv-kv4"]
+    scores = [json.loads((p / "metrics.json").read_text())["needle"]["string_match"] for p in folders]
+    assert scores == [100.0, 0.0] and all(len(pd.read_csv(p / "predictions.csv")) == 2 for p in folders)
+    ranking = pd.read_csv(tmp_path / "out" / "ranking.csv")
+    assert sorted(ranking["policy"]) == ["snapkv · 16 bits", "snapkv · 4 bits"]
