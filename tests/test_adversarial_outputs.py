@@ -5,11 +5,13 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from pkvbench.cli import main
 from pkvbench.errors import PkvError
+from pkvbench.fingerprints import fingerprint
 from pkvbench.metrics import final_number
 from pkvbench.report import to_latex, to_markdown
 from pkvbench.results import ResultStore
@@ -143,3 +145,74 @@ def test_export_keeps_storage_formats_in_folders_of_their_own(tmp_path, capsys):
     assert scores == [100.0, 0.0] and all(len(pd.read_csv(p / "predictions.csv")) == 2 for p in folders)
     ranking = pd.read_csv(tmp_path / "out" / "ranking.csv")
     assert sorted(ranking["policy"]) == ["snapkv · 16 bits", "snapkv · 4 bits"]
+
+
+def _fingerprinted(seed, **row):
+    kept = [
+        [np.random.default_rng(seed + layer).choice(100, size=8, replace=False) for _ in range(2)] for layer in range(3)
+    ]
+    return {**row, "kept_fingerprint": fingerprint(kept)}
+
+
+def test_check_refuses_a_baseline_whose_samples_file_names_samples_the_run_does_not_have(tmp_path, capsys):
+    """N2: the samples file's ids renamed (counts and means still the baseline's): the paired tests and the kept-set
+    comparison matched nothing, and a run whose every kept set changed passed, printing "paired tests on"."""
+    rows = [_fingerprinted(i, sample_id=f"s{i}", score=1.0, pred="a") for i in range(3)]
+    baseline = tmp_path / "base.csv"
+    code, _, err = _main(
+        capsys, "check", "--baseline", str(baseline), "--results", make_run(tmp_path / "b", rows), "--update"
+    )
+    assert code in (0, None), err
+    samples = tmp_path / "base.samples.csv"
+    true = samples.read_text()
+    samples.write_text(true.replace(",s0,", ",x0,").replace(",s1,", ",x1,").replace(",s2,", ",x2,"))  # others
+    changed = make_run(
+        tmp_path / "r", [_fingerprinted(100 + i, sample_id=f"s{i}", score=1.0, pred="a") for i in range(3)]
+    )
+    code, out, err = _main(capsys, "check", "--baseline", str(baseline), "--results", changed)
+    assert code == 2 and len(err.strip().splitlines()) == 1, out + err
+    assert re.search(
+        r"base.samples.csv, row 1 \(needle snapkv 64 aware x0\): the run's cell has 3 samples, as the baseline's, but not this one \(3 of 3 differ\)",
+        err,
+    )
+    # and with the true samples file, the same run fails on its kept sets, saying how many it compared
+    samples.write_text(true)
+    code, _, err = _main(capsys, "check", "--baseline", str(baseline), "--results", changed)
+    assert code == 1 and "kept sets of 3 samples in 1 cells (3 a cell): 1 CHANGED" in err
+    assert "paired tests on 3 samples in 1 cells (3 a cell)" in err
+
+
+def test_check_keeps_storage_formats_and_decode_budgets_apart(tmp_path, capsys):
+    """N3: ``check --update`` on a --kv-bits 16,4 run pooled both formats into one cell (n doubled) and then refused
+    the baseline it had written ("a sample written twice"); the decode budget is a cell's as well."""
+    rows = [stored(bits, sample_id=f"s{i}", score=float(bits == 16)) for bits in (16, 4) for i in range(2)]
+    rows += [{"sample_id": f"s{i}", "score": 0.5, "decode_budget": 32} for i in range(2)]  # the model's own cache
+    run = make_run(tmp_path / "run", rows)
+    baseline = tmp_path / "base.csv"
+    code, _, err = _main(capsys, "check", "--baseline", str(baseline), "--results", run, "--update")
+    assert code in (0, None), err
+    cells = pd.read_csv(baseline, keep_default_na=False)
+    assert sorted(zip(cells["kv_stored"].astype(str), cells["decode_budget"].astype(str), cells["n"])) == [
+        ("", "32", 2), ("16", "none", 2), ("4", "none", 2)]  # fmt: skip
+    code, out, err = _main(capsys, "check", "--baseline", str(baseline), "--results", run)
+    assert code in (0, None) and out.startswith("check passed: 3 cells (3 ok)"), out + err
+
+
+def test_a_baseline_of_one_format_does_not_pass_rows_of_another(tmp_path, capsys):
+    """N3: a baseline of 4-bit rows passed 16-bit rows as the same cells."""
+    four = make_run(tmp_path / "four", [stored(4, sample_id=f"s{i}", score=1.0) for i in range(2)])
+    sixteen = make_run(tmp_path / "sixteen", [stored(16, sample_id=f"s{i}", score=1.0) for i in range(2)])
+    baseline = str(tmp_path / "base.csv")
+    assert _main(capsys, "check", "--baseline", baseline, "--results", four, "--update")[0] in (0, None)
+    code, _, err = _main(capsys, "check", "--baseline", baseline, "--results", sixteen)
+    assert code == 1 and "1 missing" in err and "1 new" in err
+
+
+def test_an_old_baseline_without_the_format_columns_reads_as_the_models_own_cache(tmp_path, capsys):
+    run = make_run(tmp_path / "run", [{"sample_id": f"s{i}", "score": 1.0} for i in range(2)])
+    baseline = tmp_path / "base.csv"
+    baseline.write_text(
+        "model,task,policy,budget,n,score,ci_low,ci_high\nsmollm2-135m,needle,snapkv,64,2,100,100,100\n"
+    )
+    code, out, err = _main(capsys, "check", "--baseline", str(baseline), "--results", run)
+    assert code in (0, None) and out.startswith("check passed: 1 cells (1 ok)"), out + err
