@@ -388,8 +388,12 @@ def merge(folders, out) -> None:
     """Combine run folders (the shards of one run) into one, without duplicate rows."""
     from pkvbench.results import merge_runs
 
-    written, duplicates = merge_runs(list(folders), out)
+    written, duplicates, missing = merge_runs(list(folders), out)
     click.echo(f"{written} rows from {len(folders)} folders → {out}/samples.jsonl ({duplicates} duplicates dropped)")
+    if missing:
+        click.echo(
+            f"note: shards {missing} are missing: {out} is not the whole run (recorded in its run.json)", err=True
+        )
 
 
 @cli.command()

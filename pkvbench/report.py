@@ -30,6 +30,7 @@ from pkvbench.results import (
     bits_label,
     bits_sort_key,
     decode_budget_label,
+    missing_shards,
     read_rows,
     repeated_rows_note,
     stored_as,
@@ -120,6 +121,9 @@ def load_runs(paths: list[str | os.PathLike], strict: bool = False) -> Runs:
         if strict and (holder := FolderLock(folder).holder()):
             raise PkvError(f"{folder} is being written by a running pkvbench ({holder}); use it once that run ends")
         raw = read_rows(folder)
+        missing_shards = _missing_shards(folder)
+        if missing_shards:
+            notes.append(f"{folder}: a merge without shards {missing_shards}: not the whole run")
         repeated = unique_rows(raw)[1]
         if repeated:
             notes.append(repeated_rows_note(folder / ROWS, repeated))
@@ -211,6 +215,13 @@ def _run_model(folder: Path) -> str:
         return json.loads((folder / RUN).read_text())["options"]["model"]
     except (OSError, ValueError, KeyError, TypeError):
         return "unknown"
+
+
+def _missing_shards(folder: Path) -> str | None:
+    try:
+        return missing_shards(json.loads((folder / RUN).read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def _run_native_bits(folder: Path) -> int | None:

@@ -216,3 +216,31 @@ def test_an_old_baseline_without_the_format_columns_reads_as_the_models_own_cach
     )
     code, out, err = _main(capsys, "check", "--baseline", str(baseline), "--results", run)
     assert code in (0, None) and out.startswith("check passed: 1 cells (1 ok)"), out + err
+
+
+def test_merge_refuses_shards_of_two_splits(tmp_path, capsys):
+    """N6: ``1/2`` merged with ``3/3`` was accepted."""
+    first = make_run(tmp_path / "a", [{"sample_id": "s0", "score": 1.0}], {"shard": "1/2"})
+    other = make_run(tmp_path / "b", [{"sample_id": "s2", "score": 1.0}], {"shard": "3/3"})
+    code, _, err = _main(capsys, "merge", first, other, "--out", str(tmp_path / "m"))
+    assert code == 2 and "is a shard of a split into 3" in err and "merge the shards of one split" in err
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_merge_of_one_shard_of_two_says_and_records_that_it_is_not_the_whole_run(tmp_path, capsys):
+    """N6: a merge of one shard of two looked like a complete run."""
+    first = make_run(tmp_path / "a", [{"sample_id": "s0", "score": 1.0}], {"shard": "1/2"})
+    code, _, err = _main(capsys, "merge", first, "--out", str(tmp_path / "m"))
+    assert code in (0, None) and "shards 2/2 are missing: " in err
+    assert json.loads((tmp_path / "m" / "run.json").read_text())["shards"] == {
+        "count": 2,
+        "merged": [1],
+        "missing": [2],
+    }
+    code, _, err = _main(capsys, "report", str(tmp_path / "m"))
+    assert code in (0, None) and "a merge without shards 2/2: not the whole run" in err
+    # the other shard merged in: whole
+    second = make_run(tmp_path / "b", [{"sample_id": "s1", "score": 1.0}], {"shard": "2/2"})
+    code, _, err = _main(capsys, "merge", str(tmp_path / "m"), second, "--out", str(tmp_path / "whole"))
+    assert code in (0, None) and "missing" not in err
+    assert json.loads((tmp_path / "whole" / "run.json").read_text())["shards"]["missing"] == []
