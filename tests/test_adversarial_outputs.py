@@ -244,3 +244,13 @@ def test_a_merge_of_one_shard_of_two_says_and_records_that_it_is_not_the_whole_r
     code, _, err = _main(capsys, "merge", str(tmp_path / "m"), second, "--out", str(tmp_path / "whole"))
     assert code in (0, None) and "missing" not in err
     assert json.loads((tmp_path / "whole" / "run.json").read_text())["shards"]["missing"] == []
+
+
+def test_a_file_whose_record_cannot_be_written_is_refused_before_it_is_written(tmp_path, capsys):
+    """N12: with .pkvbench-outputs.json a folder, the report was written and the command then exited 2; a rerun
+    refused pkvbench's own report."""
+    (tmp_path / ".pkvbench-outputs.json").mkdir()
+    table = tmp_path / "table.md"
+    code, _, err = _main(capsys, "report", str(RUNS / "needle_a"), "--out", str(table))
+    assert code == 2 and ".pkvbench-outputs.json is not a file" in err and len(err.strip().splitlines()) == 1
+    assert not table.exists()
