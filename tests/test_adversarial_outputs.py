@@ -15,7 +15,7 @@ from pkvbench.fingerprints import fingerprint
 from pkvbench.metrics import final_number
 from pkvbench.report import to_latex, to_markdown
 from pkvbench.results import ResultStore
-from pkvbench.tasks.base import Sample, TaskOptions, refuse_repeated_samples
+from pkvbench.tasks.base import Sample, TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 
 RUNS = Path(__file__).parent / "fixtures" / "runs"
@@ -68,6 +68,8 @@ def test_a_longbench_file_with_an_id_twice_is_refused_naming_the_line(tmp_path):
 
 
 def test_a_generator_that_makes_an_id_twice_is_refused():
+    from pkvbench.tasks.base import refuse_repeated_samples
+
     sample = Sample.one_question("s0", [1, 2, 3], 2, ["a"])
     with pytest.raises(PkvError, match="mine: two samples have the id 's0'"):
         refuse_repeated_samples("mine", [sample, sample])
