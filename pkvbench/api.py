@@ -17,7 +17,8 @@ from typing import Any
 import pandas as pd
 
 from pkvbench import budgets as budget_rules
-from pkvbench.budgets import Budget, KVFormat, parse_budgets, parse_decode_budgets, parse_memory_budgets
+from pkvbench import kv_formats
+from pkvbench.budgets import Budget, parse_budgets, parse_decode_budgets, parse_memory_budgets
 from pkvbench.config import (
     MAX_LAYERS,
     SEED_MAX,
@@ -48,6 +49,7 @@ from pkvbench.engine.models import (
     model_slug,
 )
 from pkvbench.errors import PkvError
+from pkvbench.kv_formats import KVFormat
 from pkvbench.policies.base import Policy
 from pkvbench.policies.spec import parse_policies
 from pkvbench.provenance import git_commit, make_deterministic, package_version, provenance, versions
@@ -213,8 +215,8 @@ class RunConfig(SampleConfig):
     memory: Sequence[str | float] | str | None = None
     # The bits each kept value is stored in: 16, or KIVI's 8, 4, 2 (None: the model's own cache, in its dtype)
     kv_bits: Sequence[int] | str | None = None
-    kv_group: int = budget_rules.DEFAULT_GROUP  # KIVI's G: tokens per key group, channels per value group
-    kv_residual: int = budget_rules.DEFAULT_RESIDUAL  # KIVI's R: each head's last R kept entries stay in 16 bits
+    kv_group: int = kv_formats.DEFAULT_GROUP  # KIVI's G: tokens per key group, channels per value group
+    kv_residual: int = kv_formats.DEFAULT_RESIDUAL  # KIVI's R: each head's last R kept entries stay in 16 bits
     policy_args: Mapping[str, Any] | Sequence[str] = ()
     # "exact": pkvbench's protocol; "reference": every policy selects as the PyramidKV paper's code (docs/protocol.md);
     # "kvpress": every policy with the settings of kvpress's press of the same rule (docs/kvpress-crosscheck.md)
@@ -433,7 +435,7 @@ def resolve_formats(config: RunConfig) -> list[KVFormat | None]:
             bits = int(item)
         except ValueError:
             bits = None
-        if bits not in budget_rules.KV_BITS:
+        if bits not in kv_formats.KV_BITS:
             raise PkvError(f"--kv-bits {item}: supported are 2, 4 and 8 (KIVI's integers), 16, and the model's own 32")
         if bits > native:
             raise PkvError(
