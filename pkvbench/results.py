@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from pkvbench.budgets import ALL, MEMORY_PREFIX, REMOVED_PREFIX, Budget, KVFormat, budget_label
+from pkvbench.budgets import ALL, MEMORY_PREFIX, REMOVED_PREFIX, Budget, budget_label
 from pkvbench.errors import PkvError
 from pkvbench.io import (
     atomic_write,
@@ -35,6 +35,7 @@ from pkvbench.io import (
     read_json_lines,
     remove_file,
 )
+from pkvbench.kv_formats import KVFormat
 from pkvbench.lock import LOCK_NAME, FolderLock
 from pkvbench.schema import DEFAULT_QUERY_MODE, QUERY_MODES
 
