@@ -17,7 +17,8 @@ from typing import Any
 import pandas as pd
 
 from pkvbench import budgets as budget_rules
-from pkvbench.budgets import Budget, KVFormat, parse_budgets, parse_decode_budgets, parse_memory_budgets
+from pkvbench import kv_formats
+from pkvbench.budgets import Budget, parse_budgets, parse_decode_budgets, parse_memory_budgets
 from pkvbench.config import (
     MAX_LAYERS,
     SEED_MAX,
@@ -48,6 +49,7 @@ from pkvbench.engine.models import (
     model_slug,
 )
 from pkvbench.errors import PkvError
+from pkvbench.kv_formats import KVFormat
 from pkvbench.policies.base import Policy
 from pkvbench.policies.spec import parse_policies
 from pkvbench.provenance import git_commit, make_deterministic, package_version, provenance, versions
@@ -385,8 +387,8 @@ def task_options(config: SampleConfig) -> TaskOptions:
 # once the option they shape is given; given without it they would be ignored, so they are refused (as --workers
 # without --executor ray).
 DEPENDENT_DEFAULTS = {
-    "kv_group": budget_rules.DEFAULT_GROUP,
-    "kv_residual": budget_rules.DEFAULT_RESIDUAL,
+    "kv_group": kv_formats.DEFAULT_GROUP,
+    "kv_residual": kv_formats.DEFAULT_RESIDUAL,
     "decode_interval": 16,
     "decode_buffer": 8,
 }
@@ -484,7 +486,7 @@ def resolve_formats(config: RunConfig) -> list[KVFormat | None]:
     formats: list[KVFormat | None] = []
     for item in as_list(config.kv_bits, "--kv-bits"):
         bits = parse_int(item, "--kv-bits")
-        if bits not in budget_rules.KV_BITS:
+        if bits not in kv_formats.KV_BITS:
             raise PkvError(f"--kv-bits {item}: supported are 2, 4 and 8 (KIVI's integers), 16, and the model's own 32")
         if bits > native:
             raise PkvError(

@@ -386,8 +386,12 @@ def merge(folders, out) -> None:
     """Combine run folders (the shards of one run) into one, without duplicate rows."""
     from pkvbench.results import merge_runs
 
-    written, duplicates = merge_runs(list(folders), out)
+    written, duplicates, missing = merge_runs(list(folders), out)
     click.echo(f"{written} rows from {len(folders)} folders → {out}/samples.jsonl ({duplicates} duplicates dropped)")
+    if missing:
+        click.echo(
+            f"note: shards {missing} are missing: {out} is not the whole run (recorded in its run.json)", err=True
+        )
 
 
 @cli.command()
@@ -496,6 +500,8 @@ def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> 
     length and largest cache while decoding, against the full cache's (--drift)."""
     from pkvbench.report import load_runs, render, report_table, uneven_counts
 
+    if html_file is not None:
+        _check_html_with_table(html_file, out_file)
     runs = load_runs(list(folders))
     outputs = _outputs_for(out_file, [*folders, *runs.folders])  # both paths checked before either is written
     if html_file is not None:
@@ -635,6 +641,38 @@ def diff(folders, policies, against, fmt, out_file) -> None:
     _write_or_echo(matrix_markdown(table) if fmt == "markdown" else render(table, fmt), out_file, outputs)
     for note in runs.notes:
         click.echo(f"note: {note}", err=True)
+
+
+# The options that shape ``report``'s table: with --html and no --out there is no table for them to shape.
+TABLE_OPTIONS = {
+    "fmt": "--format",
+    "view": "--view",
+    "intervals": "--intervals",
+    "power": "--power",
+    "drift": "--drift",
+}
+
+
+def _check_html_with_table(html_file: str, out_file: str | None) -> None:
+    """``report --html``: the page and the table (``--out``) are two files, and an option of the table given without
+    one is refused rather than ignored."""
+    from click.core import ParameterSource
+
+    if out_file is not None:
+        if Path(out_file).resolve() == Path(html_file).resolve():
+            raise PkvError(f"--html and --out are both {out_file}: the table would overwrite the page; give two files")
+        return
+    context = click.get_current_context()
+    given = [
+        flag
+        for name, flag in TABLE_OPTIONS.items()
+        if context.get_parameter_source(name) is not ParameterSource.DEFAULT
+    ]
+    if given:
+        raise PkvError(
+            f"{given[0]} shapes the table, and with --html alone there is none (the page has its own views); "
+            "add --out FILE for the table, or leave it out"
+        )
 
 
 def _write_html_report(folders: list, html_file: str, runs=None) -> None:

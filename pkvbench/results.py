@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from pkvbench.budgets import ALL, MEMORY_PREFIX, REMOVED_PREFIX, Budget, KVFormat, budget_label
+from pkvbench.budgets import ALL, MEMORY_PREFIX, REMOVED_PREFIX, Budget, budget_label
 from pkvbench.errors import PkvError
 from pkvbench.io import (
     atomic_write,
@@ -35,6 +35,7 @@ from pkvbench.io import (
     read_json_lines,
     remove_file,
 )
+from pkvbench.kv_formats import KVFormat
 from pkvbench.lock import LOCK_NAME, FolderLock
 from pkvbench.schema import DEFAULT_QUERY_MODE, QUERY_MODES
 
@@ -490,13 +491,61 @@ def _check_merge_target(out: Path, folders: list[Path]) -> None:
         raise PkvError(f"--out {out} is not empty; merge writes a new folder and leaves existing ones alone")
 
 
-def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tuple[int, int]:
-    """Combine run folders (typically the shards of one run) into the new folder ``out``; returns (rows written,
-    duplicates dropped).
+def shards_held(folder: Path, record: dict[str, Any]) -> tuple[int, set[int]] | None:
+    """(n, the shards i) of a split into n that a run folder holds: its own ``--shard i/n``, or those an earlier
+    merge recorded (``shards``); None for a whole run."""
+    merged, shard = record.get("shards"), record["options"].get("shard")
+    try:
+        if isinstance(merged, dict):
+            return int(merged["count"]), {int(i) for i in merged["merged"]}
+        if not shard:
+            return None
+        index, _, count = str(shard).partition("/")
+        return int(count), {int(index)}
+    except (KeyError, TypeError, ValueError):
+        raise PkvError(f"{folder / RUN}: its shard ({merged or shard!r}) is not pkvbench's i/n") from None
 
-    The folders must come from the same run options, shard aside, and no run may be writing them. A key present in
-    two folders is kept once; if the two rows disagree on the prediction the merge is refused, since that means the
-    runs were not the same. A merge that fails leaves no files in ``out``.
+
+def missing_shards(record: dict[str, Any]) -> str | None:
+    """``2/3, 3/3``: the shards a merged run's record says it lacks (None for a whole run): its rows are not the whole
+    run's."""
+    shards = record.get("shards")
+    if not isinstance(shards, dict) or not shards.get("missing"):
+        return None
+    return ", ".join(f"{i}/{shards['count']}" for i in shards["missing"])
+
+
+def _split(sources: list[Path], records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What a merge of ``sources`` holds of their split: ``{count, merged, missing}``; None where one of them is a
+    whole run (or none is a shard). Shards of splits into different counts are refused: they take other samples."""
+    first, covered, whole = None, set(), False
+    for folder, record in zip(sources, records):
+        held = shards_held(folder, record)
+        if held is None:
+            whole = True
+            continue
+        if first is not None and held[0] != first[1]:
+            raise PkvError(
+                f"{folder} is a shard of a split into {held[0]}, {first[0]} of one into {first[1]}: shards of two "
+                "splits take other samples; merge the shards of one split"
+            )
+        first = first or (folder, held[0])
+        covered |= held[1]
+    if first is None or whole:
+        return None
+    count = first[1]
+    return {"count": count, "merged": sorted(covered), "missing": sorted(set(range(1, count + 1)) - covered)}
+
+
+def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tuple[int, int, str | None]:
+    """Combine run folders (typically the shards of one run) into the new folder ``out``; returns (rows written,
+    duplicates dropped, the shards missing: ``missing_shards``).
+
+    The folders must come from the same run options, shard aside, and no run may be writing them; shards must be of
+    one split (``1/2`` with ``3/3`` is refused), and the shards a merge lacks are recorded in its ``run.json``
+    (``shards``: count, merged, missing) and said. A key present in two folders is kept once; if the two rows
+    disagree on the prediction the merge is refused, since that means the runs were not the same. A merge that
+    fails leaves no files in ``out``.
     """
     out, sources = Path(out), [Path(f) for f in folders]
     _check_merge_target(out, sources)
@@ -520,6 +569,7 @@ def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tupl
         decisive = version_changes(records[0], record)[0]
         if decisive:
             raise PkvError(f"{folder} was run under other versions than {sources[0]} ({', '.join(decisive)})")
+    split = _split(sources, records)
     merged: dict[tuple, Row] = {}
     duplicates = 0
     for folder in sources:
@@ -536,10 +586,12 @@ def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tupl
         if not store.is_empty():  # checked again under the lock: another merge may have filled it meanwhile
             raise PkvError(f"--out {out} is not empty; merge writes a new folder and leaves existing ones alone")
         try:
-            store.record({**records[0], "options": options, "merged_from": [str(f) for f in sources]})
+            record = {**records[0], "options": options, "merged_from": [str(f) for f in sources]}
+            record.pop("shards", None)  # an input's: this merge's own, if any, below
+            store.record({**record, **({"shards": split} if split else {})})
             store.extend(list(merged.values()))
             store.write_summary()
         except BaseException:
             store.discard()
             raise
-    return len(merged), duplicates
+    return len(merged), duplicates, missing_shards({"shards": split})

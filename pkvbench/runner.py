@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from pkvbench import budgets
-from pkvbench.budgets import Budget, KVFormat
+from pkvbench import budgets, kv_formats
+from pkvbench.budgets import Budget
 from pkvbench.config import int_text
 from pkvbench.engine.generation import CompressedCache, Engine, Prefill
 from pkvbench.engine.models import ModelShape
 from pkvbench.errors import PkvError
 from pkvbench.fingerprints import fingerprint
+from pkvbench.kv_formats import KVFormat
 from pkvbench.metric_registry import METRICS
 from pkvbench.metrics import prepare_prediction
 from pkvbench.policies.base import LayerStats, Policy
@@ -115,8 +116,8 @@ class RunSettings:
     max_new_tokens: int | None = None  # instead of the task's answer length
     decode_batch: int | None = None  # at most this many configurations decode together (None: as memory allows)
     protocol: str = "exact"  # recorded in every row: the policies were parsed under it
-    kv_group: int = budgets.DEFAULT_GROUP  # recorded in every row (the model's own cache has no use for them)
-    kv_residual: int = budgets.DEFAULT_RESIDUAL
+    kv_group: int = kv_formats.DEFAULT_GROUP  # recorded in every row (the model's own cache has no use for them)
+    kv_residual: int = kv_formats.DEFAULT_RESIDUAL
     decode_interval: int = 16  # a decode budget cuts the cache every this many new tokens
     decode_buffer: int = 8  # and always keeps this many of the newest entries
 
@@ -436,7 +437,7 @@ def check_memory(shape: ModelShape, pending: list[tuple[TaskSpec, Sample, list[C
             fmt = cell.kv or shape.native_format
             for length in {len(ids) for ids in prompts}:
                 stats = LayerStats(length, shape.kv_heads, shape.query_heads)
-                needed = budgets.floor_bytes(cell.policy, length, geometry, fmt, cell.policy.cache_heads(stats))
+                needed = kv_formats.floor_bytes(cell.policy, length, geometry, fmt, cell.policy.cache_heads(stats))
                 full = geometry.full_bytes(length)
                 if needed > cell.budget.target_bytes(full):
                     smallest = needed / full if isinstance(cell.budget.value, float) else needed

@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
-from pkvbench.budgets import Budget, KVFormat, parse_memory, planned_bytes
+from pkvbench.budgets import Budget, parse_memory
 from pkvbench.cli import main
 from pkvbench.errors import PkvError
+from pkvbench.kv_formats import KVFormat, planned_bytes
 from pkvbench.policies import parse_policy
 from pkvbench.results import read_rows
 from pkvbench.runner import Cell, check_formats, check_memory

@@ -16,9 +16,9 @@ from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
-from pkvbench.budgets import CacheGeometry, KVFormat
 from pkvbench.errors import PkvError, first_line
 from pkvbench.io import read_json
+from pkvbench.kv_formats import CacheGeometry, KVFormat
 
 # RoPE + grouped-query-attention decoders whose attention modules follow transformers' shared layout
 # (q/k/v projections, ``layer_idx``, ``scaling``, the attention-function registry).
