@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pkvbench.config import as_list
+from pkvbench.config import as_list, float_text, int_text
 from pkvbench.errors import PkvError
 
 # kvpress's spelling of a budget: the compression ratio r, the fraction of the cache *removed*; kept entries are
@@ -49,7 +49,7 @@ class Budget:
             return parse_memory(text[len(MEMORY_PREFIX) :])
         if text.startswith(REMOVED_PREFIX):
             try:
-                ratio = float(text[len(REMOVED_PREFIX) :])
+                ratio = float_text(text[len(REMOVED_PREFIX) :])
             except ValueError:
                 ratio = float("nan")
             if not 0 <= ratio < 1:
@@ -58,7 +58,7 @@ class Budget:
                 )
             return cls(ratio, removed=True)
         try:
-            number = float(text)
+            number = float_text(text)
         except ValueError:
             raise PkvError(
                 f"budget {text!r} is not a number; use a fraction below 1 (0.12) or an integer entry count (128)"
@@ -138,7 +138,7 @@ def parse_memory(text: str) -> Budget:
             raise PkvError(f"--memory {text!r}: a size must be at least one byte")
         return Budget(round(count), memory=True)
     try:
-        fraction = float(text)
+        fraction = float_text(text)
     except ValueError:
         raise PkvError(f"--memory {text!r} is not {hint}") from None
     if not (math.isfinite(fraction) and 0 < fraction <= 1):
@@ -218,7 +218,7 @@ def parse_decode_budgets(value: Any) -> list[int | None]:
             parsed.append(None)
             continue
         try:
-            number = int(item)
+            number = int_text(item)
         except ValueError:
             number = 0
         if number < 1:

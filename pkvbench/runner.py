@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from pkvbench import budgets, kv_formats
 from pkvbench.budgets import Budget
+from pkvbench.config import int_text
 from pkvbench.engine.generation import CompressedCache, Engine, Prefill
 from pkvbench.engine.models import ModelShape
 from pkvbench.errors import PkvError
@@ -51,7 +52,7 @@ class Shard:
     def parse(cls, text: str) -> Shard:
         index, sep, count = str(text).partition("/")
         try:
-            shard = cls(int(index), int(count))
+            shard = cls(int_text(index), int_text(count))
         except ValueError:
             shard = None
         if not sep or shard is None or not 1 <= shard.index <= shard.count:
