@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pkvbench.config import as_list
+from pkvbench.config import as_list, option_text
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import Policy
 from pkvbench.policies.registry import default_grid, registry
@@ -124,7 +124,7 @@ def parse_policies(
 ) -> list[Policy]:
     """Policy specs (``snapkv:window=32``) plus options shared by every policy that has them; each label once."""
     if isinstance(policy_args, Mapping):
-        shared = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in policy_args.items()}
+        shared = {str(k): option_text(v) for k, v in policy_args.items()}
     else:
         shared = parse_option_pairs(list(policy_args))
     names = default_grid() if specs is None else as_list(specs, "--policy")
