@@ -151,6 +151,11 @@ def budget_label(value: float | int | str) -> str:
     return str(Budget.parse(value) if isinstance(value, str) else Budget(value))
 
 
+def rounding_for(protocol: str) -> str:
+    """How fractions of the prompt round to entries under a protocol: the reference code rounds half to even."""
+    return "half-even" if protocol == "reference" else "half-up"
+
+
 def parse_budgets(values: list[str] | str, rounding: str = "half-up") -> list[Budget]:
     items = [str(v).strip() for v in (values.split(",") if isinstance(values, str) else values)]
     if not any(items):

@@ -359,11 +359,12 @@ def run(**options) -> None:
     from pkvbench.api import evaluate, resolve
 
     config, html_file = _run_config(options)
+    run = resolve(config)  # once: the page's path is checked against the run's folder before the run starts
     if html_file is not None:
         from pkvbench.html_report import check_html_target
 
-        check_html_target(html_file, [resolve(config).out])  # before the run: a bad path must not cost the run
-    result = evaluate(config)
+        check_html_target(html_file, [run.out])  # before the run: a bad path must not cost the run
+    result = evaluate(run)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if not config.quiet:
