@@ -918,6 +918,69 @@ def funnel(**options) -> None:
     )
 
 
+# --- lm-eval: lm-evaluation-harness tasks under compression (pkvbench/lm_eval, docs/lm-eval.md) ------------------
+@cli.command(name="lm-eval")
+@click.option("--tasks", required=True, help="lm-eval task names (comma list), as `lm_eval --tasks` takes them.")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="As `run --model`.")
+@click.option("--policy", default="full", show_default=True, help="Policies, comma-separated (options as in `run`).")
+@click.option(
+    "--budget", help="Budgets, comma-separated: entries per KV head, or a fraction of the context (default 128)."
+)
+@click.option("--memory", help="Memory budgets instead (as `run --memory`).")
+@click.option("--kv-bits", help="Bits each kept value is stored in, comma-separated (as `run --kv-bits`).")
+@click.option("--decode-budget", help="Cut the cache back to this many entries while answering (generation tasks).")
+@click.option("--query-mode", default="aware", show_default=True, help="aware, agnostic (needs --question-split).")
+@click.option("--question-split", help="Agnostic: the question starts where this text last occurs in the context.")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES))
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPES))
+@click.option("--limit", type=Number(int, minimum=1), help="At most this many documents per task.")
+@click.option("--num-fewshot", type=Number(int, minimum=0), help="Few-shot examples (default: each task's own).")
+@click.option(
+    "--include-path",
+    "include_paths",
+    multiple=True,
+    type=PathType(exists=True, file_okay=False),
+    help="A folder of your own lm-eval task YAML files (repeatable).",
+)
+@click.option("--bootstrap-iters", type=Number(int, minimum=0), default=1000, show_default=True)
+@click.option("--out", required=True, type=PathType(file_okay=False), help="Folder for the results.")
+@click.option("--overwrite", is_flag=True, help="Run afresh in --out (its pkvbench files go once the model loads).")
+@click.option("--quiet", is_flag=True, help="No summary table.")
+def lm_eval_command(tasks, include_paths, limit, num_fewshot, bootstrap_iters, out, overwrite, quiet, **grid) -> None:
+    """lm-evaluation-harness tasks under KV-cache compression: every configuration from one prefill per request.
+
+    Writes lm-eval's results and per-sample logs per configuration (OUT/lm_eval/<configuration>/) and pkvbench's
+    samples.jsonl and summary.csv (read by report, diff, check). Needs pip install 'pkvbench[lm-eval]'.
+
+    \b
+    Example:
+      pkvbench lm-eval --tasks arc_easy --policy full,snapkv --budget 64,128 --limit 20 --out results/lm-eval/arc
+    """
+    from pkvbench.config import as_list
+    from pkvbench.lm_eval.run import LM_EVAL_FOLDER, evaluate_grid
+
+    model_args = {name: value for name, value in grid.items() if value is not None}
+    run = evaluate_grid(
+        as_list(tasks, "--tasks"),
+        model_args,
+        out,
+        limit=limit,
+        include_paths=include_paths,
+        num_fewshot=num_fewshot,
+        bootstrap_iters=bootstrap_iters,
+        overwrite=overwrite,
+    )
+    for note in run.notes:
+        click.echo(f"note: {note}", err=True)
+    if not quiet:
+        click.echo(run.summary.to_string(index=False) if len(run.summary) else "(no rows)")
+    took = ", ".join(f"{label} {seconds:.1f} s" for label, seconds in run.seconds.items())
+    click.echo(
+        f"{len(run.seconds)} configurations ({took}), {run.rows} rows → {run.out}/samples.jsonl, "
+        f"{run.out}/{LM_EVAL_FOLDER}/<configuration>/"
+    )
+
+
 def _quiet_libraries() -> None:
     """Library chatter (load bars, GGUF notices) would bury our own output."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
