@@ -1,23 +1,23 @@
-"""Budgets: parsing ``--budget`` values and splitting a budget over layers.
+"""Budgets: parsing ``--budget``, ``--memory`` and ``--decode-budget`` values, and a policy's plan at a budget.
 
 A value below 1 is a fraction of the prompt (k = round(f·T) entries per KV head per layer, on average); a value of 1
 or more is an integer count of entries. The same functions back ``pkvbench budgets`` and the engine.
 
 A budget may also be memory (``--memory``, written ``mem0.05`` or ``mem2MiB`` in rows): bytes rather than entries.
-How many bytes a cache of some entries takes in a storage format (``KVFormat``: the model's own dtype, 16 bits, or
-KIVI's 8/4/2-bit integers) and how many entries a memory budget buys are here too (``memory_plan``), as pure
-arithmetic that a test holds against the stored tensors' own sizes (docs/memory.md).
+How many bytes a cache of some entries takes in a storage format, and so how many entries a memory budget buys, is
+``kv_formats.py``'s. How a budget splits over layers is each policy's (``layer_budgets``: uniform here, PyramidKV's
+pyramid in ``policies/pyramidkv.py``).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pkvbench.config import as_list
+from pkvbench.config import as_list, float_text, int_text
 from pkvbench.errors import PkvError
 
 # kvpress's spelling of a budget: the compression ratio r, the fraction of the cache *removed*; kept entries are
@@ -50,7 +50,7 @@ class Budget:
             return parse_memory(text[len(MEMORY_PREFIX) :])
         if text.startswith(REMOVED_PREFIX):
             try:
-                ratio = float(text[len(REMOVED_PREFIX) :])
+                ratio = float_text(text[len(REMOVED_PREFIX) :])
             except ValueError:
                 ratio = float("nan")
             if not 0 <= ratio < 1:
@@ -59,7 +59,7 @@ class Budget:
                 )
             return cls(ratio, removed=True)
         try:
-            number = float(text)
+            number = float_text(text)
         except ValueError:
             raise PkvError(
                 f"budget {text!r} is not a number; use a fraction below 1 (0.12) or an integer entry count (128)"
@@ -139,7 +139,7 @@ def parse_memory(text: str) -> Budget:
             raise PkvError(f"--memory {text!r}: a size must be at least one byte")
         return Budget(round(count), memory=True)
     try:
-        fraction = float(text)
+        fraction = float_text(text)
     except ValueError:
         raise PkvError(f"--memory {text!r} is not {hint}") from None
     if not (math.isfinite(fraction) and 0 < fraction <= 1):
@@ -150,6 +150,11 @@ def parse_memory(text: str) -> Budget:
 def budget_label(value: float | int | str) -> str:
     """How a budget value is written in keys and tables: ``128``, ``0.12``, ``cr0.5``."""
     return str(Budget.parse(value) if isinstance(value, str) else Budget(value))
+
+
+def rounding_for(protocol: str) -> str:
+    """How fractions of the prompt round to entries under a protocol: the reference code rounds half to even."""
+    return "half-even" if protocol == "reference" else "half-up"
 
 
 def parse_budgets(values: list[str] | str, rounding: str = "half-up") -> list[Budget]:
@@ -174,65 +179,6 @@ def parse_memory_budgets(values: list[str] | str) -> list[Budget]:
 
 def uniform(k: int, context_len: int, num_layers: int) -> list[int]:
     return [min(k, context_len)] * num_layers
-
-
-def apportion(shares: list[float], total: int) -> list[int]:
-    """Integers that sum to ``total``, each the floor of its share or one more (largest remainders first, earlier
-    index on ties). A non-increasing ``shares`` gives a non-increasing result."""
-    floors = [math.floor(s) for s in shares]
-    remainder = total - sum(floors)
-    by_fraction = sorted(range(len(shares)), key=lambda i: (-(shares[i] - floors[i]), i))
-    for i in by_fraction[:remainder]:
-        floors[i] += 1
-    return floors
-
-
-def pyramid(k: int, context_len: int, num_layers: int, *, window: int, beta: float) -> list[int]:
-    """PyramidKV's per-layer budgets: ``window`` plus an arithmetic sequence, largest at the bottom (layer 0).
-
-    Beyond the window the top layer gets (k-w)/beta and the bottom layer 2(k-w) - (k-w)/beta, with the layers in
-    between on the line joining them, so the mean is exactly k-w. If the bottom layer's share would exceed what the
-    prompt holds (T-w), it is set to T-w and the top one recomputed to keep the total (the paper code's clamp).
-    The paper's code floors the step between layers and so overspends (mean 133.5 for k=128 over 32 layers); here
-    the shares are apportioned to integers that sum to exactly L·k.
-    """
-    if k >= context_len:
-        return [context_len] * num_layers
-    extra = k - window
-    if extra <= 0 or num_layers == 1:
-        return [min(k, context_len)] * num_layers
-    top = extra / beta
-    bottom = 2 * extra - top
-    if bottom > context_len - window:
-        bottom = context_len - window
-        top = 2 * extra - bottom
-    step = (bottom - top) / (num_layers - 1)
-    shares = [bottom - layer * step for layer in range(num_layers)]
-    return [window + n for n in apportion(shares, extra * num_layers)]
-
-
-def pyramid_reference(k: int, context_len: int, num_layers: int, *, window: int, beta: float) -> list[int]:
-    """PyramidKV's per-layer budgets as the paper's code computes them (Zefan-Cai/KVCache-Factory,
-    ``pyramidkv/pyramidkv_utils.py``, ``PyramidKVCluster.update_kv``; the same since ``5a1f543``, 2024-09-30, and for
-    32-layer models the same as the first release, whose divisor 31 is L - 1).
-
-    With k the budget (window included) and T the prompt: nothing is dropped if T < k; every layer keeps k if
-    T < 2(k - w); otherwise min = floor((k - w) / beta), max = 2(k - w) - min, clamped to T - w (then min = 2(k - w)
-    - max), step = floor((max - min) / (L - 1)), and layer l keeps w + max - l·step. The floored step makes the total
-    at least L·k (mean 133.5 for k = 128 over 32 layers at T = 8000).
-    """
-    if context_len < k:
-        return [context_len] * num_layers
-    extra = k - window
-    if context_len < 2 * extra or num_layers == 1:
-        return [k] * num_layers
-    least = math.floor(extra / beta)
-    most = 2 * extra - least
-    if most >= context_len - window:
-        most = context_len - window
-        least = 2 * extra - most
-    step = (most - least) // (num_layers - 1)
-    return [window + most - layer * step for layer in range(num_layers)]
 
 
 @dataclass(frozen=True)
@@ -272,147 +218,10 @@ def plan(policy, budget: Budget, context_len: int, num_layers: int, whole: Seque
     return LayerPlan(requested=requested, effective=effective, per_layer=per_layer, context_len=context_len)
 
 
-# --- memory: what a cache of some entries stores, and how many entries a memory budget buys -------------------------
-
-KV_BITS = (2, 4, 8, 16, 32)  # what --kv-bits accepts; below 16 KIVI's integers, 32 only where the model computes so
-QUANTIZED_BITS = (2, 4, 8)
-DEFAULT_GROUP = 32  # KIVI's G: tokens per key group (per channel), channels per value group (per token)
-DEFAULT_RESIDUAL = 128  # KIVI's R: the most recent entries kept at 16 bits
-SIXTEEN_BITS = 2  # bytes of a value at 16 bits: scales, minima, the residual, and the reference full cache
-
-
-@dataclass(frozen=True)
-class CacheGeometry:
-    """The shape of a model's cache: layers, KV heads per layer, values per head."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    whole: tuple[bool, ...] = ()  # per layer: kept whole, never compressed (``layer_budgets``)
-
-    def layer_budgets(self, policy, k: int, context_len: int) -> list[int]:
-        return layer_budgets(policy, k, context_len, self.layers, self.whole)
-
-    def full_bytes(self, context_len: int) -> int:
-        """The full cache of ``context_len`` tokens at 16 bits per value: what memory fractions are of."""
-        return 2 * self.layers * self.kv_heads * context_len * self.head_dim * SIXTEEN_BITS
-
-
-@dataclass(frozen=True)
-class KVFormat:
-    """How a compressed cache stores its kept entries.
-
-    ``native``: the model's own cache at its dtype (``bits`` is the dtype's width): today's cache, token for token.
-    ``bits`` 16 (where the model computes wider): every entry in 16 bits, widened for attention. ``bits`` 8/4/2:
-    KIVI — per head, the last ``residual`` kept entries in 16 bits, the ones before them as packed integers, keys per
-    channel in groups of ``group`` tokens, values per token in groups of ``group`` channels, each group's scale and
-    minimum in 16 bits (``pkvbench.quantize``)."""
-
-    bits: int
-    group: int = DEFAULT_GROUP
-    residual: int = DEFAULT_RESIDUAL
-    native: bool = False
-
-    @property
-    def quantized(self) -> bool:
-        return self.bits in QUANTIZED_BITS
-
-    def split(self, length: int) -> tuple[int, int]:
-        """A head's ``length`` kept entries → (quantized, residual): the last ``residual`` stay in 16 bits."""
-        if not self.quantized:
-            return 0, length
-        residual = min(self.residual, length)
-        return length - residual, residual
-
-    def layer_bytes(self, heads: int, head_dim: int, lengths: Sequence[int]) -> int:
-        """Bytes one layer's stored tensors hold when its ``heads`` heads keep ``lengths`` entries (each head's
-        count; heads that keep fewer are padded to the fullest, as stored), keys and values together."""
-        if self.native:  # [heads, n, dim] keys and values; a layer that keeps nothing still stores one masked slot
-            return 2 * heads * max(max(lengths), 1) * head_dim * self.bits // 8
-        parts = [self.split(n) for n in lengths]
-        quantized, residual = max(q for q, _ in parts), max(r for _, r in parts)
-        total = 2 * heads * residual * head_dim * SIXTEEN_BITS
-        if quantized:
-            total += 2 * heads * quantized * head_dim * self.bits // 8  # packed codes of keys and values
-            total += 2 * heads * -(-quantized // self.group) * head_dim * SIXTEEN_BITS  # keys' scales and minima
-            total += 2 * heads * quantized * (head_dim // self.group) * SIXTEEN_BITS  # values' scales and minima
-        return total
-
-    def __str__(self) -> str:
-        """``4`` (KIVI's defaults), ``4 g64 r32``, ``16``, ``32``."""
-        if not self.quantized:
-            return str(self.bits)
-        extra = (f" g{self.group}" if self.group != DEFAULT_GROUP else "") + (
-            f" r{self.residual}" if self.residual != DEFAULT_RESIDUAL else ""
-        )
-        return f"{self.bits}{extra}"
-
-
-def largest(low: int, high: int, fits: Callable[[int], bool]) -> int | None:
-    """The largest k in [low, high] with ``fits(k)``, for ``fits`` true up to some k and false after (binary
-    search, then a step up while the next one fits too: a few bytes of rounding may break monotony); None if even
-    ``low`` does not fit."""
-    if not fits(low):
-        return None
-    while low < high:
-        middle = (low + high + 1) // 2
-        if fits(middle):
-            low = middle
-        else:
-            high = middle - 1
-    return low
-
-
-def planned_bytes(fmt: KVFormat, per_layer: Sequence[int], heads: int, head_dim: int) -> int:
-    """Bytes of a cache whose layers keep ``per_layer`` entries in each of ``heads`` heads."""
-    return sum(fmt.layer_bytes(heads, head_dim, [n] * heads) for n in per_layer)
-
-
 def keeps_fixed_set(policy) -> bool:
     """Whether ``policy`` keeps the same entries whatever its budget (the full cache): no memory budget changes it."""
     length = 4 * max(policy.min_budget, 1) + 64
     return policy.layer_budgets(max(policy.min_budget, 1), length, 2) == policy.layer_budgets(length, length, 2)
-
-
-class MemoryTooSmall(PkvError):
-    """A memory budget below what a policy's smallest cache takes (its floor: window, sinks) in a format."""
-
-    def __init__(self, budget: Budget, needed: int, full_bytes: int, what: str):
-        self.needed = needed  # bytes of the smallest cache
-        self.smallest = needed / full_bytes if isinstance(budget.value, float) else needed
-        super().__init__(
-            f"--memory {str(budget).removeprefix(MEMORY_PREFIX)}: {what} needs at least {needed} bytes "
-            f"({needed / full_bytes:.4g} of the full cache)"
-        )
-
-
-def floor_bytes(policy, context_len: int, geometry: CacheGeometry, fmt: KVFormat, heads: int | None = None) -> int:
-    """The bytes of the smallest cache ``policy`` keeps (its floor: window, sinks) in ``fmt``."""
-    floor = min(max(policy.min_budget, 1), context_len)
-    per_layer = geometry.layer_budgets(policy, floor, context_len)
-    return planned_bytes(fmt, per_layer, heads or geometry.kv_heads, geometry.head_dim)
-
-
-def memory_plan(
-    policy, budget: Budget, context_len: int, geometry: CacheGeometry, fmt: KVFormat, heads: int | None = None
-) -> LayerPlan:
-    """The most entries ``policy`` can keep in ``fmt`` within a memory ``budget`` (as close to it as whole entries
-    allow): every layer's tensors counted (codes, scales, minima, residual, PyramidKV's per-layer budgets). ``heads``:
-    the cache's heads per layer (the query heads for a policy that keeps one set per query head). Raises
-    ``MemoryTooSmall`` when even the policy's floor does not fit."""
-    heads = heads or geometry.kv_heads
-    full = geometry.full_bytes(context_len)
-    target = budget.target_bytes(full)
-
-    def cost(k: int) -> int:
-        return planned_bytes(fmt, geometry.layer_budgets(policy, k, context_len), heads, geometry.head_dim)
-
-    k = largest(min(max(policy.min_budget, 1), context_len), context_len, lambda k: cost(k) <= target)
-    if k is None:
-        needed = floor_bytes(policy, context_len, geometry, fmt, heads)
-        raise MemoryTooSmall(budget, needed, full, f"{policy.label} at {fmt} bits on {context_len} tokens")
-    per_layer = geometry.layer_budgets(policy, k, context_len)
-    return LayerPlan(requested=k, effective=k, per_layer=per_layer, context_len=context_len, target_bytes=target)
 
 
 def parse_decode_budgets(value: Any) -> list[int | None]:
@@ -425,7 +234,7 @@ def parse_decode_budgets(value: Any) -> list[int | None]:
             parsed.append(None)
             continue
         try:
-            number = int(item)
+            number = int_text(item)
         except ValueError:
             number = 0
         if number < 1:

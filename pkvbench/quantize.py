@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-QUANTIZED_BITS = (2, 4, 8)
-
 
 def levels(bits: int) -> int:
     """The largest code: 2^bits − 1."""

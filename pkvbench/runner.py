@@ -15,11 +15,14 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from pkvbench import budgets
-from pkvbench.budgets import Budget, KVFormat
+from pkvbench import budgets, kv_formats
+from pkvbench.budgets import Budget
+from pkvbench.config import int_text
 from pkvbench.engine.generation import CompressedCache, Engine, Prefill
+from pkvbench.engine.models import ModelShape
 from pkvbench.errors import PkvError
 from pkvbench.fingerprints import fingerprint
+from pkvbench.kv_formats import KVFormat
 from pkvbench.metric_registry import METRICS
 from pkvbench.metrics import prepare_prediction
 from pkvbench.policies.base import LayerStats, Policy
@@ -49,7 +52,7 @@ class Shard:
     def parse(cls, text: str) -> Shard:
         index, sep, count = str(text).partition("/")
         try:
-            shard = cls(int(index), int(count))
+            shard = cls(int_text(index), int_text(count))
         except ValueError:
             shard = None
         if not sep or shard is None or not 1 <= shard.index <= shard.count:
@@ -113,8 +116,8 @@ class RunSettings:
     max_new_tokens: int | None = None  # instead of the task's answer length
     decode_batch: int | None = None  # at most this many configurations decode together (None: as memory allows)
     protocol: str = "exact"  # recorded in every row: the policies were parsed under it
-    kv_group: int = budgets.DEFAULT_GROUP  # recorded in every row (the model's own cache has no use for them)
-    kv_residual: int = budgets.DEFAULT_RESIDUAL
+    kv_group: int = kv_formats.DEFAULT_GROUP  # recorded in every row (the model's own cache has no use for them)
+    kv_residual: int = kv_formats.DEFAULT_RESIDUAL
     decode_interval: int = 16  # a decode budget cuts the cache every this many new tokens
     decode_buffer: int = 8  # and always keeps this many of the newest entries
 
@@ -155,46 +158,19 @@ def run_sample(
         cuts=tuple(n for n, mode in ((aware_len, AWARE), (context_len, AGNOSTIC)) if mode in modes),
         decoding=[cell.policy for cell in cells if cell.decode_budget is not None],
     )
-    jobs: list[_Job] = []
-    requests = []
-    # uncompressed caches stored alike decode to the same tokens: one request per mode, question and format
-    shared: dict[tuple, int] = {}
-
-    def add(cell: Cell, question: Question, source: Prefill, cache: CompressedCache, selection_s: float) -> None:
-        agnostic = cell.query_mode == AGNOSTIC
-        key = (cell.query_mode, question.question_id, id(source), cell.kv)
-        schedule = engine.schedule(cell.policy, cell.decode_budget, settings.decode_interval, settings.decode_buffer)
-        own = cache.plan.compressed or schedule is not None  # else the full cache, never cut: decoded once
-        if own or key not in shared:
-            requests.append(
-                engine.request(
-                    source,
-                    cache,
-                    settings.max_new_tokens or task.max_new_tokens,
-                    task.stop_strings,
-                    task.min_new_tokens,
-                    question.ids if agnostic else None,
-                    schedule,
-                )
-            )
-            if not own:
-                shared[key] = len(requests) - 1
-        which = shared[key] if not own else len(requests) - 1
-        jobs.append(_Job(cell, question, cache, selection_s, which, source, cell.kv or engine.native_format))
-
+    batch = _Batch(engine, task, settings)
     for cell in cells:
         started = time.perf_counter()
         cut = context_len if cell.query_mode == AGNOSTIC else aware_len
         cache = engine.compress(prefill, cell.policy, cell.budget, cut, cell.kv)
         selection_s = time.perf_counter() - started
         for question in sample.questions if cell.query_mode == AGNOSTIC else [first]:
-            add(cell, question, prefill, cache, selection_s)
-    decoded = engine.decode_many(requests, settings.decode_batch)
-    yield from (_row(engine, task, sample, job, decoded[job.request], settings, texts) for job in jobs)
+            batch.add(cell, question, prefill, cache, selection_s)
+    yield from batch.rows(sample, texts)
 
     aware_cells = [cell for cell in cells if cell.query_mode == AWARE]
     for question in sample.questions[1:] if aware_cells else []:
-        jobs, requests, shared = [], [], {}
+        batch = _Batch(engine, task, settings)
         own = engine.prefill(
             _as_tensor(sample.prompt(question)),
             [cell.policy for cell in aware_cells],
@@ -203,9 +179,48 @@ def run_sample(
         for cell in aware_cells:
             started = time.perf_counter()
             cache = engine.compress(own, cell.policy, cell.budget, fmt=cell.kv)
-            add(cell, question, own, cache, time.perf_counter() - started)
-        decoded = engine.decode_many(requests, settings.decode_batch)
-        yield from (_row(engine, task, sample, job, decoded[job.request], settings, texts) for job in jobs)
+            batch.add(cell, question, own, cache, time.perf_counter() - started)
+        yield from batch.rows(sample, texts)
+
+
+class _Batch:
+    """The caches of one prefill's cells, decoded together: each cell × question a job, each job pointing at the
+    decode request that writes its answer. Uncompressed caches stored alike decode to the same tokens, so they
+    share one request per query mode, question and format."""
+
+    def __init__(self, engine: Engine, task: TaskSpec, settings: RunSettings):
+        self.engine, self.task, self.settings = engine, task, settings
+        self.jobs: list[_Job] = []
+        self.requests: list = []
+        self.shared: dict[tuple, int] = {}
+
+    def add(self, cell: Cell, question: Question, source: Prefill, cache: CompressedCache, selection_s: float) -> None:
+        engine, task, settings = self.engine, self.task, self.settings
+        key = (cell.query_mode, question.question_id, id(source), cell.kv)
+        schedule = engine.schedule(cell.policy, cell.decode_budget, settings.decode_interval, settings.decode_buffer)
+        own = cache.plan.compressed or schedule is not None  # else the full cache, never cut: decoded once
+        if own or key not in self.shared:
+            self.requests.append(
+                engine.request(
+                    source,
+                    cache,
+                    settings.max_new_tokens or task.max_new_tokens,
+                    task.stop_strings,
+                    task.min_new_tokens,
+                    question.ids if cell.query_mode == AGNOSTIC else None,
+                    schedule,
+                )
+            )
+            if not own:
+                self.shared[key] = len(self.requests) - 1
+        which = self.shared[key] if not own else len(self.requests) - 1
+        self.jobs.append(_Job(cell, question, cache, selection_s, which, source, cell.kv or engine.native_format))
+
+    def rows(self, sample: Sample, texts: dict[str, dict]) -> Iterator[dict]:
+        """Decode every request (in batches of at most ``decode_batch`` rows) and yield each job's row."""
+        decoded = self.engine.decode_many(self.requests, self.settings.decode_batch)
+        for job in self.jobs:
+            yield _row(self.engine, self.task, sample, job, decoded[job.request], self.settings, texts)
 
 
 def _row(
@@ -394,8 +409,8 @@ def run_grid(
     """The local executor: every pending sample in order, in this process (``items``: the samples, if built)."""
     started = time.perf_counter()
     plan = plan_grid(tasks, engine.tokenizer, cells, options, store, shard, items)
-    check_formats(engine, cells)
-    check_memory(engine, plan.pending)
+    check_formats(engine.loaded.shape, cells)  # evaluate checked them from the model's config: again, as loaded
+    check_memory(engine.loaded.shape, plan.pending)
     writer = RowWriter(store, plan, started=started, quiet=quiet, on_row=on_row)
     try:
         for task, sample, pending in plan.pending:
@@ -407,10 +422,11 @@ def run_grid(
     return writer.stats
 
 
-def check_formats(engine: Engine, cells: list[Cell]) -> None:
-    """Refuse, before any prefill, a KIVI group that does not fit the model's heads: values are quantized per token
-    in groups of G channels, so G must divide the head size."""
-    head_dim = engine.loaded.head_dim
+def check_formats(shape: ModelShape, cells: list[Cell]) -> None:
+    """Refuse a KIVI group that does not fit the model's heads: values are quantized per token in groups of G
+    channels, so G must divide the head size. ``shape`` is read from the model's config: this runs before the model
+    loads (and before ``--overwrite`` deletes anything)."""
+    head_dim = shape.head_dim
     for fmt in {cell.kv for cell in cells if cell.kv is not None and cell.kv.quantized}:
         if head_dim % fmt.group or head_dim * fmt.bits % 8:
             raise PkvError(
@@ -419,21 +435,21 @@ def check_formats(engine: Engine, cells: list[Cell]) -> None:
             )
 
 
-def check_memory(engine: Engine, pending: list[tuple[TaskSpec, Sample, list[Cell]]]) -> None:
-    """Refuse, before any prefill, a memory budget that some cell cannot hold on some prompt (a policy's floor — its
-    window, its sinks — stored in the cell's format takes more): a memory column must hold every cell. The message
-    names the smallest value every cell can hold."""
-    geometry, loaded = engine.geometry, engine.loaded
+def check_memory(shape: ModelShape, pending: list[tuple[TaskSpec, Sample, list[Cell]]]) -> None:
+    """Refuse a memory budget that some cell cannot hold on some prompt (a policy's floor — its window, its sinks —
+    stored in the cell's format takes more): a memory column must hold every cell. The message names the smallest
+    value every cell can hold. Needs the model's config and the prompts' lengths only: runs before the model loads."""
+    geometry = shape.geometry
     short: dict[Budget, tuple[float, str]] = {}
     for _task, sample, cells in pending:
         for cell in cells:
             if not cell.budget.memory:
                 continue
             prompts = [sample.context_ids] if cell.query_mode == AGNOSTIC else map(sample.prompt, sample.questions)
-            fmt = cell.kv or engine.native_format
+            fmt = cell.kv or shape.native_format
             for length in {len(ids) for ids in prompts}:
-                stats = LayerStats(length, loaded.num_kv_heads, loaded.num_query_heads)
-                needed = budgets.floor_bytes(cell.policy, length, geometry, fmt, cell.policy.cache_heads(stats))
+                stats = LayerStats(length, shape.kv_heads, shape.query_heads)
+                needed = kv_formats.floor_bytes(cell.policy, length, geometry, fmt, cell.policy.cache_heads(stats))
                 full = geometry.full_bytes(length)
                 if needed > cell.budget.target_bytes(full):
                     smallest = needed / full if isinstance(cell.budget.value, float) else needed

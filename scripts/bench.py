@@ -47,10 +47,11 @@ import click
 import pandas as pd
 import torch
 
-from pkvbench.budgets import Budget, KVFormat
+from pkvbench.budgets import Budget
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import load_model
 from pkvbench.engine.reconstruction import repeat_inputs
+from pkvbench.kv_formats import KVFormat
 from pkvbench.policies import parse_policy
 from pkvbench.runner import Cell, RunSettings, run_sample
 from pkvbench.tasks.base import TaskOptions

@@ -72,7 +72,7 @@ PAIRS = [
         "pyramidkv",
         expect="nested",
         why="same scores, other per-layer counts: kvpress's pyramid keeps round(max − l·step) from its float "
-        "arithmetic on T·(1 − r), pkvbench's apportions L·k exactly (budgets.py); kvpress's answer fails where its "
+        "arithmetic on T·(1 − r), pkvbench's apportions L·k exactly (policies/pyramidkv.py); kvpress's answer fails where its "
         "layers keep different numbers of entries",
     ),
     Pair("random", "random_seed0"),

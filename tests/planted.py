@@ -19,7 +19,7 @@ import pandas as pd
 
 from pkvbench import budgets as budget_rules
 from pkvbench.check import CheckResult, SelectionRule, check_run, samples_path
-from pkvbench.policies import base, snapkv, streamingllm
+from pkvbench.policies import base, pyramidkv, snapkv, streamingllm
 from pkvbench.policies.base import Needs
 
 
@@ -65,8 +65,8 @@ def _no_pooling() -> Iterator[None]:
 @contextlib.contextmanager
 def _pyramid_reversed() -> Iterator[None]:
     """PyramidKV's budgets upside down: the top layers get the most."""
-    original = budget_rules.pyramid
-    with mock.patch.object(budget_rules, "pyramid", lambda *a, **k: list(reversed(original(*a, **k)))):
+    original = pyramidkv.pyramid
+    with mock.patch.object(pyramidkv, "pyramid", lambda *a, **k: list(reversed(original(*a, **k)))):
         yield
 
 

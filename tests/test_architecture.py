@@ -98,6 +98,7 @@ def test_the_arrows_point_from_the_cli_down_to_the_engine():
         "pkvbench.engine.attention",
         "pkvbench.policies.base",
         "pkvbench.budgets",
+        "pkvbench.kv_formats",
         "pkvbench.metrics",
     ):
         assert not graph[low] & {

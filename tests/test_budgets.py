@@ -6,6 +6,7 @@ from pkvbench import budgets
 from pkvbench.budgets import Budget, parse_budgets
 from pkvbench.errors import PkvError
 from pkvbench.policies import parse_policy
+from pkvbench.policies.pyramidkv import pyramid
 
 
 def test_parse_fraction_and_count():
@@ -33,7 +34,7 @@ def test_fraction_rounds_to_nearest():
 
 
 def test_pyramid_matches_the_paper_formula_and_spends_exactly():
-    per_layer = budgets.pyramid(128, 8192, 32, window=8, beta=20)
+    per_layer = pyramid(128, 8192, 32, window=8, beta=20)
     assert sum(per_layer) == 32 * 128
     assert per_layer[0] == 8 + 234  # bottom: 2(k-w) - (k-w)/beta = 240 - 6
     assert per_layer[-1] == 8 + 6  # top: (k-w)/beta
@@ -47,7 +48,7 @@ def test_pyramid_matches_the_paper_formula_and_spends_exactly():
     list(itertools.product([9, 20, 64, 128, 500], [100, 1000, 8192], [1, 2, 30, 32], [8, 32], [20, 5])),
 )
 def test_pyramid_total_and_bounds(k, length, layers, window, beta):
-    per_layer = budgets.pyramid(k, length, layers, window=window, beta=beta)
+    per_layer = pyramid(k, length, layers, window=window, beta=beta)
     assert len(per_layer) == layers
     if k >= length:
         assert per_layer == [length] * layers
@@ -59,7 +60,7 @@ def test_pyramid_total_and_bounds(k, length, layers, window, beta):
 
 def test_pyramid_clamps_at_the_prompt_length():
     # k - w = 120; the bottom layer would want 234 beyond the window but only T - w = 192 exist.
-    per_layer = budgets.pyramid(128, 200, 30, window=8, beta=20)
+    per_layer = pyramid(128, 200, 30, window=8, beta=20)
     assert per_layer[0] == 200
     assert sum(per_layer) == 30 * 128
     assert per_layer[-1] == 8 + (240 - 192)  # the top recomputed as 2(k-w) - (T-w)

@@ -100,7 +100,8 @@ def test_batched_decoding_gives_the_tokens_of_one_at_a_time(engine, loaded):
     """Every policy × budget on a needle prompt, with a stop string and a minimum length in play, some of them
     stored in fewer bits, and rows that cut their caches while decoding on their own schedules: decoding all
     configurations of a sample together yields exactly the tokens (and cache sizes) each gives alone."""
-    from pkvbench.budgets import Budget, KVFormat
+    from pkvbench.budgets import Budget
+    from pkvbench.kv_formats import KVFormat
     from pkvbench.policies import parse_policy, registry
     from pkvbench.tasks.base import TaskOptions
     from pkvbench.tasks.registry import build_samples, get_task

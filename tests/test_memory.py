@@ -7,21 +7,12 @@ import pandas as pd
 import pytest
 import torch
 
-from pkvbench.budgets import (
-    Budget,
-    CacheGeometry,
-    KVFormat,
-    MemoryTooSmall,
-    keeps_fixed_set,
-    memory_plan,
-    parse_budgets,
-    parse_memory,
-    planned_bytes,
-)
+from pkvbench.budgets import Budget, keeps_fixed_set, parse_budgets, parse_memory
 from pkvbench.engine.decoding import KeptEntries
 from pkvbench.engine.generation import kept_bytes
 from pkvbench.engine.quantized import StoredEntries, quantized_layers
 from pkvbench.errors import PkvError
+from pkvbench.kv_formats import CacheGeometry, KVFormat, MemoryTooSmall, memory_plan, planned_bytes
 from pkvbench.policies import parse_policy
 from pkvbench.quantize import dequantize_keys, dequantize_values
 

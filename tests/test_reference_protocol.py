@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pkvbench.budgets import Budget, plan, pyramid_reference
+from pkvbench.budgets import Budget, plan
 from pkvbench.engine.attention import accumulated_attention, bidirectional_attention_sums, window_attention_sums
 from pkvbench.policies import LayerStats, parse_policy
+from pkvbench.policies.pyramidkv import pyramid_reference
 
 TIE_TOLERANCE = 1e-5  # relative: scores this close to the last kept score may be swapped by float noise
 

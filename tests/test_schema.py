@@ -10,8 +10,9 @@ import pytest
 
 import pkvbench
 from pkvbench import runner, schema
-from pkvbench.budgets import Budget, KVFormat
+from pkvbench.budgets import Budget
 from pkvbench.html_report import CONFIG_FIELDS, sample_fields
+from pkvbench.kv_formats import KVFormat
 from pkvbench.policies import parse_policy
 from pkvbench.results import row_key
 from pkvbench.tasks.base import Question, Sample, TaskSpec

@@ -7,7 +7,7 @@ see them alone. Positions are the original ones. Each row stops on its own (an e
 limit) and leaves the batch. A batch of one is the plain one-configuration-at-a-time path.
 
 Which rows share a batch (``plan_batches``): rows whose caches have the same number of heads, are stored alike (the
-model's dtype, or one ``budgets.KVFormat``: ``engine/quantized.py``) and feed the same tokens first (query-agnostic
+model's dtype, or one ``kv_formats.KVFormat``: ``engine/quantized.py``) and feed the same tokens first (query-agnostic
 rows feed their question on top of the compressed context), at most ``max_rows`` rows, and no more padding than one full cache of the prompt or ``PADDING_ALLOWANCE`` times what the rows keep themselves,
 whichever is more. So a full-cache row never pads a batch of small caches to its length, while a grid's budgets
 (64 to 512 entries of a 2000-token prompt) share one or two batches: on 2 CPU cores a decode step of 12 rows costs

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pkvbench import budgets
+from pkvbench import budgets, kv_formats
 from pkvbench.engine.architecture import Architecture
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries
@@ -110,8 +110,8 @@ class CompressedCache:
         return sum(t.numel() * t.element_size() for t in (*self.kept.keys, *self.kept.values))
 
 
-def kept_bytes(kept: KeptEntries, fmt: budgets.KVFormat) -> int:
-    """What ``kept`` will take once stored in ``fmt`` (``budgets.KVFormat.layer_bytes``, layer by layer)."""
+def kept_bytes(kept: KeptEntries, fmt: kv_formats.KVFormat) -> int:
+    """What ``kept`` will take once stored in ``fmt`` (``kv_formats.KVFormat.layer_bytes``, layer by layer)."""
     total = 0
     for index, keys in enumerate(kept.keys):
         lengths = kept.lengths[index].tolist() if kept.lengths is not None else [keys.shape[1]] * keys.shape[0]
@@ -148,14 +148,14 @@ class Engine:
         )
 
     @property
-    def geometry(self) -> budgets.CacheGeometry:
+    def geometry(self) -> kv_formats.CacheGeometry:
         whole = tuple(not self.architecture.compressible(layer) for layer in range(self.loaded.num_layers))
-        return budgets.CacheGeometry(self.loaded.num_layers, self.loaded.num_kv_heads, self.loaded.head_dim, whole)
+        return kv_formats.CacheGeometry(self.loaded.num_layers, self.loaded.num_kv_heads, self.loaded.head_dim, whole)
 
     @property
-    def native_format(self) -> budgets.KVFormat:
+    def native_format(self) -> kv_formats.KVFormat:
         """The model's own cache: its dtype's width, stored as computed."""
-        return budgets.KVFormat(self.model.dtype.itemsize * 8, native=True)
+        return kv_formats.KVFormat(self.model.dtype.itemsize * 8, native=True)
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -311,17 +311,17 @@ class Engine:
         policy: Policy,
         budget: budgets.Budget,
         cut: int | None = None,
-        fmt: budgets.KVFormat | None = None,
+        fmt: kv_formats.KVFormat | None = None,
     ) -> CompressedCache:
         """Gather the entries ``policy`` keeps at ``budget`` from the full cache (no second forward pass): of the
         whole prompt, or of its first ``cut`` tokens (the context, when the question comes after compression); then
         store them in ``fmt`` (default: the model's own cache). A memory budget keeps as many entries as fit its
-        bytes in ``fmt`` (``budgets.memory_plan``)."""
+        bytes in ``fmt`` (``kv_formats.memory_plan``)."""
         fmt = fmt or self.native_format
         length = cut or prefill.context_len
         heads = policy.cache_heads(prefill.stats_at[length][0])
         if budget.memory:
-            plan = budgets.memory_plan(policy, budget, length, self.geometry, fmt, heads)
+            plan = kv_formats.memory_plan(policy, budget, length, self.geometry, fmt, heads)
         else:
             plan = self._plan(policy, budget, length)
         kept, selected = self._gather(prefill, policy, plan, heads)
@@ -338,7 +338,7 @@ class Engine:
         budget: budgets.Budget,
         plan: budgets.LayerPlan,
         heads: int,
-        fmt: budgets.KVFormat,
+        fmt: kv_formats.KVFormat,
     ) -> tuple[budgets.LayerPlan, tuple[KeptEntries, list | None]]:
         """A policy whose heads keep different numbers of entries is stored padded to each layer's fullest head:
         the bytes depend on what it selects. The most entries whose selection fits the memory budget."""
@@ -352,10 +352,10 @@ class Engine:
             return kept_bytes(tried[k][1][0], fmt) <= plan.target_bytes
 
         floor = min(max(policy.min_budget, 1), length)
-        k = budgets.largest(floor, plan.effective - 1, fits)
+        k = kv_formats.largest(floor, plan.effective - 1, fits)
         if k is None:
             needed, full = kept_bytes(tried[floor][1][0], fmt), self.geometry.full_bytes(length)
-            raise budgets.MemoryTooSmall(budget, needed, full, f"{policy.label} at {fmt} bits on {length} tokens")
+            raise kv_formats.MemoryTooSmall(budget, needed, full, f"{policy.label} at {fmt} bits on {length} tokens")
         if k not in tried:
             fits(k)
         return tried[k]

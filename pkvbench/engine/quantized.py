@@ -1,7 +1,7 @@
 """Compressed caches stored in fewer bits: one row's stored form, and the layer a batch of them decodes from.
 
 A policy selects its entries from full-precision statistics; ``StoredEntries.store`` then keeps them in a
-``budgets.KVFormat``: 16 bits (every entry, widened for attention where the model computes in float32), or KIVI's
+``kv_formats.KVFormat``: 16 bits (every entry, widened for attention where the model computes in float32), or KIVI's
 8/4/2-bit integers (``pkvbench.quantize``) for all but each head's last R entries, which stay in 16 bits (the
 residual). The stored tensors are all there is: ``nbytes`` is their sum, what a row's ``kv_bytes`` records.
 
@@ -21,9 +21,9 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from pkvbench.budgets import KVFormat
 from pkvbench.engine.cache import RaggedLayer
 from pkvbench.errors import PkvError
+from pkvbench.kv_formats import KVFormat
 from pkvbench.quantize import Quantized, dequantize_keys, dequantize_values, quantize_keys, quantize_values
 
 
