@@ -228,3 +228,16 @@ def test_the_cli_runs_a_grid_on_the_family(family, grid, tmp_path, capsys):
         main([*args, "--max-new-tokens", "6", "--quiet", "--out", str(tmp_path / "run"), *grid])
     assert exit_info.value.code == 0, capsys.readouterr().err
     assert (tmp_path / "run" / "summary.csv").is_file()
+
+
+def test_a_statistic_beyond_the_machines_memory_is_one_line_naming_the_length():
+    from pkvbench.engine.generation import too_big_for_memory
+    from pkvbench.errors import PkvError
+
+    failure = "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate"
+    expected = "rkv's scores on a prompt of 32768 tokens need more memory than is free"
+    with pytest.raises(PkvError, match=expected), too_big_for_memory("rkv's scores", 32768):
+        raise RuntimeError(failure)
+    # any other error stays what it is
+    with pytest.raises(RuntimeError, match="shape mismatch"), too_big_for_memory("rkv's scores", 32768):
+        raise RuntimeError("shape mismatch")
