@@ -61,6 +61,10 @@ ROWS = [
     Row(
         "qwen3-window", "qwen3", {"sliding_window": 128, "use_sliding_window": True, "max_window_layers": 0}, length=120
     ),
+    # Mixed: layer 0 global (compressed), layer 1 local (kept whole, under its window).
+    Row(
+        "qwen2-mixed", "qwen2", {"sliding_window": 128, "use_sliding_window": True, "max_window_layers": 1}, length=120
+    ),
 ]
 
 
@@ -104,8 +108,12 @@ def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
     visible = torch.zeros(row.length, dtype=torch.bool)
     visible[: streaming.sink] = True
     visible[row.length - (row.budget - streaming.sink) :] = True
+    architecture = engine.architecture
+    for layer in range(architecture.num_layers):  # a mixed model's local layers keep every entry
+        assert compressed.kept.stored(layer) == (row.budget if architecture.compressible(layer) else row.length)
+    whole = tuple({kind for i, kind in enumerate(architecture.layer_kinds) if not architecture.compressible(i)})
     masked = masked_reference(
-        engine.model, prefill.keys, prefill.values, visible, prefill.first_token, row.new_tokens, engine.stop_ids
+        engine.model, prefill.keys, prefill.values, visible, prefill.first_token, row.new_tokens, engine.stop_ids, whole
     )
     assert streamed == masked
     assert streamed != reference  # the masked check proves something only where dropping entries changes the answer
