@@ -249,3 +249,29 @@ def test_a_statistic_beyond_the_machines_memory_is_one_line_naming_the_length():
     # any other error stays what it is
     with pytest.raises(RuntimeError, match="shape mismatch"), too_big_for_memory("rkv's scores", 32768):
         raise RuntimeError("shape mismatch")
+
+
+@pytest.mark.parametrize(
+    "config,reason",
+    [
+        ({"model_type": "deepseek_v3"}, "'deepseek_v3' model, not supported: MLA caches a compressed latent"),
+        ({"model_type": "gemma2"}, "not supported: soft-capped attention logits"),
+        ({"model_type": "falcon"}, "'falcon' model; supported architectures: llama, mistral, qwen2, qwen3"),
+        (
+            {"model_type": "llama", "num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"]},
+            "has linear_attention layers",
+        ),
+    ],
+    ids=["mla", "refused-family", "unknown-family", "linear-attention"],
+)
+def test_a_family_pkvbench_cannot_run_is_refused_in_one_line_before_the_model_loads(config, reason, tmp_path, capsys):
+    """A folder holding only a config (no weights, no tokenizer): the refusal comes from the config alone."""
+    import json
+
+    from pkvbench.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--model", str(tmp_path), "--out", str(tmp_path / "run"), "--quiet"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and reason in err and len(err.strip().splitlines()) == 1, err
