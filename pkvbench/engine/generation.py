@@ -124,9 +124,7 @@ class CompressedCache:
     @property
     def nbytes(self) -> int:
         """Physical bytes of the stored keys and values (padding included)."""
-        if isinstance(self.kept, StoredEntries):
-            return self.kept.nbytes
-        return sum(t.numel() * t.element_size() for t in (*self.kept.keys, *self.kept.values))
+        return self.kept.nbytes
 
 
 def kept_bytes(kept: KeptEntries, fmt: kv_formats.KVFormat) -> int:
