@@ -177,8 +177,8 @@ class ShrinkingLayer(RaggedLayer):
                 logits = logits.masked_fill(~mask, float("-inf"))
             self._accumulated[:, :, : keys.shape[2]] += logits.softmax(dim=-1).sum(dim=2)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        super().select_rows(rows)
+    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+        super().select_rows(rows, host_rows)
         self._positions = self._positions[rows]
         if self._queries is not None:
             self._queries = self._queries[rows]
@@ -220,8 +220,7 @@ class ShrinkingLayer(RaggedLayer):
             by_query_head = columns.repeat_interleave(self._accumulated.shape[1] // self.heads, dim=0)
             self._accumulated[row, :, :kept] = self._accumulated[row].gather(1, by_query_head)
             self._accumulated[row, :, kept:] = 0.0  # the columns new tokens will take start from nothing
-        self.lengths[row] = kept
-        self._expose()
+        self.set_row_length(row, kept)
 
 
 class ShrinkingCache(RaggedCache):
