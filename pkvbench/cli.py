@@ -13,7 +13,8 @@ import click
 
 from pkvbench._version import __version__
 from pkvbench.config import MAX_LAYERS, MIN_POWER, SEED_MAX
-from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, SUPPORTED_ARCHITECTURES
+from pkvbench.engine.architecture import FAMILIES
+from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES
 from pkvbench.errors import PkvError
 from pkvbench.schema import DEFAULT_QUERY_MODE
 
@@ -858,7 +859,10 @@ def list_(include_paths) -> None:
     click.echo("Models:")
     for name, alias in ALIASES.items():
         click.echo(f"  {name:14} {alias.description} (from {alias.distribution}=={alias.version})")
-    click.echo(f"  or any Hugging Face id / local folder / .gguf file of: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    click.echo("  or any Hugging Face id / local folder / .gguf file of a family below (docs/models.md)")
+    click.echo("Model families (config model_type: what is special; how pkvbench handles it, or why it refuses it):")
+    for name, family in FAMILIES.items():
+        click.echo(f"  {name:14} {family.special}\n  {'':14} {family.handled or 'refused: ' + family.refused}")
 
 
 @cli.command()

@@ -10,6 +10,7 @@ embedded model's tokenizer, loads it as a user's folder and checks the engine ag
 
 The sliding-window rows take a prompt that fits the window and an answer that carries the sequence past it: the
 window must apply while decoding (the defect of issue 41: the full cache left ``generate`` at the 24th token).
+Every row also runs the CLI over every policy on a needle prompt of about 100 tokens.
 """
 
 from __future__ import annotations
@@ -49,9 +50,17 @@ class Row:
 
 
 ROWS = [
-    # Sliding windows the prompt fits but prompt + answer does not (window 48, prompt 40, 24 new tokens).
-    Row("mistral-window", "mistral", {"sliding_window": 48}),
-    Row("qwen3-window", "qwen3", {"sliding_window": 48, "use_sliding_window": True, "max_window_layers": 0}),
+    Row("llama", "llama"),
+    Row("phi3", "phi3", {"partial_rotary_factor": 0.5}),
+    Row("olmo2", "olmo2"),
+    Row("starcoder2", "starcoder2", {"initializer_range": 0.2}),
+    Row("qwen3_moe", "qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    Row("granite", "granite", {"attention_multiplier": 0.3, "residual_multiplier": 0.5, "logits_scaling": 2.0}),
+    # Sliding windows the prompt fits but prompt + answer does not (window 128, prompt 120, 24 new tokens).
+    Row("mistral-window", "mistral", {"sliding_window": 128}, length=120),
+    Row(
+        "qwen3-window", "qwen3", {"sliding_window": 128, "use_sliding_window": True, "max_window_layers": 0}, length=120
+    ),
 ]
 
 
@@ -72,7 +81,8 @@ def build(row: Row, folder, tokenizer):
 @pytest.fixture(scope="module", params=ROWS, ids=lambda row: row.name)
 def family(request, tmp_path_factory, tokenizer):
     row = request.param
-    return row, build(row, tmp_path_factory.mktemp(row.name), tokenizer)
+    folder = tmp_path_factory.mktemp(row.name)
+    return row, build(row, folder, tokenizer), folder
 
 
 def prompt(row: Row) -> torch.Tensor:
@@ -80,7 +90,7 @@ def prompt(row: Row) -> torch.Tensor:
 
 
 def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
-    row, engine = family
+    row, engine, _ = family
     ids = prompt(row)
     full, streaming = parse_policy("full"), parse_policy("streamingllm")
     prefill = engine.prefill(ids, [full, streaming])
@@ -101,9 +111,42 @@ def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
     assert streamed != reference  # the masked check proves something only where dropping entries changes the answer
 
 
+def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(family, monkeypatch):
+    """The recorded window sums and accumulated attention equal the stock eager kernel's attention weights (the
+    module's own scale, whatever the family); the queries Expected Attention un-rotates equal the model's pre-RoPE
+    queries (captured at its ``apply_rotary_pos_emb``), a partial RoPE's pass-through dimensions included."""
+    import inspect
+
+    from pkvbench.engine.attention import StatsRecorder, unrotate
+    from pkvbench.engine.exactness import stock_attention
+    from pkvbench.policies.base import Needs
+
+    row, engine, _ = family
+    ids = prompt(row)
+    modeling = inspect.getmodule(type(engine.architecture.attention_modules(engine.model)[0]))
+    rotate, before_rope = modeling.apply_rotary_pos_emb, []
+
+    def spy(q, *args, **kwargs):
+        before_rope.append(q[0].float().clone())
+        return rotate(q, *args, **kwargs)
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", spy)
+    needs = Needs(windows=frozenset({8}), accumulated=True, queries=frozenset({row.length}))
+    recorder = StatsRecorder(needs, rope=engine.rope)
+    engine.recorded_forward(ids, recorder)
+    with stock_attention(engine.model, "eager"), torch.inference_mode():
+        weights = engine.model(ids, output_attentions=True).attentions
+    cos, sin = engine.rope(0, row.length)
+    for layer, attention in enumerate(weights):
+        stats = recorder.layers[row.length, layer]
+        torch.testing.assert_close(stats.window_scores[8], attention[0, :, -8:].sum(1), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(stats.accumulated, attention[0].sum(1), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(unrotate(stats.recent_queries, cos, sin), before_rope[layer], atol=1e-5, rtol=1e-4)
+
+
 def test_a_batch_of_policies_decodes_as_each_alone(family):
     """Caches of several policies, two of them cut again while the answer is written (``--decode-budget``)."""
-    row, engine = family
+    row, engine, _ = family
     ids = prompt(row)
     policies = [parse_policy(name) for name in ("full", "streamingllm", "snapkv", "h2o")]
     prefill = engine.prefill(ids, policies, decoding=policies[2:])
@@ -160,3 +203,28 @@ def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage
             seen = sorted(columns[row, head][mask[row, min(head, mask.shape[1] - 1), 0]].tolist())
             expected = sorted(p for p in positions[head].tolist() if p > start - window) + [start]
             assert seen == expected
+
+
+EVERY_POLICY = "full,streamingllm,h2o,snapkv,pyramidkv,random,knorm,keydiff,tova,rkv,expected_attention,kvzip,adakv(snapkv),chunkkv(snapkv)"
+CUT_WHILE_DECODING = "full,streamingllm,h2o,snapkv,pyramidkv,random,knorm,keydiff,tova,rkv,expected_attention"
+
+
+@pytest.mark.parametrize(
+    "grid",
+    [
+        ["--policy", EVERY_POLICY, "--memory", "0.25", "--kv-bits", "16,4", "--kv-group", "16"],
+        ["--policy", CUT_WHILE_DECODING, "--budget", "32", "--decode-budget", "24", "--decode-interval", "4"],
+    ],
+    ids=["memory-bits", "decode-budget"],
+)
+def test_the_cli_runs_a_grid_on_the_family(family, grid, tmp_path, capsys):
+    """The user's path: ``pkvbench run --model FOLDER`` over every policy, at a memory budget in 16 and 4 bits, and
+    cutting the cache while the answer is written."""
+    from pkvbench.cli import main
+
+    _, _, folder = family
+    args = ["run", "--model", str(folder), "--task", "needle", "--lengths", "100", "--depths", "50"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--max-new-tokens", "6", "--quiet", "--out", str(tmp_path / "run"), *grid])
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    assert (tmp_path / "run" / "summary.csv").is_file()

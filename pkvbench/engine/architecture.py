@@ -16,9 +16,91 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pkvbench.errors import PkvError
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 ATTENTION_KINDS = (FULL, SLIDING)
+MATRIX = "tests/test_architectures.py"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A ``config.model_type``: what is special about it and how pkvbench handles it (docs/models.md's matrix), or
+    why it is refused. A family is admitted only with its row in ``tests/test_architectures.py``."""
+
+    special: str
+    handled: str
+    refused: str = ""  # the reason, in one line, where pkvbench does not run it
+
+    @property
+    def admitted(self) -> bool:
+        return not self.refused
+
+
+HALF_ROPE = "RoPE over the whole head (rotate-half)"
+FAMILIES: dict[str, Family] = {
+    "llama": Family(HALF_ROPE + "; Llama 3.1 and YaRN scaling", "the reference layout"),
+    "mistral": Family(
+        "a sliding window on every layer (Mistral-7B-v0.1)",
+        "compressed as any model; the window applied while decoding; prompts up to the window",
+    ),
+    "qwen2": Family(
+        "a sliding window on the layers from max_window_layers on, where use_sliding_window",
+        "every layer sliding: as mistral; some: the local layers kept whole",
+    ),
+    "qwen3": Family("q/k norms; an optional sliding window as qwen2", "as qwen2"),
+    "qwen3_moe": Family("mixture-of-experts MLP; q/k norms", "attention as qwen3"),
+    "phi3": Family("fused qkv projection; partial RoPE (partial_rotary_factor)", "RoPE un-rotated over its width"),
+    "olmo2": Family("q/k norms over all heads, after the projection", "attention as llama"),
+    "starcoder2": Family("projection biases; an optional sliding window", "as mistral where it slides"),
+    "granite": Family("attention, residual and logit multipliers", "the module's own scaling"),
+    "gemma2": Family(
+        "soft-capped attention logits; local and global layers",
+        "",
+        refused="soft-capped attention logits are not yet what the statistics score",
+    ),
+    "gemma3_text": Family(
+        "per-layer RoPE (local and global); local and global layers",
+        "",
+        refused="per-layer RoPE (local and global layers) is not yet read by the engine",
+    ),
+    "gpt_oss": Family(
+        "attention sinks in the softmax; half-width interleaved RoPE; local and global layers",
+        "",
+        refused="attention sinks are not yet in the statistics' softmax",
+    ),
+    "cohere": Family(
+        "interleaved RoPE", "", refused="interleaved RoPE: Expected Attention's un-rotation does not read it yet"
+    ),
+    "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused="MLA caches a compressed latent"),
+    "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused="MLA caches a compressed latent"),
+}
+# Layer kinds of transformers' cache_utils that hold no per-token keys and values (hybrid linear attention).
+RECURRENT_KINDS = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba")
+
+
+def admitted_families() -> list[str]:
+    return [name for name, family in FAMILIES.items() if family.admitted]
+
+
+def check_family(config, name: str) -> None:
+    """Refuse, in one line and before the model loads, a family pkvbench has not proven (``FAMILIES``) or layers it
+    cannot describe (``config``: a transformers config or anything with its attributes)."""
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise PkvError(
+            f"model {name} is a {model_type!r} model; supported architectures: {', '.join(admitted_families())}"
+        )
+    if family.refused:
+        raise PkvError(f"model {name} is a {model_type!r} model, not supported: {family.refused}")
+    kinds = set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_KINDS)
+    if kinds:
+        raise PkvError(
+            f"model {name} has {', '.join(sorted(kinds))} layers; pkvbench runs layers of kinds "
+            f"{', '.join(ATTENTION_KINDS)} only (per-token keys and values)"
+        )
 
 
 @dataclass(frozen=True)
@@ -67,6 +149,27 @@ class Architecture:
     def compressible(self, layer: int) -> bool:
         """Whether a policy may compress the layer: every layer but a mixed model's local ones."""
         return not (self.mixed and self.layer_kinds[layer] == SLIDING)
+
+    # --- the loaded model's modules: the one place that names their paths -------------------------------------
+
+    @staticmethod
+    def attention_modules(model) -> list:
+        """Each decoder layer's attention module (``transformers``' shared layout: ``model.model.layers[i]
+        .self_attn``, with ``layer_idx``, ``scaling``, ``o_proj``)."""
+        return [layer.self_attn for layer in model.model.layers]
+
+    def output_weights(self, model) -> list:
+        """Each layer's attention output projection's weight (VATP-style value scores)."""
+        return [module.o_proj.weight for module in self.attention_modules(model)]
+
+    def scalings(self, model) -> list[float]:
+        """The softmax scale each attention module applies (granite's multiplier, not always 1/sqrt(d))."""
+        return [float(module.scaling) for module in self.attention_modules(model)]
+
+    @staticmethod
+    def rotary(model):
+        """The model's rotary embedding module (cos, sin of positions; its width may be part of a head)."""
+        return model.model.rotary_emb
 
     @property
     def prompt_limit(self) -> int | None:

@@ -132,7 +132,7 @@ class Engine:
         forward_params = inspect.signature(self.model.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
         self.stop_ids = self._stop_ids()
-        self.output_weights = [layer.self_attn.o_proj.weight for layer in self.model.model.layers]
+        self.output_weights = self.architecture.output_weights(self.model)
         self.decoder = BatchDecoder(
             self._forward,
             self.tokenizer,
@@ -141,7 +141,7 @@ class Engine:
             self.device,
             self._sync,
             rope=self.rope,
-            scaling=float(self.model.model.layers[0].self_attn.scaling),
+            scaling=self.architecture.scalings(self.model)[0],
             query_heads=loaded.num_query_heads,
             layer_kinds=list(self.architecture.layer_kinds),
             windows=self.architecture.windows,
@@ -166,7 +166,7 @@ class Engine:
     def rope(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's RoPE cos and sin ``[count, head_dim]`` (float32) at positions start, start + 1, …"""
         positions = torch.arange(start, start + count, device=self.device)[None]
-        cos, sin = self.model.model.rotary_emb(torch.zeros(1, device=self.device), positions)
+        cos, sin = self.architecture.rotary(self.model)(torch.zeros(1, device=self.device), positions)
         return cos[0].float(), sin[0].float()
 
     def _stop_ids(self) -> set[int]:
