@@ -152,32 +152,38 @@ def test_compressed_answers_equal_pkvbench_run(grid_run, tmp_path):
 
 @pytest.mark.model
 def test_compressed_loglikelihood_is_read_over_the_kept_entries(engine):
-    """StreamingLLM at 16 keeps the first 4 and the last 12 positions of the context but its last token, in every
-    layer and head: the log-likelihood equals one forward pass over context and continuation in which the last
-    context token and the continuation see only those entries (and themselves)."""
+    """StreamingLLM at 16 keeps the first 4 and the last 12 positions of what it compresses — the context but its last
+    token (aware), the context before its question (agnostic) — in every layer and head: the log-likelihood equals
+    one forward pass over context and continuation in which the tokens after the compressed part see only those
+    entries (and themselves)."""
     import torch
 
-    grid = Grid(GridSpec.parse({"policy": "streamingllm", "budget": "16"}), engine=engine)
-    tokenizer = engine.tokenizer
-    context = tokenizer.encode(
-        "Mira keeps a grey donkey called Pepper, who carries water every morning, and a goat.\nAnswer:"
+    spec = GridSpec.parse(
+        {"policy": "streamingllm", "budget": "16", "query_mode": "aware+agnostic", "question_split": "\n"}
     )
+    grid = Grid(spec, engine=engine)
+    tokenizer = engine.tokenizer
+    passage = "Mira keeps a grey donkey called Pepper, who carries water every morning, and a goat called Clover."
+    context = tokenizer.encode(passage + "\nQuestion: Which animal carries water?\nAnswer:")
+    split = len(tokenizer.encode(passage))
     continuation = tokenizer.encode(" the grey donkey")
-    [[scored]] = grid.loglikelihood([Continuation(tuple(context), None, tuple(continuation))])
-    cut, sequence = len(context) - 1, context + continuation[:-1]
-    kept = [*range(4), *range(cut - 12, cut)]
-    visible = torch.ones(len(sequence), len(sequence), dtype=torch.bool).tril()
-    visible[cut:, :cut] = False
-    visible[cut:, kept] = True
-    with torch.inference_mode():
-        logits = engine.model(input_ids=torch.tensor([sequence]), attention_mask=visible[None, None]).logits[0]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    expected = sum(float(logprobs[cut + i, token]) for i, token in enumerate(continuation))
-    assert scored["logprob"] == pytest.approx(expected, abs=1e-4)
+    [[aware, agnostic]] = grid.loglikelihood([Continuation(tuple(context), split, tuple(continuation))])
+    sequence = context + continuation[:-1]
+    scored_from = len(context) - 1  # the position whose logits predict the continuation's first token
     with torch.inference_mode():
         everything = torch.log_softmax(engine.model(input_ids=torch.tensor([sequence])).logits[0].float(), dim=-1)
-    full = sum(float(everything[cut + i, token]) for i, token in enumerate(continuation))
-    assert abs(full - expected) > 0.01  # what was evicted mattered
+    full = sum(float(everything[scored_from + i, token]) for i, token in enumerate(continuation))
+    for scored, cut in ((aware, len(context) - 1), (agnostic, split)):
+        visible = torch.ones(len(sequence), len(sequence), dtype=torch.bool).tril()
+        visible[cut:, :cut] = False
+        visible[cut:, [*range(4), *range(cut - 12, cut)]] = True
+        with torch.inference_mode():
+            logits = engine.model(input_ids=torch.tensor([sequence]), attention_mask=visible[None, None]).logits[0]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        expected = sum(float(logprobs[scored_from + i, token]) for i, token in enumerate(continuation))
+        assert scored["logprob"] == pytest.approx(expected, abs=1e-4)
+        assert scored["context_tokens"] == cut
+        assert abs(full - expected) > 0.01  # what was evicted mattered
 
 
 @pytest.mark.parametrize(
