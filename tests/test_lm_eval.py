@@ -99,6 +99,28 @@ def test_grid_in_one_lm_eval_run(grid_run, capsys):
 
 
 @pytest.mark.model
+def test_rerun_skips_finished_configurations(grid_run, engine):
+    """Each configuration's rows are written last: a rerun into the folder (after an interruption) runs only the
+    configurations without rows — here none."""
+    from pkvbench.lm_eval.run import evaluate_grid
+    from pkvbench.results import read_rows
+
+    run, _ = grid_run
+    before = read_rows(run.out)
+    again = evaluate_grid(
+        TASKS,
+        {},
+        run.out,
+        limit=3,
+        include_paths=[DATA],
+        grid=Grid(GridSpec.parse(GRID), engine=engine),
+        include_defaults=False,
+    )
+    assert again.resumed == ["full-b16", "snapkv-b16"] and again.rows == 0
+    assert read_rows(run.out) == before
+
+
+@pytest.mark.model
 def test_full_cache_equals_lm_eval_hf_backend(grid_run, loaded):
     """The same model, tasks and documents through lm-eval's ``hf`` backend: the same answers, the same
     log-likelihoods (float32; one forward pass there, prefill then the fed tokens here) and greedy flags."""
