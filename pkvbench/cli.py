@@ -979,8 +979,9 @@ def lm_eval_command(tasks, include_paths, limit, num_fewshot, bootstrap_iters, o
     if not quiet:
         click.echo(run.summary.to_string(index=False) if len(run.summary) else "(no rows)")
     took = ", ".join(f"{label} {seconds:.1f} s" for label, seconds in run.seconds.items())
+    resumed = f", {len(run.resumed)} already done" if run.resumed else ""
     click.echo(
-        f"{len(run.seconds)} configurations ({took}), {run.rows} rows → {run.out}/samples.jsonl, "
+        f"{len(run.seconds)} configurations ({took}){resumed}, {run.rows} rows → {run.out}/samples.jsonl, "
         f"{run.out}/{LM_EVAL_FOLDER}/<configuration>/"
     )
 
