@@ -61,6 +61,10 @@ ROWS = [
     Row(
         "qwen3-window", "qwen3", {"sliding_window": 128, "use_sliding_window": True, "max_window_layers": 0}, length=120
     ),
+    # Mixed: layer 0 global (compressed), layer 1 local (kept whole, under its window).
+    Row(
+        "qwen2-mixed", "qwen2", {"sliding_window": 128, "use_sliding_window": True, "max_window_layers": 1}, length=120
+    ),
 ]
 
 
@@ -104,8 +108,12 @@ def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
     visible = torch.zeros(row.length, dtype=torch.bool)
     visible[: streaming.sink] = True
     visible[row.length - (row.budget - streaming.sink) :] = True
+    architecture = engine.architecture
+    for layer in range(architecture.num_layers):  # a mixed model's local layers keep every entry
+        assert compressed.kept.stored(layer) == (row.budget if architecture.compressible(layer) else row.length)
+    whole = tuple({kind for i, kind in enumerate(architecture.layer_kinds) if not architecture.compressible(i)})
     masked = masked_reference(
-        engine.model, prefill.keys, prefill.values, visible, prefill.first_token, row.new_tokens, engine.stop_ids
+        engine.model, prefill.keys, prefill.values, visible, prefill.first_token, row.new_tokens, engine.stop_ids, whole
     )
     assert streamed == masked
     assert streamed != reference  # the masked check proves something only where dropping entries changes the answer
@@ -206,7 +214,8 @@ def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage
 
 
 EVERY_POLICY = "full,streamingllm,h2o,snapkv,pyramidkv,random,knorm,keydiff,tova,rkv,expected_attention,kvzip,adakv(snapkv),chunkkv(snapkv)"
-CUT_WHILE_DECODING = "full,streamingllm,h2o,snapkv,pyramidkv,random,knorm,keydiff,tova,rkv,expected_attention"
+# One policy of each kind of decode-time statistic: none, accumulated, a window's, R-KV's queries, query moments.
+CUT_WHILE_DECODING = "streamingllm,h2o,snapkv,rkv,expected_attention"
 
 
 @pytest.mark.parametrize(
@@ -225,6 +234,45 @@ def test_the_cli_runs_a_grid_on_the_family(family, grid, tmp_path, capsys):
     _, _, folder = family
     args = ["run", "--model", str(folder), "--task", "needle", "--lengths", "100", "--depths", "50"]
     with pytest.raises(SystemExit) as exit_info:
-        main([*args, "--max-new-tokens", "6", "--quiet", "--out", str(tmp_path / "run"), *grid])
+        main([*args, "--max-new-tokens", "5", "--quiet", "--out", str(tmp_path / "run"), *grid])
     assert exit_info.value.code == 0, capsys.readouterr().err
     assert (tmp_path / "run" / "summary.csv").is_file()
+
+
+def test_a_statistic_beyond_the_machines_memory_is_one_line_naming_the_length():
+    from pkvbench.engine.generation import too_big_for_memory
+    from pkvbench.errors import PkvError
+
+    failure = "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate"
+    expected = "rkv's scores on a prompt of 32768 tokens need more memory than is free"
+    with pytest.raises(PkvError, match=expected), too_big_for_memory("rkv's scores", 32768):
+        raise RuntimeError(failure)
+    # any other error stays what it is
+    with pytest.raises(RuntimeError, match="shape mismatch"), too_big_for_memory("rkv's scores", 32768):
+        raise RuntimeError("shape mismatch")
+
+
+@pytest.mark.parametrize(
+    "config,reason",
+    [
+        ({"model_type": "deepseek_v3"}, "'deepseek_v3' model, not supported: MLA caches a compressed latent"),
+        ({"model_type": "gemma2"}, "not supported: soft-capped attention logits"),
+        ({"model_type": "falcon"}, "'falcon' model; supported architectures: llama, mistral, qwen2, qwen3"),
+        (
+            {"model_type": "llama", "num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"]},
+            "has linear_attention layers",
+        ),
+    ],
+    ids=["mla", "refused-family", "unknown-family", "linear-attention"],
+)
+def test_a_family_pkvbench_cannot_run_is_refused_in_one_line_before_the_model_loads(config, reason, tmp_path, capsys):
+    """A folder holding only a config (no weights, no tokenizer): the refusal comes from the config alone."""
+    import json
+
+    from pkvbench.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--model", str(tmp_path), "--out", str(tmp_path / "run"), "--quiet"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and reason in err and len(err.strip().splitlines()) == 1, err

@@ -55,6 +55,11 @@ class KeptEntries:
         return tuple(k.shape[0] for k in self.keys)
 
     @property
+    def nbytes(self) -> int:
+        """Physical bytes of the keys and values (padding included)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @property
     def entries(self) -> int:
         """Entries kept, over layers and heads (padding not counted)."""
         if self.lengths is None:

@@ -7,6 +7,7 @@ original positions T, T+1, ... whatever the compressed cache's length.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import time
@@ -23,7 +24,7 @@ from pkvbench.engine.models import LoadedModel
 from pkvbench.engine.quantized import StoredEntries
 from pkvbench.engine.reconstruction import SINK, ReconstructionRecorder, repeat_inputs
 from pkvbench.engine.shrinking import DecodeSchedule, prefill_needs, start_from
-from pkvbench.errors import PkvError
+from pkvbench.errors import PkvError, first_line
 from pkvbench.policies.base import LayerStats, Needs, Policy
 
 
@@ -70,6 +71,24 @@ def ragged_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(positions < length, positions, last), counts
 
 
+# How PyTorch says an allocation failed: on the CPU a RuntimeError with one of these, on a GPU OutOfMemoryError.
+OUT_OF_MEMORY = ("can't allocate memory", "not enough memory", "out of memory")
+
+
+@contextlib.contextmanager
+def too_big_for_memory(what: str, length: int):
+    """A statistic that would allocate more than the machine (or the device) has: one line naming the length, not
+    an internal error."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not any(marker in str(exc) for marker in OUT_OF_MEMORY):
+            raise
+        raise PkvError(
+            f"{what} on a prompt of {length} tokens need more memory than is free: {first_line(exc)}"
+        ) from None
+
+
 @dataclass
 class CompressedCache:
     """The entries one policy keeps at one budget, per layer ``[heads, n, dim]`` (batch dimension dropped), in the
@@ -105,9 +124,7 @@ class CompressedCache:
     @property
     def nbytes(self) -> int:
         """Physical bytes of the stored keys and values (padding included)."""
-        if isinstance(self.kept, StoredEntries):
-            return self.kept.nbytes
-        return sum(t.numel() * t.element_size() for t in (*self.kept.keys, *self.kept.values))
+        return self.kept.nbytes
 
 
 def kept_bytes(kept: KeptEntries, fmt: kv_formats.KVFormat) -> int:
@@ -206,7 +223,8 @@ class Engine:
         needs = Needs.union([*(p.needs for p in policies), *(prefill_needs(p) for p in decoding)])
         recorder = StatsRecorder(needs, cuts, self.rope)
         cache = DynamicCache()
-        logits, seconds = self.recorded_forward(input_ids, recorder, cache)
+        with too_big_for_memory("the prefill's statistics", input_ids.shape[1]):
+            logits, seconds = self.recorded_forward(input_ids, recorder, cache)
         layers = [cache.layers[i] for i in range(self.loaded.num_layers)]
         started = time.perf_counter()
         reconstruction = {
@@ -302,7 +320,8 @@ class Engine:
         length = plan.context_len
         stats = prefill.stats_at[length]
         compressed = [layer for layer, k in enumerate(plan.per_layer) if k < length]
-        kept = policy.select_layers([stats[i] for i in compressed], [plan.per_layer[i] for i in compressed])
+        with too_big_for_memory(f"{policy.label}'s scores", length):
+            kept = policy.select_layers([stats[i] for i in compressed], [plan.per_layer[i] for i in compressed])
         return dict(zip(compressed, kept))
 
     def compress(
