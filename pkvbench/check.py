@@ -1,7 +1,7 @@
 """``pkvbench check``: accuracy-at-budget as a CI gate that catches real regressions and ignores noise.
 
-A run's cells (model × task × policy × budget [× query mode]: sample count, mean score × 100 and its 95% interval)
-are compared with a committed baseline of the same columns. A cell fails when
+A run's cells (model × task × policy × budget × query mode × storage format × decode budget: ``schema.CELL_KEY``;
+sample count, mean score × 100 and its 95% interval) are compared with a committed baseline of the same columns. A cell fails when
 
 - it is missing from the run, or its sample count differs (a different sample set is not a comparison);
 - its score fell by more than the tolerance (points; per task if set) *and* below the baseline's interval — a fall

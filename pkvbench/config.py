@@ -9,6 +9,10 @@ line the file only sets defaults: any flag given there wins. An unknown key, a k
 and a value of the wrong shape are errors that name the key; the values themselves are checked by the run, exactly
 as if they had been typed.
 
+The YAML is read by ``io.parse_yaml``: numbers in plain decimal digits only (YAML 1.1's ``1_6``, ``0x10``, ``1:30``
+stay text, ``010`` is ten), aliases up to ``io.ALIAS_EXPANSION_LIMIT`` values in all. A value a message echoes is cut
+to a short excerpt (``shown``).
+
 The numbers and flags of every option — typed on the command line, read from a config, or given to the Python API —
 are parsed here, by ``parse_int``, ``parse_float`` and ``parse_bool``: an integer option takes an integer (never
 1.7 cut to 1, never true as 1), a number is finite, and a bound is checked with the same words everywhere. Lists,
@@ -170,6 +174,11 @@ def parse_bool(value: Any, what: str) -> bool:
     if not isinstance(value, bool):
         raise PkvError(f"{what} {shown(value)}: expected true or false")
     return value
+
+
+def option_text(value: Any) -> str:
+    """An option's value as policy labels and ``--policy-arg`` write it: booleans lower-case (``true``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def load_yaml_mapping(path: str | Path, what: str = "config") -> dict[str, Any]:

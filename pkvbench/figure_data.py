@@ -1,5 +1,5 @@
 """The numbers behind the figures, computed once for both renderers: ``plots.py`` draws them as PNG files
-(matplotlib), ``html_report.py`` as Vega-Lite specs (altair). The colours live here too, so that a policy has one
+(matplotlib), ``html_figures.py`` as Vega-Lite specs (altair) for the HTML page. The colours live here too, so that a policy has one
 colour, and a needle score one shade, in every figure, and the HTML page needs no plotting library to know them.
 """
 
@@ -9,6 +9,7 @@ import pandas as pd
 
 from pkvbench.results import bits_sort_key
 from pkvbench.schema import DEFAULT_QUERY_MODE
+from pkvbench.stats import group_interval, mean_interval
 
 # seaborn's "colorblind" palette, written out: a policy's colour is the same on a PNG and on the HTML page.
 POLICY_COLOURS = (
@@ -53,6 +54,31 @@ def needle_rows(rows: pd.DataFrame) -> pd.DataFrame:
 def needle_cells(rows: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     """One square per ``by`` × depth × length of a needle grid: its mean ``score`` (0–1) and sample count ``n``."""
     return rows.groupby([*by, "depth", "length"], sort=False)["score"].agg(score="mean", n="count").reset_index()
+
+
+# --- score-vs-budget curves ------------------------------------------------------------------------------------------
+
+
+def curve_table(rows: pd.DataFrame, by: tuple[str, ...] = ("model", "policy", "budget"), average: bool = True):
+    """The curves' points: ``by`` (model first), task, n, score (× 100) with its 95% interval (ci_low, ci_high),
+    one point per cell, in the rows' order; with ``average`` also task ``avg`` (mean over the model's tasks, only
+    where every task has the cell; resampled within tasks). Fold what a line stands for into ``policy`` first
+    (bits, decode budget: ``report.with_bits_in_policy``, ``with_decode_in_policy``)."""
+    axes = list(by)
+    points = []
+    for _, per_model in rows.groupby("model", sort=False):
+        tasks = list(per_model["task"].unique())
+        for key, cell in per_model.groupby(axes, sort=False):
+            by_task = {task: part["score"] for task, part in cell.groupby("task", sort=False)}
+            for task, scores in by_task.items():
+                low, high = mean_interval(scores)
+                points.append([*key, task, int(scores.count()), scores.mean() * 100, low * 100, high * 100])
+            if average and len(tasks) > 1 and len(by_task) == len(tasks):
+                low, high = group_interval(list(by_task.values()))
+                mean = sum(s.mean() for s in by_task.values()) / len(by_task)
+                count = sum(int(s.count()) for s in by_task.values())
+                points.append([*key, "avg", count, mean * 100, low * 100, high * 100])
+    return pd.DataFrame(points, columns=[*axes, "task", "n", "score", "ci_low", "ci_high"])
 
 
 # --- the full cache's reference line ---------------------------------------------------------------------------------

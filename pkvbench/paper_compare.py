@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from pkvbench.config import option_text
 from pkvbench.errors import PkvError
 from pkvbench.report import KEY, Runs, budget_sort_key, model_display_name, policy_sort_key, task_order
 from pkvbench.stats import group_interval, mean_interval
@@ -296,5 +297,5 @@ def _options_differ(policy_label: str, options: dict | None) -> list[str]:
 
 
 def _format_option_value(value) -> str:
-    """An option's value as a policy label writes it: booleans lower-case, floats without trailing zeros."""
-    return str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else str(value)
+    """An option's value as a policy label writes it (booleans lower-case), floats without trailing zeros."""
+    return f"{value:g}" if isinstance(value, float) else option_text(value)

@@ -25,7 +25,15 @@ from matplotlib.colors import LinearSegmentedColormap, Normalize
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from pkvbench.errors import PkvError
-from pkvbench.figure_data import NEEDLE_COLOURS, full_reference, is_full, needle_cells, needle_rows, policy_colour
+from pkvbench.figure_data import (
+    NEEDLE_COLOURS,
+    curve_table,
+    full_reference,
+    is_full,
+    needle_cells,
+    needle_rows,
+    policy_colour,
+)
 from pkvbench.io import atomic_write
 from pkvbench.outputs import Outputs
 from pkvbench.report import (
@@ -38,7 +46,6 @@ from pkvbench.report import (
     with_decode_in_policy,
 )
 from pkvbench.schema import AGNOSTIC
-from pkvbench.stats import group_interval, mean_interval
 
 NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", NEEDLE_COLOURS)
 DPI = 100
@@ -199,26 +206,6 @@ def _needle_heatmaps(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> lis
 # --- score-vs-budget curves ------------------------------------------------------------------------------------------
 
 
-def curve_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """model, policy, budget, task, score (× 100) with its 95% interval (ci_low, ci_high): one point per cell, plus
-    task ``avg`` (mean over the model's tasks, only where every task has the cell; resampled within tasks)."""
-    axes = ["model", "policy", "budget"]
-    points = []
-    rows = with_decode_in_policy(rows)
-    for _, per_model in rows.groupby("model", sort=False):
-        tasks = list(per_model["task"].unique())
-        for key, cell in per_model.groupby(axes, sort=False):
-            by_task = {task: part["score"] for task, part in cell.groupby("task", sort=False)}
-            for task, scores in by_task.items():
-                low, high = mean_interval(scores)
-                points.append([*key, task, scores.mean() * 100, low * 100, high * 100])
-            if len(tasks) > 1 and len(by_task) == len(tasks):
-                low, high = group_interval(list(by_task.values()))
-                mean = sum(s.mean() for s in by_task.values()) / len(by_task)
-                points.append([*key, "avg", mean * 100, low * 100, high * 100])
-    return pd.DataFrame(points, columns=[*axes, "task", "score", "ci_low", "ci_high"])
-
-
 def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path, outputs: Outputs | None = None) -> list[Path]:
     """Per model one figure: a row of panels per task (and one for the average over tasks), a column per budget
     kind (token budgets, fractions of the prompt), each on its own log axis; a line per policy; the full cache as
@@ -228,7 +215,7 @@ def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path, outputs: Outputs
 
 
 def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[Path]:
-    points = curve_table(rows)
+    points = curve_table(with_decode_in_policy(rows))
     paths = []
     for model, per_model in points.groupby("model", sort=False):
         name = model_display_name(model)

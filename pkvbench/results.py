@@ -344,7 +344,7 @@ class ResultStore:
         a first prefill out of memory) deletes nothing of a folder being replaced and leaves no record behind."""
         self._record = run_info
 
-    def _write_record(self) -> None:
+    def write_record(self) -> None:
         """Write the pending record: the run has started. A folder being replaced loses its previous pkvbench
         files now, not at ``claim`` or ``record``."""
         if self._record is None:
@@ -370,7 +370,7 @@ class ResultStore:
         process writes (tests, tools). A run holds the lock from ``claim`` to ``close``."""
         with self.claim(run_info["options"], overwrite):
             self.record(run_info)
-            self._write_record()
+            self.write_record()
 
     def discard(self) -> None:
         """Remove what this store wrote (a merge that failed part-way leaves no half a folder)."""
@@ -426,7 +426,7 @@ class ResultStore:
 
     def extend(self, rows: list[Row]) -> None:
         """Append ``rows`` in one write and one fsync (a merge of thousands of rows should not pay a sync each)."""
-        self._write_record()
+        self.write_record()
         data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
         try:
             fd = os.open(self.rows_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -443,7 +443,7 @@ class ResultStore:
             os.close(fd)
 
     def write_summary(self) -> pd.DataFrame:
-        self._write_record()
+        self.write_record()
         table = summarize(self.rows())
         atomic_write(self.dir / SUMMARY, table.to_csv(index=False))
         return table

@@ -169,6 +169,7 @@ def test_a_resume_under_other_versions_is_refused_or_noted_and_the_record_keeps_
         assert store.notes == [f"{tmp_path / 'run'}: resumed under python 3.11 → 3.12, commit aaaaaaaaaa → bbbbbbbbbb "
                                "(rows so far from the first)"]  # fmt: skip
         store.record({"options": OPTIONS, **later})
+        store.write_record()  # what the run's first row or its summary does (issue 40, N14: not before)
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["versions"]["python"] == "3.11" and record["started"] == "then"  # the first session's
     assert record["resumed"] == [{"versions": later["versions"], "commit": "b" * 40, "started": "now"}]
@@ -307,6 +308,7 @@ def test_a_run_without_rows_may_take_other_options(tmp_path):
     make_run(tmp_path / "run", rows=[])
     with ResultStore(tmp_path / "run").claim({**OPTIONS, "budgets": [32]}) as store:
         store.record({"options": {**OPTIONS, "budgets": [32]}})
+        store.write_record()  # what the run's first row does (issue 40, N14: not before)
     assert json.loads((tmp_path / "run" / "run.json").read_text())["options"]["budgets"] == [32]
     assert not (tmp_path / "run" / "summary.csv").exists()  # the previous run's files went with it
 
@@ -316,6 +318,7 @@ def test_leftovers_of_a_killed_run_do_not_make_a_folder_foreign(tmp_path):
     write(tmp_path / "run" / ".run.json.x1y2.tmp", "{")  # ... and its half-written staging file
     with ResultStore(tmp_path / "run").claim(OPTIONS, overwrite=True) as store:
         store.record({"options": OPTIONS})
+        store.write_record()
     assert json.loads((tmp_path / "run" / "run.json").read_text())["options"] == OPTIONS
 
 
@@ -338,6 +341,7 @@ def test_a_failed_rewrite_leaves_the_previous_version(tmp_path, monkeypatch, fai
         store.write_summary()
     with pytest.raises(PkvError, match=r"cannot write .*run.json: No space left on device"):
         store.record({"options": OPTIONS, "model": {"name": "other"}})
+        store.write_record()
     monkeypatch.undo()
     assert snapshot(tmp_path) == before
 

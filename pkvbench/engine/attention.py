@@ -156,7 +156,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def unrotate(rotated: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The vectors before RoPE: RoPE maps x to x·cos + rotate_half(x)·sin (cos, sin per position, halves equal), so
-    x = (y·cos − rotate_half(y)·sin) / (cos² + sin²) (cos² + sin² is the rope's attention scaling squared, 1 mostly)."""
+    x = (y·cos − rotate_half(y)·sin) / (cos² + sin²) (cos² + sin² is the rope's attention scaling squared, 1 mostly).
+    Where RoPE is narrower than the head (Phi-3's ``partial_rotary_factor``) the dimensions beyond it pass as they
+    are, as the model's ``apply_rotary_pos_emb`` passes them."""
+    width = cos.shape[-1]
+    if width < rotated.shape[-1]:
+        return torch.cat([unrotate(rotated[..., :width], cos, sin), rotated[..., width:]], dim=-1)
     return (rotated * cos - rotate_half(rotated) * sin) / (cos * cos + sin * sin)
 
 
@@ -190,9 +195,10 @@ def rotate_moments(
     mean: torch.Tensor, covariance: torch.Tensor, future_cos: torch.Tensor, future_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(R̄μ, R̄ΣR̄ᵀ), R̄ the average RoPE rotation of the positions whose ``future_cos``/``future_sin`` are given."""
-    dim = mean.shape[-1]
-    half_turn = rotate_half(torch.eye(dim, device=mean.device)).T  # P with rotate_half(x) = P @ x
-    rotation = torch.diag(future_cos.mean(dim=0)) + torch.diag(future_sin.mean(dim=0)) @ half_turn
+    dim, width = mean.shape[-1], future_cos.shape[-1]  # a partial RoPE turns the first `width` dimensions only
+    half_turn = rotate_half(torch.eye(width, device=mean.device)).T  # P with rotate_half(x) = P @ x
+    rotation = torch.eye(dim, device=mean.device)
+    rotation[:width, :width] = torch.diag(future_cos.mean(dim=0)) + torch.diag(future_sin.mean(dim=0)) @ half_turn
     return mean @ rotation.T, rotation @ covariance @ rotation.T
 
 
