@@ -302,3 +302,24 @@ def test_a_step_builds_each_mask_once_for_layers_of_the_same_lengths():
     assert masks[0] is masks[1] is masks[2]
     cache.update(new, new, 0)  # the next step: lengths moved on, a new mask
     assert cache.layers[0].attention_mask() is not masks[0] and cache.layers[0].attention_mask().shape[-1] == 5
+
+
+def test_flex_attention_is_left_to_layer_kinds_that_mask_more_and_to_calls_with_extras():
+    """FlexAttention's block mask encodes the lengths only: a layer kind with its own mask (a sliding window) and a
+    call with arguments it does not honour (soft-capping) take the model's kernel with the layer's mask."""
+
+    class Windowed(RaggedLayer):
+        def attention_mask(self):
+            return super().attention_mask()
+
+    lengths, query = torch.tensor([[3, 3], [1, 1]]), torch.zeros(2, 4, 1, 2)
+    plain, windowed = (
+        kind(torch.zeros(2, 2, 3, 2), torch.zeros(2, 2, 3, 2), lengths, 4, 2) for kind in (RaggedLayer, Windowed)
+    )
+    with attention.ragged_kernel("flex"):
+        assert attention._flex_applies("sdpa", plain, query, {"scaling": 0.5, "dropout": 0.0})
+        assert not attention._flex_applies("sdpa", windowed, query, {"scaling": 0.5})
+        assert not attention._flex_applies("sdpa", plain, query, {"softcap": 30.0})
+        assert not attention._flex_applies("eager", plain, query, {})
+    with attention.ragged_kernel("masked"):
+        assert not attention._flex_applies("sdpa", plain, query, {})

@@ -355,7 +355,8 @@ def _ragged_kernel_for(device: torch.device) -> str:
 def _flex_kernel(compiled: bool):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention) if compiled else flex_attention
+    # dynamic: one compilation serves every batch size and store length (each costs seconds), not one per shape
+    return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
 
 
 def _flex_decoding(layer, module, query: torch.Tensor, kwargs: dict):

@@ -143,7 +143,8 @@ class RaggedLayer(DynamicLayer):
         kernel is reused): per row and query head, the blocks of ``FLEX_BLOCK`` columns wholly before its entries'
         end (no mask inside), the one holding it (masked), none past it; the last update's queries causal among
         themselves. Built from the device lengths, no read back."""
-        return self._memo("block", lambda: self._build_block_mask(query_heads), query_heads)
+        capacity = self._key_store.shape[2]
+        return self._memo("block", lambda: self._build_block_mask(query_heads), query_heads, capacity)
 
     def _build_block_mask(self, query_heads: int):
         from torch.nn.attention.flex_attention import BlockMask
