@@ -35,16 +35,9 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from pkvbench.axes import present
 from pkvbench.outputs import Outputs
-from pkvbench.report import (
-    Runs,
-    budget_sort_key,
-    interval_columns,
-    model_display_name,
-    refuse_decode_budgets,
-    to_csv,
-    to_markdown,
-)
+from pkvbench.report import Runs, interval_columns, model_display_name, refuse_decode_budgets, to_csv, to_markdown
 from pkvbench.schema import AWARE, DEFAULT_QUERY_MODE
 from pkvbench.stats import group_interval
 
@@ -177,7 +170,7 @@ def leaderboard_ranking(rows: pd.DataFrame) -> pd.DataFrame:
     and ``n`` (samples behind the row)."""
     modes = rows.get("query_mode", pd.Series(DEFAULT_QUERY_MODE, index=rows.index))
     rows = rows.assign(query_mode=modes.fillna(DEFAULT_QUERY_MODE))
-    budgets = sorted(rows["budget"].astype(str).unique(), key=budget_sort_key)
+    budgets = [str(b) for b in present(rows["budget"])]
     if all(b.startswith("cr") for b in budgets):  # compression ratios read from the least removed, as kvpress's plots
         budgets = sorted(budgets, key=lambda b: float(b[2:]))
     records = []
