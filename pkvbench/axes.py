@@ -17,7 +17,7 @@ import math
 import pandas as pd
 
 from pkvbench.policies.registry import policy_order
-from pkvbench.schema import AGNOSTIC, QUERY_MODES
+from pkvbench.schema import AGNOSTIC, QUERY_MODES, TABLE_KEY
 
 # LongBench v1's 21 tasks in the order of its own tables (the paper's 16 English tasks keep their Table 1 order).
 LONGBENCH_ORDER = (
@@ -102,6 +102,15 @@ SORT_KEYS = {
     "decode_budget": decode_budget_sort_key,
     "task": _task_key,
 }
+
+# The grid's axes as a table lists them after the model: the key's fields that have an order, the bits the cache was
+# stored in right after the policy. The optional ones show only where some row is not the paper's setting
+# (``report.row_axes``); the others are the paper's cell, model × policy × budget (``KEY``).
+ROW_AXES = ("policy", "kv_bits", *(name for name in TABLE_KEY if name in SORT_KEYS and name not in ("task", "policy")))
+OPTIONAL_AXES = ("kv_bits", "query_mode", "decode_budget")
+KEY = ["model", *(axis for axis in ROW_AXES if axis not in OPTIONAL_AXES)]
+# A line of a figure (``SERIES`` folds the bits and the decode budget into the policy) at a budget and query mode.
+LINE_KEY = ["model", *(axis for axis in ROW_AXES if axis not in ("kv_bits", "decode_budget"))]
 
 
 def sort_rows(frame: pd.DataFrame, columns) -> pd.DataFrame:

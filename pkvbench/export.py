@@ -35,7 +35,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from pkvbench.axes import present
+from pkvbench.axes import LINE_KEY, present
 from pkvbench.outputs import Outputs
 from pkvbench.report import Runs, interval_columns, model_display_name, refuse_decode_budgets, to_csv, to_markdown
 from pkvbench.schema import AWARE, DEFAULT_QUERY_MODE
@@ -116,7 +116,7 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
     rows["query_mode"] = rows["query_mode"].fillna(DEFAULT_QUERY_MODE)
     out = Path(out)
     written = []
-    for (model, policy, budget, mode), group in rows.groupby(["model", "policy", "budget", "query_mode"], sort=False):
+    for (model, policy, budget, mode), group in rows.groupby(LINE_KEY, sort=False):
         ratio = compression_ratio(budget, group)
         lengths = sorted({int(n) for n in group.get("length", pd.Series(dtype=float)).dropna()})
         data_dir = "+".join(map(str, lengths)) or "data"

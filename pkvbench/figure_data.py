@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from pkvbench.axes import is_full, present
+from pkvbench.axes import KEY, is_full, present
 from pkvbench.schema import DEFAULT_QUERY_MODE
 from pkvbench.stats import group_interval, mean_interval
 
@@ -53,7 +53,7 @@ def needle_cells(rows: pd.DataFrame, by: list[str]) -> pd.DataFrame:
 # --- score-vs-budget curves ------------------------------------------------------------------------------------------
 
 
-def curve_table(rows: pd.DataFrame, by: tuple[str, ...] = ("model", "policy", "budget"), average: bool = True):
+def curve_table(rows: pd.DataFrame, by: tuple[str, ...] = tuple(KEY), average: bool = True):
     """The curves' points: ``by`` (model first), task, n, score (× 100) with its 95% interval (ci_low, ci_high),
     one point per cell, in the rows' order; with ``average`` also task ``avg`` (mean over the model's tasks, only
     where every task has the cell; resampled within tasks). ``policy`` is what a line stands for: give the rows'

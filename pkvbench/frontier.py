@@ -17,14 +17,14 @@ import math
 
 import pandas as pd
 
-from pkvbench.axes import present
+from pkvbench.axes import ROW_AXES, present
 from pkvbench.budgets import MEMORY_PREFIX
 from pkvbench.paired import ALL_TASKS, pairwise
 from pkvbench.report import report_table, row_axes, stores_formats
 from pkvbench.schema import AWARE
 
 TARGET = "target"  # the memory target a comparison is made at
-CELL = ["policy", "kv_bits", "budget"]
+CELL = [axis for axis in ROW_AXES if axis not in ("query_mode", "decode_budget")]  # a stored cell: policy, bits, budget
 
 
 def has_frontier(rows: pd.DataFrame) -> bool:
@@ -102,7 +102,7 @@ def target_groups(rows: pd.DataFrame) -> pd.DataFrame:
         limit = own.groupby(sample)["memory_target"].min().rename("limit")
         parts.append(own)
         others = rows[~rows["budget"].str.startswith(MEMORY_PREFIX)]
-        for _, cell in others.groupby(["policy", "kv_bits", "budget"], sort=False):
+        for _, cell in others.groupby(CELL, sort=False):
             bound = cell.join(limit, on=sample)["limit"]
             if bound.notna().all() and (cell["kv_bytes"] <= bound).all():
                 parts.append(cell.assign(budget=target))

@@ -15,6 +15,7 @@ import altair as alt
 import pandas as pd
 
 from pkvbench.axes import (
+    LINE_KEY,
     SERIES,
     is_full,
     present,
@@ -84,7 +85,7 @@ def _mode_suffix(mode: str, several: bool) -> str:
 def budget_panels(budgets: pd.Series, modes: pd.Series, several: bool) -> tuple[list[str], list[str]]:
     """Each point's panel label (``budget 64``, with the query mode when a run has several) and the labels in
     budget order (``budgets``, ``modes``: the axes' ordered categoricals)."""
-    pairs = pd.DataFrame({"budget": budgets.to_numpy(), "mode": modes.to_numpy()})
+    pairs = pd.DataFrame({"budget": budgets.reset_index(drop=True), "mode": modes.reset_index(drop=True)})
     labels = [f"budget {b}{_mode_suffix(m, several)}" for b, m in zip(pairs["budget"], pairs["mode"])]
     ordered = pairs.assign(label=labels).sort_values(["budget", "mode"], kind="stable")["label"]
     return labels, list(dict.fromkeys(ordered))
@@ -93,13 +94,11 @@ def budget_panels(budgets: pd.Series, modes: pd.Series, several: bool) -> tuple[
 def curve_points(rows: pd.DataFrame) -> pd.DataFrame:
     """The curves' points (``figure_data.curve_table``) as the page draws them: a line per policy with its bits and
     decode budget, per query mode, two decimals, in the report's order."""
-    points = curve_table(
-        rows.assign(policy=rows[SERIES]), by=("model", "policy", "budget", "query_mode"), average=False
-    )
+    points = curve_table(rows.assign(policy=rows[SERIES]), by=tuple(LINE_KEY), average=False)
     points[["score", "ci_low", "ci_high"]] = points[["score", "ci_low", "ci_high"]].round(2)
     models = {model: rank for rank, model in enumerate(dict.fromkeys(rows["model"]))}
     ordered = points.assign(rank=points["model"].map(models))
-    ordered = ordered.sort_values(["rank", "task", "policy", "budget", "query_mode"], kind="stable")
+    ordered = ordered.sort_values(["rank", "task", *LINE_KEY[1:]], kind="stable")
     return ordered.drop(columns="rank").reset_index(drop=True)
 
 
@@ -271,7 +270,7 @@ def needle_heatmap_figures(rows: pd.DataFrame) -> list[dict]:
     several = grid["query_mode"].nunique() > 1
     figures = []
     for (model, task), per_task in grid.groupby(["model", "task"], sort=False):
-        cells = needle_cells(per_task, ["policy", "budget", "query_mode"])
+        cells = needle_cells(per_task, LINE_KEY[1:])
         cells["row"], row_order = budget_panels(cells["budget"], cells["query_mode"], several)
         cells["score"] = cells["score"].round(3)
         lengths, depths = sorted(cells["length"].unique()), sorted(cells["depth"].unique())
@@ -333,7 +332,7 @@ def layer_budget_figures(rows: pd.DataFrame) -> list[dict]:
     figures = []
     for model, per_model in kept.groupby("model", sort=False):
         points = []
-        for (policy, budget, mode), cell in per_model.groupby(["policy", "budget", "query_mode"], sort=False):
+        for (policy, budget, mode), cell in per_model.groupby(LINE_KEY[1:], sort=False):
             layers = pd.DataFrame(cell["kv_kept"].tolist())  # a column per layer (rows of one model: same count)
             for layer, mean in layers.mean().items():
                 points.append(

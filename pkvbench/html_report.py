@@ -27,7 +27,7 @@ from altair.utils.html import vl_version_for_vl_convert
 
 from pkvbench import frontier
 from pkvbench._version import __version__
-from pkvbench.axes import SERIES, is_full, present
+from pkvbench.axes import LINE_KEY, ROW_AXES, SERIES, is_full, present
 from pkvbench.errors import PkvError
 from pkvbench.figure_data import full_reference
 from pkvbench.html_figures import (
@@ -211,7 +211,7 @@ def summary_table(rows: pd.DataFrame) -> pd.DataFrame:
     full_scores = [references[key] for key in zip(table["model"], table["task"], modes)]
     full_scores = [round(reference[0], 2) if reference else float("nan") for reference in full_scores]
     table["vs full"] = (table["score"] - pd.Series(full_scores, index=table.index)).round(2)
-    axes = [c for c in ("task", "policy", "budget", "query_mode") if c in table.columns]
+    axes = ["task", *(c for c in ROW_AXES if c in table.columns)]
     models = {model: rank for rank, model in enumerate(dict.fromkeys(table["model"]))}
     table = table.astype({c: rows[c].dtype for c in axes}).assign(rank=table["model"].map(models))
     return table.sort_values(["rank", *axes], kind="stable").drop(columns="rank").reset_index(drop=True)
@@ -319,7 +319,7 @@ def sample_view(rows: pd.DataFrame) -> dict[str, Any]:
     A sample's ``disagree`` says some policies of one model and query mode predicted different texts; ``lost`` that
     one scored below the full cache."""
     rows = rows.assign(query_mode=query_modes(rows))
-    key = ["model", "policy", "budget", "query_mode"]
+    key = LINE_KEY
     configs = list(rows[key].drop_duplicates().sort_values(key, kind="stable").itertuples(index=False, name=None))
     config_index = {config: i for i, config in enumerate(configs)}
     by_sample: dict[tuple[str, str], list[dict]] = defaultdict(list)

@@ -15,6 +15,7 @@ import math
 
 import pandas as pd
 
+from pkvbench.axes import ROW_AXES
 from pkvbench.errors import PkvError
 from pkvbench.report import row_axes
 from pkvbench.stats import ALPHA, holm, paired_difference, samples_needed
@@ -61,12 +62,15 @@ def pairwise(rows: pd.DataFrame, policies: list[str] | None = None, against: str
     key = row_axes(rows)  # model, policy, budget (, query_mode)
     cell = [c for c in key if c != "policy"]
     sample = ["task", "sample_id"]
-    wide = rows.pivot_table(index=[*cell, *sample], columns="policy", values="score", aggfunc="first")
+    # samples by task name within a cell: the bootstrap resamples them in this order (the tasks' groups below)
+    by_name = rows.assign(task=rows["task"].astype(str))
+    wide = by_name.pivot_table(index=[*cell, *sample], columns="policy", values="score", aggfunc="first")
     out = []
     for where, block in wide.groupby(level=cell, sort=False):
         where = dict(zip(cell, where if isinstance(where, tuple) else (where,)))
         present = [p for p in block.columns if block[p].notna().any()]
-        tasks = list(block.index.get_level_values("task").unique().sort_values())
+        found = set(block.index.get_level_values("task"))
+        tasks = [task for task in rows["task"].cat.categories if task in found]
         for first, second in _pairs(present, against):
             both = block[[first, second]].dropna()
             if both.empty:
@@ -103,7 +107,7 @@ def pairwise(rows: pd.DataFrame, policies: list[str] | None = None, against: str
     points = ["a", "b", "diff", "ci_low", "ci_high", "sd_diff"]
     table[points] = table[points].astype(float).round(2) + 0.0  # + 0.0: no "-0.00"
     table[["p", "p_holm"]] = table[["p", "p_holm"]].astype(float).round(4)
-    order = [c for c in ("model", "kv_bits", "budget", "query_mode", "decode_budget") if c in table.columns]
+    order = [c for c in ("model", *ROW_AXES) if c != "policy" and c in table.columns]
     tasks = pd.CategoricalDtype([*rows["task"].cat.categories, ALL_TASKS], ordered=True)  # the group after its tasks
     policies = dict.fromkeys(("policy_a", "policy_b"), rows["policy"].dtype)
     table = table.astype({**{c: rows[c].dtype for c in order if c != "model"}, "task": tasks, **policies})
@@ -145,7 +149,7 @@ def _entry(diff: float, low: float, high: float, mark: str) -> str:
 def matrix_markdown(comparisons: pd.DataFrame) -> str:
     """One matrix per model × budget (× query mode) × task: row policy minus column policy, ``+5.00 [1.2, 9.3]``,
     with ``*`` where the verdict is decided."""
-    cell = [c for c in ("model", "kv_bits", "budget", "query_mode", "task") if c in comparisons.columns]
+    cell = [c for c in ("model", *ROW_AXES, "task") if c != "policy" and c in comparisons.columns]
     blocks = []
     for where, block in comparisons.groupby(cell, sort=False):
         title = " · ".join(f"{k} {v}" for k, v in zip(cell, where))

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from pkvbench.axes import present, task_order
+from pkvbench.axes import KEY, present, task_order
 from pkvbench.config import option_text
 from pkvbench.errors import PkvError
-from pkvbench.report import KEY, Runs, model_display_name
+from pkvbench.report import Runs, model_display_name
 from pkvbench.stats import group_interval, mean_interval
 
 REFERENCE_PACKAGE = "pkvbench.reference_tables"  # the project's results/reference/, installed as package data
@@ -157,7 +157,7 @@ def match(rows: pd.DataFrame, reference: Reference, paper_model: str | None) -> 
     budgets = pd.CategoricalDtype([FULL_BUDGET, *rows["budget"].cat.categories], ordered=True)
     rows = rows.astype({"budget": budgets})  # the full cache's "budget" first, then the axis's order
     rows.loc[full, "budget"] = FULL_BUDGET
-    rows = rows.drop_duplicates(["model", "task", "sample_id", "policy", "budget"])
+    rows = rows.drop_duplicates([*KEY, "task", "sample_id"])
     targets = {model: paired_model(model, reference, paper_model)[0] for model in rows["model"].unique()}
     return rows.assign(paper_model=rows["model"].map(targets))
 
@@ -180,7 +180,7 @@ def paired_model(model: str, reference: Reference, paper_model: str | None) -> t
 
 def _scores_by_cell(samples: pd.DataFrame) -> dict[tuple, pd.Series]:
     """policy × budget × task → the sample scores of one model's cell."""
-    return {key: cell["score"] for key, cell in samples.groupby(["policy", "budget", "task"], sort=False)}
+    return {key: cell["score"] for key, cell in samples.groupby([*KEY[1:], "task"], sort=False)}
 
 
 def paired_cells(samples: pd.DataFrame, reference: Reference) -> pd.DataFrame:
@@ -215,7 +215,7 @@ def comparison_rows(samples: pd.DataFrame, reference: Reference) -> pd.DataFrame
     out = []
     for model, per_model in samples.groupby("model", sort=False):
         scores = _scores_by_cell(per_model)
-        for (policy, budget), cell in paired_cells(per_model, reference).groupby(["policy", "budget"], sort=False):
+        for (policy, budget), cell in paired_cells(per_model, reference).groupby(KEY[1:], sort=False):
             cell = cell.astype({"task": samples["task"].dtype}).sort_values("task", kind="stable").set_index("task")
             names = {
                 "model": model_display_name(model),

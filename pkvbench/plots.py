@@ -228,7 +228,7 @@ def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[
                 line = sub[sub["policy"] == policy].copy()
                 if line.empty:
                     continue
-                line["x"] = line["budget"].astype(float)
+                line["x"] = line["budget"].astype(str).astype(float)
                 line = line.sort_values("x")
                 style = ":" if policy.endswith(AGNOSTIC_SUFFIX) else "-"
                 (handle,) = ax.plot(

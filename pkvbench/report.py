@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pkvbench.axes import order_axes, present
+from pkvbench.axes import ROW_AXES, order_axes, present
 from pkvbench.budgets import budget_label
 from pkvbench.errors import PkvError
 from pkvbench.lock import FolderLock
@@ -38,7 +38,6 @@ from pkvbench.stats import group_interval, mean_interval
 # LongBench-E buckets of the sample's ``length`` field, as LongBench's own eval.py cuts them.
 LENGTH_BUCKETS = (("0-4k", 0, 4000), ("4-8k", 4000, 8000), ("8k+", 8000, math.inf))
 FORMATS = ("markdown", "csv", "latex")
-KEY = ["model", "policy", "budget"]
 
 
 # --- loading ---------------------------------------------------------------------------------------------------------
@@ -210,10 +209,12 @@ def row_axes(rows: pd.DataFrame) -> list[str]:
     model's own (``kv_bits``); the query mode when any row's question came after compression (``agnostic``; a
     query-aware-only table, the paper's protocol, keeps the paper's shape); and the decode budget when any row cut
     its cache while decoding."""
-    agnostic = "query_mode" in rows.columns and (rows["query_mode"] != AWARE).any()
-    decoding = "decode_budget" in rows.columns and (rows["decode_budget"] != "none").any()
-    key = ["model", "policy", "kv_bits", "budget"] if stores_formats(rows) else list(KEY)
-    return [*key, *(["query_mode"] if agnostic else []), *(["decode_budget"] if decoding else [])]
+    shown = {
+        "kv_bits": stores_formats(rows),
+        "query_mode": "query_mode" in rows.columns and (rows["query_mode"] != AWARE).any(),
+        "decode_budget": "decode_budget" in rows.columns and (rows["decode_budget"] != "none").any(),
+    }
+    return ["model", *(axis for axis in ROW_AXES if shown.get(axis, True))]
 
 
 def interval_columns(column: str) -> tuple[str, str]:
