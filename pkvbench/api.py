@@ -103,11 +103,11 @@ RUN_CHECKS: dict[str, Check] = {
     "budgets": optional(list_value),
     "memory": optional(list_value),
     "kv_bits": optional(list_value),
-    "kv_group": whole(1),
-    "kv_residual": whole(0),
+    "kv_group": optional(whole(1)),
+    "kv_residual": optional(whole(0)),
     "decode_budgets": optional(list_value),
-    "decode_interval": whole(1),
-    "decode_buffer": whole(0),
+    "decode_interval": optional(whole(1)),
+    "decode_buffer": optional(whole(0)),
     "policy_args": pair_values,
     "protocol": name_value,
     "query_modes": list_value,
@@ -129,8 +129,21 @@ FUNNEL_CHECKS: dict[str, Check] = {
 }
 
 
+def expect_config(config: Any, kind: type[SampleConfig], call: str) -> None:
+    """Refuse, in one line, what is no ``kind`` (a dict of options, None): the entry points take configurations."""
+    if not isinstance(config, kind):
+        given = "None" if config is None else f"a {type(config).__name__}"
+        raise PkvError(
+            f"{call} takes a pkvbench.{kind.__name__}, not {given}; build one with {kind.__name__}(**options) "
+            f"or {kind.__name__}.from_file(path)"
+            if kind is RunConfig
+            else f"{call} takes a pkvbench.{kind.__name__}, not {given}; build one with {kind.__name__}(**options)"
+        )
+
+
 def checked(config: SampleConfig) -> Any:
     """``config`` with every value checked and parsed as the command line parses it (``"5"`` → 5)."""
+    expect_config(config, SampleConfig, "checked")
     checks = RUN_CHECKS if isinstance(config, RunConfig) else FUNNEL_CHECKS
     return replace(config, **{name: check(getattr(config, name), option_name(name)) for name, check in checks.items()})
 
@@ -215,8 +228,10 @@ class RunConfig(SampleConfig):
     memory: Sequence[str | float] | str | None = None
     # The bits each kept value is stored in: 16, or KIVI's 8, 4, 2 (None: the model's own cache, in its dtype)
     kv_bits: Sequence[int] | str | None = None
-    kv_group: int = kv_formats.DEFAULT_GROUP  # KIVI's G: tokens per key group, channels per value group
-    kv_residual: int = kv_formats.DEFAULT_RESIDUAL  # KIVI's R: each head's last R kept entries stay in 16 bits
+    # KIVI's G (tokens per key group, channels per value group; default 32) and R (each head's last R kept entries
+    # stay in 16 bits; default 128): only with kv_bits of 8, 4 or 2, which they shape
+    kv_group: int | None = None
+    kv_residual: int | None = None
     policy_args: Mapping[str, Any] | Sequence[str] = ()
     # "exact": pkvbench's protocol; "reference": every policy selects as the PyramidKV paper's code (docs/protocol.md);
     # "kvpress": every policy with the settings of kvpress's press of the same rule (docs/kvpress-crosscheck.md)
@@ -230,10 +245,11 @@ class RunConfig(SampleConfig):
     max_new_tokens: int | None = None
     decode_batch: int | None = None  # at most this many configurations of a sample decode together; 1: one at a time
     # Cut the cache back to this many entries per KV head while the answer is written (an axis: "none" for no cut),
-    # every decode_interval new tokens, the newest decode_buffer entries always kept (docs/decoding.md)
+    # every decode_interval new tokens (default 16), the newest decode_buffer entries (default 8) always kept; the two
+    # only with a decode budget (docs/decoding.md)
     decode_budgets: Sequence[str | int] | str | None = None
-    decode_interval: int = 16
-    decode_buffer: int = 8
+    decode_interval: int | None = None
+    decode_buffer: int | None = None
     shard: str | None = None  # "i/n": every n-th sample, from the i-th
     # where the samples run
     executor: str = "local"
@@ -367,16 +383,54 @@ def task_options(config: SampleConfig) -> TaskOptions:
     )
 
 
+# Options that only shape another (KIVI's group and residual, the decode-time schedule): None in a RunConfig, these
+# once the option they shape is given; given without it they would be ignored, so they are refused (as --workers
+# without --executor ray).
+DEPENDENT_DEFAULTS = {
+    "kv_group": kv_formats.DEFAULT_GROUP,
+    "kv_residual": kv_formats.DEFAULT_RESIDUAL,
+    "decode_interval": 16,
+    "decode_buffer": 8,
+}
+
+
+def with_dependent_options(
+    config: RunConfig, formats: list[KVFormat | None], decode_budgets: list[int | None]
+) -> RunConfig:
+    """Refuse ``--kv-group``/``--kv-residual`` where no format of the run is KIVI's (8, 4 or 2 bits) and
+    ``--decode-interval``/``--decode-buffer`` where no decode budget cuts; return ``config`` with their defaults
+    filled in."""
+    quantized = any(f and f.quantized for f in formats)
+    cutting = decode_budgets != [None]
+    for names, used, purpose, needed in (
+        (("kv_group", "kv_residual"), quantized, "KIVI's formats", "--kv-bits 8, 4 or 2"),
+        (("decode_interval", "decode_buffer"), cutting, "the cuts while decoding", "a --decode-budget (not none)"),
+    ):
+        given = [option_name(name) for name in names if getattr(config, name) is not None]
+        if given and not used:
+            one = len(given) == 1
+            raise PkvError(
+                f"{' and '.join(given)} only {'sets' if one else 'set'} {purpose}, which this run has none of: "
+                f"give {needed} with {'it' if one else 'them'}, or leave {'it' if one else 'them'} out "
+                f"(alone {'it' if one else 'they'} would be ignored)"
+            )
+    defaults = {name: value for name, value in DEPENDENT_DEFAULTS.items() if getattr(config, name) is None}
+    return replace(config, **defaults)
+
+
 def resolve(config: RunConfig) -> ResolvedRun:
     """Check every option and parse it; nothing slow happens here."""
+    expect_config(config, RunConfig, "resolve")
     config = checked(config)
     tasks = expand_tasks(list(dict.fromkeys(as_list(config.tasks, "--task"))), tuple(config.include_paths))
     tasks = [with_task_args(task, parse_task_args(config.task_args)) for task in tasks]
     policies = parse_policies(config.policies, config.policy_args, config.protocol)
     decode_budgets = parse_decode_budgets(config.decode_budgets)
+    formats = resolve_formats(config)
+    config = with_dependent_options(config, formats, decode_budgets)
+    formats = [replace(f, group=config.kv_group, residual=config.kv_residual) if f else f for f in formats]
     check_decoding(policies, decode_budgets, config.decode_interval, config.decode_buffer)
     budgets = resolve_budgets(config, policies, "cr0" if decode_budgets != [None] else "128")
-    formats = resolve_formats(config)
     if decode_budgets != [None] and formats != [None]:
         raise PkvError("--decode-budget with --kv-bits: a cache stored in fewer bits is not cut while decoding yet")
     shard = Shard.parse(config.shard) if config.shard is not None else None
@@ -431,17 +485,14 @@ def resolve_formats(config: RunConfig) -> list[KVFormat | None]:
     native = native_bits(config)
     formats: list[KVFormat | None] = []
     for item in as_list(config.kv_bits, "--kv-bits"):
-        try:
-            bits = int(item)
-        except ValueError:
-            bits = None
+        bits = parse_int(item, "--kv-bits")
         if bits not in kv_formats.KV_BITS:
             raise PkvError(f"--kv-bits {item}: supported are 2, 4 and 8 (KIVI's integers), 16, and the model's own 32")
         if bits > native:
             raise PkvError(
                 f"--kv-bits {bits}: the model computes in {native} bits; its own cache is --kv-bits {native}"
             )
-        formats.append(None if bits == native else KVFormat(bits, config.kv_group, config.kv_residual))
+        formats.append(None if bits == native else KVFormat(bits))  # group and residual: with_dependent_options
     return list(dict.fromkeys(formats))
 
 
@@ -488,6 +539,8 @@ def evaluate(config: RunConfig | ResolvedRun, *, on_row: Callable[[dict], None] 
     options, data or models; ``on_row`` (if given) sees each row as it is written. A config already resolved
     (``resolve``) is not checked again.
     """
+    if not isinstance(config, ResolvedRun):
+        expect_config(config, RunConfig, "evaluate")
     run = config if isinstance(config, ResolvedRun) else resolve(config)
     config = run.config
     if config.executor == "ray":
@@ -519,6 +572,7 @@ def evaluate(config: RunConfig | ResolvedRun, *, on_row: Callable[[dict], None] 
         # Every sample is built now, before the model loads and before --overwrite deletes anything: a --sample-id
         # that names no sample, a length too short for a task's prompt, a shard without samples stop the run here.
         items = samples_of(run.tasks, config.model, run.options, run.shard)
+        check_model_fit(run, items)
         try:
             stats = _execute(run, store, record, on_row, items)
         except BaseException:
@@ -530,6 +584,21 @@ def evaluate(config: RunConfig | ResolvedRun, *, on_row: Callable[[dict], None] 
         rows = store.rows()
     notes = [*store.notes, *([note] if (note := store.duplicate_note()) else [])]
     return EvalResult(run.out, pd.DataFrame(rows), summary, stats, info, notes)
+
+
+def check_model_fit(run: ResolvedRun, items: list) -> None:
+    """What the model's config and the prompts' lengths decide, checked before the model loads and so before
+    ``--overwrite`` deletes anything: a KIVI group that does not divide the head size, a memory budget below what a
+    cell needs. (A model whose config cannot be read here is checked once loaded, before its first row.)"""
+    from pkvbench.engine.models import model_shape
+    from pkvbench.runner import check_formats, check_memory
+
+    shape = model_shape(run.config.model, native_bits(run.config))
+    if shape is None:
+        return
+    cells = run.cells
+    check_formats(shape, cells)
+    check_memory(shape, [(task, sample, cells) for task, sample in items])
 
 
 def _execute(
@@ -613,6 +682,7 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
     from pkvbench.engine.models import load_model
     from pkvbench.plots import plot_funnel
 
+    expect_config(config, FunnelConfig, "measure_funnel")
     config = checked(config)
     tasks = expand_tasks(list(dict.fromkeys(as_list(config.tasks, "--task"))), tuple(config.include_paths))
     options = task_options(config)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pkvbench.config import as_list
+from pkvbench.config import as_list, float_text, int_text
 from pkvbench.errors import PkvError
 
 # kvpress's spelling of a budget: the compression ratio r, the fraction of the cache *removed*; kept entries are
@@ -49,7 +50,7 @@ class Budget:
             return parse_memory(text[len(MEMORY_PREFIX) :])
         if text.startswith(REMOVED_PREFIX):
             try:
-                ratio = float(text[len(REMOVED_PREFIX) :])
+                ratio = float_text(text[len(REMOVED_PREFIX) :])
             except ValueError:
                 ratio = float("nan")
             if not 0 <= ratio < 1:
@@ -58,7 +59,7 @@ class Budget:
                 )
             return cls(ratio, removed=True)
         try:
-            number = float(text)
+            number = float_text(text)
         except ValueError:
             raise PkvError(
                 f"budget {text!r} is not a number; use a fraction below 1 (0.12) or an integer entry count (128)"
@@ -138,7 +139,7 @@ def parse_memory(text: str) -> Budget:
             raise PkvError(f"--memory {text!r}: a size must be at least one byte")
         return Budget(round(count), memory=True)
     try:
-        fraction = float(text)
+        fraction = float_text(text)
     except ValueError:
         raise PkvError(f"--memory {text!r} is not {hint}") from None
     if not (math.isfinite(fraction) and 0 < fraction <= 1):
@@ -199,11 +200,21 @@ class LayerPlan:
         return sum(self.per_layer) / len(self.per_layer)
 
 
-def plan(policy, budget: Budget, context_len: int, num_layers: int) -> LayerPlan:
-    """Per-layer budgets for ``policy`` at ``budget`` on a prompt of ``context_len`` tokens."""
+def layer_budgets(policy, k: int, context_len: int, num_layers: int, whole: Sequence[bool] = ()) -> list[int]:
+    """``policy``'s per-layer budgets at k. A layer kept ``whole`` (a mixed model's local sliding layers,
+    ``engine/architecture.py``) keeps all ``context_len`` entries; the policy splits k over the others."""
+    if not any(whole):
+        return policy.layer_budgets(k, context_len, num_layers)
+    compressed = iter(policy.layer_budgets(k, context_len, num_layers - sum(whole)) if not all(whole) else ())
+    return [context_len if kept_whole else next(compressed) for kept_whole in whole]
+
+
+def plan(policy, budget: Budget, context_len: int, num_layers: int, whole: Sequence[bool] = ()) -> LayerPlan:
+    """Per-layer budgets for ``policy`` at ``budget`` on a prompt of ``context_len`` tokens (``whole``: the layers
+    kept whole, see ``layer_budgets``)."""
     requested = budget.entries(context_len)
     effective = min(max(requested, policy.min_budget), context_len)
-    per_layer = policy.layer_budgets(effective, context_len, num_layers)
+    per_layer = layer_budgets(policy, effective, context_len, num_layers, whole)
     return LayerPlan(requested=requested, effective=effective, per_layer=per_layer, context_len=context_len)
 
 
@@ -223,7 +234,7 @@ def parse_decode_budgets(value: Any) -> list[int | None]:
             parsed.append(None)
             continue
         try:
-            number = int(item)
+            number = int_text(item)
         except ValueError:
             number = 0
         if number < 1:

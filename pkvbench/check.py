@@ -1,7 +1,7 @@
 """``pkvbench check``: accuracy-at-budget as a CI gate that catches real regressions and ignores noise.
 
-A run's cells (model × task × policy × budget [× query mode]: sample count, mean score × 100 and its 95% interval)
-are compared with a committed baseline of the same columns. A cell fails when
+A run's cells (model × task × policy × budget × query mode × storage format × decode budget: ``schema.CELL_KEY``;
+sample count, mean score × 100 and its 95% interval) are compared with a committed baseline of the same columns. A cell fails when
 
 - it is missing from the run, or its sample count differs (a different sample set is not a comparison);
 - its score fell by more than the tolerance (points; per task if set) *and* below the baseline's interval — a fall
@@ -40,11 +40,13 @@ from pkvbench.errors import PkvError
 from pkvbench.fingerprints import Fingerprint, compare
 from pkvbench.io import read_yaml
 from pkvbench.outputs import Kind, Outputs, csv_with_columns
-from pkvbench.report import load_runs, refuse_decode_budgets, run_folders
-from pkvbench.schema import DEFAULT_QUERY_MODE
+from pkvbench.report import load_runs, run_folders
+from pkvbench.schema import CELL_DEFAULTS, CELL_KEY
 from pkvbench.stats import ALPHA, cell_scores, holm, paired_difference
 
-CELL = ["model", "task", "policy", "budget", "query_mode"]
+# A cell: the schema's, so that a storage format, a memory target (a ``mem`` budget) or a decode budget is a cell of
+# its own, never pooled with another. A baseline written before a column of it reads as that column's default.
+CELL = list(CELL_KEY)
 COLUMNS = [*CELL, "n", "score", "ci_low", "ci_high"]
 SAMPLE_COLUMNS = [*CELL, "sample_id", "score"]
 RECORDED = ["pred", "kept_fingerprint"]  # beside the scores when the run's rows have them: what changed, not how much
@@ -72,7 +74,6 @@ def run_samples(results: list[str]) -> pd.DataFrame:
     """The run's rows as the gate reads them: one per model × cell × sample, score in [0, 1], with the prediction
     (escaped to one line, as the baseline stores it) and the selection fingerprint where the rows have them."""
     rows = load_runs(results, strict=True).rows  # no run still being written, no two rows of a key that disagree
-    refuse_decode_budgets(rows, "the CI gate")
     samples = rows[SAMPLE_COLUMNS + [c for c in RECORDED if c in rows]].reset_index(drop=True)
     if "pred" in samples:
         samples["pred"] = [one_line(p) for p in samples["pred"]]
@@ -105,8 +106,8 @@ def _read_csv(path: Path, what: str, required: list[str]) -> pd.DataFrame:
         raise PkvError(f"{what} {path} lacks the columns {', '.join(missing)} (expected {','.join(required)})")
     if frame.empty:
         raise PkvError(f"{what} {path} has no cells: a gate over nothing would pass anything")
-    if "query_mode" not in frame.columns:  # baselines written before the query mode was an axis are query-aware
-        frame["query_mode"] = DEFAULT_QUERY_MODE
+    for column, default in CELL_DEFAULTS.items():  # baselines written before the column: what rows then were
+        frame[column] = frame[column].fillna(default) if column in frame.columns else default
     return frame
 
 
@@ -119,9 +120,30 @@ def _numbers(frame: pd.DataFrame, columns: list[str], path: Path, what: str) -> 
         frame[column] = values
 
 
-def _where(path: Path, row: int, record: dict, columns: list[str]) -> str:
-    """``baseline X, row 3 (needle snapkv @ 64 aware)``: rows counted from 1 after the header."""
-    return f"{path}, row {row + 1} ({' '.join(str(record[c]) for c in columns if c in record)})"
+def _where(path: Path, row: int, record: dict, sample: bool = True) -> str:
+    """``baseline X, row 3 (needle snapkv 64 aware [s1])``: rows counted from 1 after the header."""
+    return f"{path}, row {row + 1} ({cell_words(record, sample)})"
+
+
+def cell_words(record: dict, sample: bool = False) -> str:
+    """``needle snapkv 64 aware`` (and the sample's id): a cell's storage format and decode budget where it has
+    them."""
+    parts = [record[c] for c in ("task", "policy", "budget", "query_mode")]
+    parts += [f"{record['kv_stored']} bits"] if record.get("kv_stored") else []
+    parts += [f"decode budget {record['decode_budget']}"] if record.get("decode_budget", "none") != "none" else []
+    parts += [record["sample_id"]] if sample and "sample_id" in record else []
+    return " ".join(map(str, parts))
+
+
+def policy_label(cell: dict) -> str:
+    """A cell's policy as the failure lines name it: with its storage format and decode budget where it has them
+    (``snapkv · 4 bits · decode 32``)."""
+    text = str(cell["policy"])
+    if isinstance(cell.get("kv_stored"), str) and cell["kv_stored"]:
+        text += f" · {cell['kv_stored']} bits"
+    if cell.get("decode_budget", "none") not in ("none", None):
+        text += f" · decode {cell['decode_budget']}"
+    return text
 
 
 def read_baseline(path: str | os.PathLike) -> pd.DataFrame:
@@ -136,7 +158,7 @@ def read_baseline(path: str | os.PathLike) -> pd.DataFrame:
     for row, record in enumerate(baseline.to_dict("records")):
         problem = _cell_problem(record) or ("a cell written twice" if duplicated.iloc[row] else None)
         if problem:
-            raise PkvError(f"baseline {_where(path, row, record, CELL[1:])}: {problem}")
+            raise PkvError(f"baseline {_where(path, row, record)}: {problem}")
     return baseline[COLUMNS]
 
 
@@ -181,11 +203,11 @@ def read_baseline_samples(path: Path, cells: pd.DataFrame) -> pd.DataFrame | Non
             except ValueError as exc:
                 problem = str(exc)
         if problem:
-            raise PkvError(f"baseline samples {_where(path, row, record, keys[1:])}: {problem}")
+            raise PkvError(f"baseline samples {_where(path, row, record)}: {problem}")
     cell_of = {tuple(c[k] for k in CELL): c for c in cells.to_dict("records")}
     for key, group in samples.groupby(CELL, sort=False):
         cell = cell_of.get(key)
-        where = _where(path, int(group.index[0]), group.iloc[0].to_dict(), CELL[1:])
+        where = _where(path, int(group.index[0]), group.iloc[0].to_dict(), sample=False)
         if cell is None:
             raise PkvError(f"baseline samples {where}: a cell the baseline {path.name.removesuffix('.samples.csv')}"
                            ".csv does not have")  # fmt: skip
@@ -198,7 +220,7 @@ def read_baseline_samples(path: Path, cells: pd.DataFrame) -> pd.DataFrame | Non
     absent = [key for key in cell_of if key not in listed]
     if absent:
         raise PkvError(
-            f"baseline samples {path}: no samples for the baseline's cell {' '.join(map(str, absent[0][1:]))}"
+            f"baseline samples {path}: no samples for the baseline's cell {cell_words(dict(zip(CELL, absent[0])))}"
         )
     return samples
 
@@ -284,8 +306,14 @@ class CheckResult:
             changed = 0 if self.changed_predictions is None else len(self.changed_predictions)
             text += f"; predictions: {changed} of {self.predictions_compared} changed"
         tolerance = self.tolerances["default"]
-        text += f"; tolerance {tolerance:g} points; " + ("paired tests on" if self.paired else "no baseline samples")
+        text += f"; tolerance {tolerance:g} points; " + self._describe_paired()
         return text + ("; --exact" if self.rule.exact else "")
+
+    def _describe_paired(self) -> str:
+        if not self.paired:
+            return "no baseline samples"
+        counted = compared(self.cells.get("paired_n"))
+        return f"paired tests on {counted}" if counted else "paired tests: none made (no sample of the baseline's ran)"
 
     def _describe_selection(self) -> str:
         if self.selection == "off":
@@ -297,7 +325,22 @@ class CheckResult:
         parts = [f"{states[s]} {word}" for s, word in words.items() if s in states]
         changed = self.cells[self.cells["selection"].isin(["changed", "CHANGED"])]
         lowest = f", lowest overlap {changed['overlap'].min():.4f}" if len(changed) else ""
-        return f"kept sets: {', '.join(parts)}{lowest} (fails below {self.rule.min_overlap:g})"
+        counted = compared(self.cells.get("kept_n"))
+        if not counted:
+            return "kept sets: none compared (no sample of the baseline's ran)"
+        return f"kept sets of {counted}: {', '.join(parts)}{lowest} (fails below {self.rule.min_overlap:g})"
+
+
+def compared(counts: pd.Series | None) -> str:
+    """``7 samples in 3 cells (2 to 3 a cell)``: what one of the gate's comparisons compared; "" for nothing (a
+    comparison over nothing is never said to be on)."""
+    counts = pd.Series(dtype=float) if counts is None else counts.dropna()
+    counts = counts[counts > 0]
+    if counts.empty:
+        return ""
+    low, high = int(counts.min()), int(counts.max())
+    each = f"{low}" if low == high else f"{low} to {high}"
+    return f"{int(counts.sum())} samples in {len(counts)} cells ({each} a cell)"
 
 
 def _paired_tests(baseline_samples: pd.DataFrame, run: pd.DataFrame) -> pd.DataFrame:
@@ -308,15 +351,15 @@ def _paired_tests(baseline_samples: pd.DataFrame, run: pd.DataFrame) -> pd.DataF
     tests = []
     for key, cell in both.groupby(CELL, sort=False):
         result = paired_difference(cell["score_run"].to_numpy(), cell["score_baseline"].to_numpy())
-        tests.append({**dict(zip(CELL, key)), "paired": result})
-    for key, pooled in both.groupby(["model", "policy", "query_mode"], sort=False):
+        tests.append({**dict(zip(CELL, key)), "paired": result, "paired_n": len(cell)})
+    policy = [c for c in CELL if c not in ("task", "budget")]  # a policy's cells: over tasks and budgets
+    for key, pooled in both.groupby(policy, sort=False):
         strata = pooled["task"] + " @ " + pooled["budget"]
         if strata.nunique() < 2:
             continue  # one cell: its own test already
         result = paired_difference(pooled["score_run"].to_numpy(), pooled["score_baseline"].to_numpy(), strata)
-        tests.append({"model": key[0], "task": ALL, "policy": key[1], "budget": ALL, "query_mode": key[2],
-                      "paired": result})  # fmt: skip
-    table = pd.DataFrame(tests, columns=[*CELL, "paired"])
+        tests.append({**dict(zip(policy, key)), "task": ALL, "budget": ALL, "paired": result, "paired_n": len(pooled)})
+    table = pd.DataFrame(tests, columns=[*CELL, "paired", "paired_n"])
     table["paired_diff"] = [t.mean * 100 for t in table["paired"]]
     table["paired_low"] = [t.low * 100 for t in table["paired"]]
     table["paired_high"] = [t.high * 100 for t in table["paired"]]
@@ -368,10 +411,14 @@ def compare_selection(baseline_samples: pd.DataFrame, run: pd.DataFrame, rule: S
             state = "changed" if changed else "identical"
         example = examples.get("total", examples.get("split", ""))
         cells.append(
-            [*key, layers, len(changed), len(counts_changed), len(split_moved), example, round(overlap, 4), state]
+            [
+                *key,
+                *(layers, len(changed), len(counts_changed), len(split_moved), example, round(overlap, 4), state),
+                len(group),  # kept sets compared
+            ]
         )
     columns = [*CELL, "layers", "layers_changed", "counts_changed", "split_moved", "counts_example", "overlap"]
-    return pd.DataFrame(cells, columns=[*columns, "selection"])
+    return pd.DataFrame(cells, columns=[*columns, "selection", "kept_n"])
 
 
 def _counts_change(before: Fingerprint, after: Fingerprint, layer: int) -> str:
@@ -458,6 +505,7 @@ def check_run(
     paired = selection = None
     state, changed, compared = "off", None, 0
     if baseline_samples is not None:
+        refuse_other_samples(baseline_samples, run, samples_path(baseline_path))
         paired = _paired_tests(baseline_samples, run)
         changed, compared = changed_predictions(baseline_samples, run)
         if rule.check and "kept_fingerprint" not in baseline_samples:
@@ -478,6 +526,25 @@ def check_run(
     return CheckResult(table, tolerances, paired is not None, rule, state, changed, compared)
 
 
+def refuse_other_samples(baseline_samples: pd.DataFrame, run: pd.DataFrame, path: Path) -> None:
+    """Every cell the run has with the baseline's sample count must be the baseline's samples: a samples file that
+    names others (its counts and means may still agree with the baseline's cells) would make the paired tests and the
+    kept-set comparison compare nothing, and a gate that compared nothing would pass anything."""
+    run_ids = run.groupby(CELL, sort=False)["sample_id"].agg(set).to_dict()
+    for key, group in baseline_samples.groupby(CELL, sort=False):
+        ran = run_ids.get(key)
+        listed = set(group["sample_id"])
+        if ran is None or len(ran) != len(listed) or ran == listed:
+            continue  # missing, or another count: the cell fails as such
+        other = sorted(listed - ran)
+        record = group[group["sample_id"] == other[0]].iloc[0]
+        raise PkvError(
+            f"baseline samples {_where(path, int(record.name), record.to_dict())}: the run's cell has {len(ran)} "
+            f"samples, as the baseline's, but not this one ({len(other)} of {len(listed)} differ): the samples file "
+            "does not cover the baseline's cells sample for sample; rewrite the baseline with --update"
+        )
+
+
 def write_baseline(results: list[str], baseline_path: str) -> pd.DataFrame:
     """The run's cells as the baseline, and beside them its per-sample scores (for the paired tests), predictions
     and selection fingerprints (what changed), where every row has them."""
@@ -487,10 +554,13 @@ def write_baseline(results: list[str], baseline_path: str) -> pd.DataFrame:
             samples = samples.drop(columns=column)  # rows of an older pkvbench among them: not recorded at all
     cells = cell_table(samples)
     ordered = sort_rows(samples, columns=[*CELL, "sample_id"])
+    # A column of the cell that every row has at its default is left out, as it reads back: a run of the model's own
+    # cache without decode budgets writes the baseline earlier versions wrote, and they can read.
+    unused = [c for c, default in CELL_DEFAULTS.items() if c != "query_mode" and (cells[c] == default).all()]
     # Under the writing rule: only over a baseline (known by its header) and never inside the runs it is made from.
     outputs = Outputs("--baseline", [*results, *run_folders(results)])
-    outputs.add(baseline_path, cells.to_csv(index=False), BASELINE)
-    outputs.add(samples_path(baseline_path), ordered.to_csv(index=False), BASELINE_SAMPLES)
+    outputs.add(baseline_path, cells.drop(columns=unused).to_csv(index=False), BASELINE)
+    outputs.add(samples_path(baseline_path), ordered.drop(columns=unused).to_csv(index=False), BASELINE_SAMPLES)
     outputs.commit()
     return cells
 
@@ -522,7 +592,7 @@ def format_failures(result: CheckResult) -> str:
                 f"{row['paired_diff']:+.2f} [{row['paired_low']:.2f}, {row['paired_high']:.2f}], p {row['p_holm']:.3g}"
             )
         lines.append(
-            f"{row['status']:9} {row['task']:16} {row['policy']:20} {row['budget']:>7} {row['query_mode']:8} "
+            f"{row['status']:9} {row['task']:16} {policy_label(row):20} {row['budget']:>7} {row['query_mode']:8} "
             f"{_number(row['score_baseline'], '8.2f'):>8} {_number(row['score_run'], '.2f'):>8} "
             f"{_number(row['delta'], '+.2f'):>7} {n_base!s:>4}→{n_run!s:<4} {paired:>34}"
         )
@@ -535,7 +605,7 @@ def format_failures(result: CheckResult) -> str:
 
 def selection_line(row: dict) -> str:
     """``snapkv @ 64 (needle, aware): kept sets changed in 30 of 30 layers, overlap 0.810``"""
-    cell = f"{row['policy']} @ {row['budget']} ({row['task']}, {row['query_mode']})"
+    cell = f"{policy_label(row)} @ {row['budget']} ({row['task']}, {row['query_mode']})"
     layers = int(row["layers"])
     text = f"{cell}: kept sets changed in {int(row['layers_changed'])} of {layers} layers, overlap {row['overlap']:.3f}"
     if row["counts_changed"]:
@@ -554,7 +624,7 @@ def prediction_lines(result: CheckResult, limit: int = 10) -> list[str]:
     if changed is None or not len(changed):
         return []
     lines = [
-        f"PREDICTION {r['task']} {r['sample_id']} {r['policy']} @ {r['budget']} ({r['query_mode']}): "
+        f"PREDICTION {r['task']} {r['sample_id']} {policy_label(r)} @ {r['budget']} ({r['query_mode']}): "
         f"{_clip(r['pred_baseline'])!r} → {_clip(r['pred_run'])!r}"
         for r in changed.head(limit).to_dict("records")
     ]

@@ -233,17 +233,17 @@ def _default_policies() -> str:
 )
 @click.option(
     "--kv-group",
-    type=int,
-    default=32,
-    show_default=True,
-    help="KIVI's group size G: tokens per key group, channels per value group (must divide the head size).",
+    type=Number(int),
+    show_default="32",
+    help="With --kv-bits 8, 4 or 2: KIVI's group size G, tokens per key group, channels per value group (must divide "
+    "the head size).",
 )
 @click.option(
     "--kv-residual",
-    type=int,
-    default=128,
-    show_default=True,
-    help="KIVI's residual R: each head's last R kept entries stay in 16 bits, as do the answer's.",
+    type=Number(int),
+    show_default="128",
+    help="With --kv-bits 8, 4 or 2: KIVI's residual R, each head's last R kept entries stay in 16 bits, as do the "
+    "answer's.",
 )
 @click.option(
     "--policy-arg",
@@ -294,15 +294,13 @@ def _default_policies() -> str:
 @click.option(
     "--decode-interval",
     type=Number(int),
-    default=16,
-    show_default=True,
+    show_default="16",
     help="With --decode-budget: cut every this many new tokens.",
 )
 @click.option(
     "--decode-buffer",
     type=Number(int),
-    default=8,
-    show_default=True,
+    show_default="8",
     help="With --decode-budget: the newest entries a cut always keeps.",
 )
 @click.option("--out", type=PathType(file_okay=False), help="Result folder (default: results/runs/<model>/<tasks>).")
@@ -389,8 +387,12 @@ def merge(folders, out) -> None:
     """Combine run folders (the shards of one run) into one, without duplicate rows."""
     from pkvbench.results import merge_runs
 
-    written, duplicates = merge_runs(list(folders), out)
+    written, duplicates, missing = merge_runs(list(folders), out)
     click.echo(f"{written} rows from {len(folders)} folders → {out}/samples.jsonl ({duplicates} duplicates dropped)")
+    if missing:
+        click.echo(
+            f"note: shards {missing} are missing: {out} is not the whole run (recorded in its run.json)", err=True
+        )
 
 
 @cli.command()
@@ -499,6 +501,8 @@ def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> 
     length and largest cache while decoding, against the full cache's (--drift)."""
     from pkvbench.report import load_runs, render, report_table, uneven_counts
 
+    if html_file is not None:
+        _check_html_with_table(html_file, out_file)
     runs = load_runs(list(folders))
     outputs = _outputs_for(out_file, [*folders, *runs.folders])  # both paths checked before either is written
     if html_file is not None:
@@ -638,6 +642,38 @@ def diff(folders, policies, against, fmt, out_file) -> None:
     _write_or_echo(matrix_markdown(table) if fmt == "markdown" else render(table, fmt), out_file, outputs)
     for note in runs.notes:
         click.echo(f"note: {note}", err=True)
+
+
+# The options that shape ``report``'s table: with --html and no --out there is no table for them to shape.
+TABLE_OPTIONS = {
+    "fmt": "--format",
+    "view": "--view",
+    "intervals": "--intervals",
+    "power": "--power",
+    "drift": "--drift",
+}
+
+
+def _check_html_with_table(html_file: str, out_file: str | None) -> None:
+    """``report --html``: the page and the table (``--out``) are two files, and an option of the table given without
+    one is refused rather than ignored."""
+    from click.core import ParameterSource
+
+    if out_file is not None:
+        if Path(out_file).resolve() == Path(html_file).resolve():
+            raise PkvError(f"--html and --out are both {out_file}: the table would overwrite the page; give two files")
+        return
+    context = click.get_current_context()
+    given = [
+        flag
+        for name, flag in TABLE_OPTIONS.items()
+        if context.get_parameter_source(name) is not ParameterSource.DEFAULT
+    ]
+    if given:
+        raise PkvError(
+            f"{given[0]} shapes the table, and with --html alone there is none (the page has its own views); "
+            "add --out FILE for the table, or leave it out"
+        )
 
 
 def _write_html_report(folders: list, html_file: str, runs=None) -> None:
@@ -882,6 +918,69 @@ def funnel(**options) -> None:
     )
 
 
+# --- lm-eval: lm-evaluation-harness tasks under compression (pkvbench/lm_eval, docs/lm-eval.md) ------------------
+@cli.command(name="lm-eval")
+@click.option("--tasks", required=True, help="lm-eval task names (comma list), as `lm_eval --tasks` takes them.")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="As `run --model`.")
+@click.option("--policy", default="full", show_default=True, help="Policies, comma-separated (options as in `run`).")
+@click.option(
+    "--budget", help="Budgets, comma-separated: entries per KV head, or a fraction of the context (default 128)."
+)
+@click.option("--memory", help="Memory budgets instead (as `run --memory`).")
+@click.option("--kv-bits", help="Bits each kept value is stored in, comma-separated (as `run --kv-bits`).")
+@click.option("--decode-budget", help="Cut the cache back to this many entries while answering (generation tasks).")
+@click.option("--query-mode", default="aware", show_default=True, help="aware, agnostic (needs --question-split).")
+@click.option("--question-split", help="Agnostic: the question starts where this text last occurs in the context.")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES))
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPES))
+@click.option("--limit", type=Number(int, minimum=1), help="At most this many documents per task.")
+@click.option("--num-fewshot", type=Number(int, minimum=0), help="Few-shot examples (default: each task's own).")
+@click.option(
+    "--include-path",
+    "include_paths",
+    multiple=True,
+    type=PathType(exists=True, file_okay=False),
+    help="A folder of your own lm-eval task YAML files (repeatable).",
+)
+@click.option("--bootstrap-iters", type=Number(int, minimum=0), default=1000, show_default=True)
+@click.option("--out", required=True, type=PathType(file_okay=False), help="Folder for the results.")
+@click.option("--overwrite", is_flag=True, help="Run afresh in --out (its pkvbench files go once the model loads).")
+@click.option("--quiet", is_flag=True, help="No summary table.")
+def lm_eval_command(tasks, include_paths, limit, num_fewshot, bootstrap_iters, out, overwrite, quiet, **grid) -> None:
+    """lm-evaluation-harness tasks under KV-cache compression: every configuration from one prefill per request.
+
+    Writes lm-eval's results and per-sample logs per configuration (OUT/lm_eval/<configuration>/) and pkvbench's
+    samples.jsonl and summary.csv (read by report, diff, check). Needs pip install 'pkvbench[lm-eval]'.
+
+    \b
+    Example:
+      pkvbench lm-eval --tasks arc_easy --policy full,snapkv --budget 64,128 --limit 20 --out results/lm-eval/arc
+    """
+    from pkvbench.config import as_list
+    from pkvbench.lm_eval.run import LM_EVAL_FOLDER, evaluate_grid
+
+    model_args = {name: value for name, value in grid.items() if value is not None}
+    run = evaluate_grid(
+        as_list(tasks, "--tasks"),
+        model_args,
+        out,
+        limit=limit,
+        include_paths=include_paths,
+        num_fewshot=num_fewshot,
+        bootstrap_iters=bootstrap_iters,
+        overwrite=overwrite,
+    )
+    for note in run.notes:
+        click.echo(f"note: {note}", err=True)
+    if not quiet:
+        click.echo(run.summary.to_string(index=False) if len(run.summary) else "(no rows)")
+    took = ", ".join(f"{label} {seconds:.1f} s" for label, seconds in run.seconds.items())
+    click.echo(
+        f"{len(run.seconds)} configurations ({took}), {run.rows} rows → {run.out}/samples.jsonl, "
+        f"{run.out}/{LM_EVAL_FOLDER}/<configuration>/"
+    )
+
+
 def _quiet_libraries() -> None:
     """Library chatter (load bars, GGUF notices) would bury our own output."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -898,12 +997,17 @@ def _quiet_libraries() -> None:
         pass
 
 
+MESSAGE_LIMIT = 2000  # characters of an error line: a message that echoes a value is cut, never megabytes
+
+
 def main(argv: list[str] | None = None) -> None:
     _quiet_libraries()
     try:
         code = cli.main(args=argv, prog_name="pkvbench", standalone_mode=False)
     except PkvError as exc:
-        click.echo(f"pkvbench: error: {exc}", err=True)
+        from pkvbench.config import excerpt
+
+        click.echo(f"pkvbench: error: {excerpt(str(exc), MESSAGE_LIMIT)}", err=True)  # one line, whatever it echoes
         sys.exit(2)
     except click.exceptions.NoArgsIsHelpError as exc:
         click.echo(exc.ctx.get_help())

@@ -9,6 +9,10 @@ line the file only sets defaults: any flag given there wins. An unknown key, a k
 and a value of the wrong shape are errors that name the key; the values themselves are checked by the run, exactly
 as if they had been typed.
 
+The YAML is read by ``io.parse_yaml``: numbers in plain decimal digits only (YAML 1.1's ``1_6``, ``0x10``, ``1:30``
+stay text, ``010`` is ten), aliases up to ``io.ALIAS_EXPANSION_LIMIT`` values in all. A value a message echoes is cut
+to a short excerpt (``shown``).
+
 The numbers and flags of every option — typed on the command line, read from a config, or given to the Python API —
 are parsed here, by ``parse_int``, ``parse_float`` and ``parse_bool``: an integer option takes an integer (never
 1.7 cut to 1, never true as 1), a number is finite, and a bound is checked with the same words everywhere. Lists,
@@ -21,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,14 +72,52 @@ SEED_MAX = 2**32 - 1  # numpy's and most generators' seed range
 MAX_LAYERS = 4096
 MIN_POWER = 0.01  # points: a smaller difference needs more samples than can be counted
 
+# The one spelling of numbers: ASCII digits, no "_" separators. Python's int() and float() also read "1_6" and
+# full-width digits ("１６"); a config's YAML reads neither as a number (``io._StrictLoader``), so neither does any
+# other path in: the command line, a config and the Python API take the same numbers.
 _INTEGER = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|infinity|nan)", re.IGNORECASE)
+
+EXCERPT = 60  # characters of a value a message echoes: enough to recognise it, never megabytes
+
+
+def excerpt(text: str, limit: int = EXCERPT) -> str:
+    """``text`` as one short line for a message: line breaks shown as ``\\n``, cut to ``limit`` characters."""
+    line = text.replace("\r", "\\r").replace("\n", "\\n")
+    return line if len(line) <= limit else f"{line[: limit - 1]}…"
 
 
 def shown(value: Any) -> str:
-    """A value as a user wrote it, for messages: text as it is, flags as true/false."""
+    """A value as a user wrote it, for messages: text as it is, flags as true/false; one line of at most
+    ``EXCERPT`` characters (a config's value can be a megabyte)."""
     if isinstance(value, bool):
         return str(value).lower()
-    return value if isinstance(value, str) else repr(value)
+    return excerpt(value if isinstance(value, str) else _SHORT_REPR.repr(value))
+
+
+def _short_repr() -> reprlib.Repr:
+    """repr that walks a few items of a few levels only: a value may be a list of a million items."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother = 3, EXCERPT, EXCERPT
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 4
+    return short
+
+
+_SHORT_REPR = _short_repr()
+
+
+def int_text(text: str) -> int:
+    """``int(text)`` for the one spelling of integers (``_INTEGER``); ValueError for any other."""
+    if not _INTEGER.fullmatch(text.strip()):
+        raise ValueError(f"not an integer: {text!r}")
+    return int(text.strip())
+
+
+def float_text(text: str) -> float:
+    """``float(text)`` for the one spelling of numbers (``_DECIMAL``); ValueError for any other."""
+    if not _DECIMAL.fullmatch(text.strip()):
+        raise ValueError(f"not a number: {text!r}")
+    return float(text.strip())
 
 
 def _number_text(number: int | float) -> str:
@@ -99,7 +142,7 @@ def parse_int(value: Any, what: str, minimum: int | None = None, maximum: int | 
         if not _INTEGER.fullmatch(value.strip()):
             raise PkvError(f"{what} {shown(value)}: expected an integer")
         try:
-            number = int(value.strip())
+            number = int_text(value)
         except ValueError:  # more digits than Python converts
             raise PkvError(f"{what}: {len(value.strip())} digits is not a usable integer") from None
     else:
@@ -115,7 +158,7 @@ def parse_float(
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise PkvError(f"{what} {shown(value)}: expected a number")
     try:
-        number = float(value.strip() if isinstance(value, str) else value)
+        number = float_text(value) if isinstance(value, str) else float(value)
     except ValueError:
         raise PkvError(f"{what} {shown(value)}: expected a number") from None
     except OverflowError:
@@ -173,7 +216,7 @@ def _spellings(fields: Iterable[str]) -> dict[str, tuple[str, bool]]:
 def _value(key: str, field: str, value: Any) -> Any:
     if field in FLAGS:
         if not isinstance(value, bool):
-            raise PkvError(f"config key {key!r}: expected true or false, got {value!r}")
+            raise PkvError(f"config key {key!r}: expected true or false, got {shown(value)}")
         return value
     if field in PAIRS:
         items = value if isinstance(value, (list, dict)) else [value]
@@ -188,7 +231,7 @@ def _value(key: str, field: str, value: Any) -> Any:
         if not value:
             raise PkvError(f"config key {key!r}: the list is empty")
         if any(isinstance(i, (list, dict)) for i in value):
-            raise PkvError(f"config key {key!r}: list items must be single values, got {value!r}")
+            raise PkvError(f"config key {key!r}: list items must be single values, got {shown(value)}")
     return value
 
 
@@ -201,7 +244,7 @@ def read_run_config(path: str | Path, fields: Iterable[str]) -> dict[str, Any]:
         key_text = str(key)
         if key_text not in spellings:
             valid = sorted({k for k in spellings if "_" not in k})
-            raise PkvError(f"config {path}: unknown key {key_text!r}; valid keys: {', '.join(valid)}")
+            raise PkvError(f"config {path}: unknown key {excerpt(repr(key_text))}; valid keys: {', '.join(valid)}")
         field, negated = spellings[key_text]
         if field in seen:
             raise PkvError(f"config {path}: keys {seen[field]!r} and {key_text!r} set the same option")
@@ -223,7 +266,7 @@ def as_list(value: Any, what: str) -> list[str]:
     if not any(items):
         raise PkvError(f"{what} is empty; give a comma-separated list")
     if not all(items):
-        raise PkvError(f"{what} {','.join(items)!r} has an empty item; remove the extra comma")
+        raise PkvError(f"{what} {excerpt(repr(','.join(items)))} has an empty item; remove the extra comma")
     return items
 
 

@@ -10,9 +10,12 @@ run, so kvpress users' scripts read it:
   preset, ``--protocol kvpress`` (``no_press``, ``streaming_llm``, ``snapkv`` for SnapKV with window 64 and average
   pooling of 5, ``expected_attention`` for ``adakv(expected_attention:epsilon=0.01)``, ``adakv_snapkv``, ``chunkkv``,
   ``critical_adakv_snapkv``, …: ``KVPRESS_PRESSES``) — else pkvbench's label (e.g. ``snapkv`` with pkvbench's window
-  8 and max-pooling is not kvpress's ``snapkv``);
+  8 and max-pooling is not kvpress's ``snapkv``), followed by ``-kv4`` (``-kv4-g64-r32``) for a cache stored in another
+  format than the model's own: each storage format is a folder of its own;
 - the ratio is the budget's compression ratio (``cr0.5`` → 0.50), or for other budgets 1 − the share of the prompt the
-  rows kept on average; ``__query_aware`` marks query-aware rows (kvpress's default is agnostic);
+  rows kept on average (1 − a fraction budget where rows do not record ``budget_tokens`` and ``context_tokens``;
+  ``budget<label>`` in the name where the ratio cannot be known); two budgets of one ratio are refused rather than
+  written into one folder; ``__query_aware`` marks query-aware rows (kvpress's default is agnostic);
 - ``predictions.csv`` has ``task, sample_id, question, answer, predicted_answer, compression_ratio, query_mode,
   context_tokens`` (``question`` from the rows' ``question_text``, empty for runs older than that column); kvpress's
   ``context`` and ``answer_prefix`` columns are absent (rows keep only the context's head and tail);
@@ -35,10 +38,18 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from pkvbench.axes import LINE_KEY, present
+from pkvbench.axes import present
+from pkvbench.errors import PkvError
 from pkvbench.outputs import Outputs
-from pkvbench.report import Runs, interval_columns, model_display_name, refuse_decode_budgets, to_csv, to_markdown
-from pkvbench.schema import AWARE, DEFAULT_QUERY_MODE
+from pkvbench.report import (
+    Runs,
+    interval_columns,
+    model_display_name,
+    refuse_decode_budgets,
+    to_csv,
+    to_markdown,
+)
+from pkvbench.schema import AWARE, CELL_KEY, DEFAULT_QUERY_MODE
 from pkvbench.stats import group_interval
 
 # kvpress's presses (the names of its evaluation/evaluate_registry.py) and the pkvbench policy that is each one under
@@ -76,7 +87,6 @@ def kvpress_name(policy: str) -> str:
     """kvpress's name for the press a pkvbench policy label is — the policy with exactly the options of the kvpress
     preset — or the label made safe for a folder name, prefixed ``pkvbench_`` where it would read as a press's name
     (``knorm`` with pkvbench's tie rule is not kvpress's ``knorm``)."""
-    from pkvbench.errors import PkvError
     from pkvbench.policies import parse_policy
 
     try:
@@ -89,11 +99,26 @@ def kvpress_name(policy: str) -> str:
     return f"pkvbench_{label}" if label in KVPRESS_PRESSES else label
 
 
-def compression_ratio(budget: str, rows: pd.DataFrame) -> float:
+def compression_ratio(budget: str, rows: pd.DataFrame) -> float | None:
+    """The share of the prompt removed: a ``cr`` budget's own, else 1 − the mean share the rows kept, else (rows that
+    do not say: ``budget_tokens`` and ``context_tokens`` are not required of a row) 1 − a fraction budget; None for a
+    budget of tokens or bytes whose rows do not say."""
     if str(budget).startswith("cr"):
         return float(str(budget)[2:])
-    kept = (rows["budget_tokens"] / rows["context_tokens"]).clip(upper=1.0)
-    return float(1 - kept.mean())
+    kept = pd.to_numeric(_column(rows, "budget_tokens"), errors="coerce")
+    kept = (kept / pd.to_numeric(_column(rows, "context_tokens"), errors="coerce")).clip(upper=1.0).dropna()
+    if len(kept):
+        return float(1 - kept.mean())
+    try:
+        fraction = float(budget)
+    except ValueError:  # a memory budget
+        return None
+    return 1 - fraction if fraction < 1 else None
+
+
+def _column(rows: pd.DataFrame, name: str, missing=None) -> pd.Series:
+    """A column of the rows, or ``missing`` in every row where they lack it (a field the schema does not require)."""
+    return rows[name] if name in rows.columns else pd.Series(missing, index=rows.index, dtype=object)
 
 
 def dataset_name(tasks: list[str]) -> str:
@@ -104,7 +129,8 @@ def dataset_name(tasks: list[str]) -> str:
 
 
 def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) -> list[Path]:
-    """One kvpress folder per model × policy × budget × query mode of ``runs``; returns the folders written. The
+    """One kvpress folder per cell of ``runs`` but its task (model × policy × budget × query mode × storage format:
+    ``schema.CELL_KEY``); returns the folders written. The
     files go through ``outputs`` (the caller commits them) or, without it, are written here under the writing
     rule."""
     own = outputs is None
@@ -115,8 +141,13 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
         rows["query_mode"] = DEFAULT_QUERY_MODE
     rows["query_mode"] = rows["query_mode"].fillna(DEFAULT_QUERY_MODE)
     out = Path(out)
-    written = []
-    for (model, policy, budget, mode), group in rows.groupby(LINE_KEY, sort=False):
+    written: dict[Path, str] = {}  # each folder → the cell it holds
+    folder_key = [name for name in CELL_KEY if name != "task"]  # a kvpress folder holds all tasks of one cell
+    for key, group in rows.groupby(folder_key, sort=False):
+        cell = dict(zip(folder_key, key))
+        model, policy, budget, mode, stored = (
+            cell[k] for k in ("model", "policy", "budget", "query_mode", "kv_stored")
+        )
         ratio = compression_ratio(budget, group)
         lengths = sorted({int(n) for n in group.get("length", pd.Series(dtype=float)).dropna()})
         data_dir = "+".join(map(str, lengths)) or "data"
@@ -125,21 +156,29 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
                 dataset_name(list(group["task"])),
                 data_dir,
                 model_display_name(model).replace("/", "--"),
-                kvpress_name(policy),
-                f"{ratio:.2f}",
+                kvpress_name(policy) + (f"-kv{stored}".replace(" ", "-") if stored else ""),  # another format
+                f"{ratio:.2f}" if ratio is not None else f"budget{budget}",  # kvpress's ratio, where it is known
             ]
         ) + ("__query_aware" if mode == AWARE else "")
         folder = out / name
+        label = f"{policy} @ {budget}" + (f" ({stored} bits)" if stored else "")
+        if folder in written:  # two budgets of one ratio: one folder would hold both, kvpress would read one
+            raise PkvError(
+                f"{written[folder]} and {label} would both be kvpress's {folder.name}; export them from separate runs"
+            )
+        written[folder] = label
         predictions = pd.DataFrame(
             {
                 "task": group["task"],
                 "sample_id": group["sample_id"],
-                "question": group.get("question_text", ""),
-                "answer": [json.dumps(a, ensure_ascii=False) for a in group["answers"]],
-                "predicted_answer": group["pred"],
+                "question": _column(group, "question_text", ""),
+                "answer": [
+                    json.dumps(a, ensure_ascii=False) if isinstance(a, list) else "" for a in _column(group, "answers")
+                ],
+                "predicted_answer": _column(group, "pred", ""),
                 "compression_ratio": ratio,
                 "query_mode": mode,
-                "context_tokens": group["context_tokens"],
+                "context_tokens": _column(group, "context_tokens"),
             }
         )
         metrics = {
@@ -152,16 +191,16 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
             "pkvbench_policy": policy,
             "compression_ratio": ratio,
             "pkvbench_budget": str(budget),
+            **({"pkvbench_kv_bits": stored} if stored else {}),
             "query_aware": mode == AWARE,
             "samples": int(len(group)),
         }
         outputs.add(folder / "predictions.csv", predictions.to_csv(index=False))
         outputs.add(folder / "metrics.json", json.dumps(metrics, indent=4) + "\n")
         outputs.add(folder / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-        written.append(folder)
     if own:
         outputs.commit()
-    return written
+    return list(written)
 
 
 def leaderboard_ranking(rows: pd.DataFrame) -> pd.DataFrame:
@@ -170,6 +209,10 @@ def leaderboard_ranking(rows: pd.DataFrame) -> pd.DataFrame:
     and ``n`` (samples behind the row)."""
     modes = rows.get("query_mode", pd.Series(DEFAULT_QUERY_MODE, index=rows.index))
     rows = rows.assign(query_mode=modes.fillna(DEFAULT_QUERY_MODE))
+    if "kv_stored" in rows.columns:  # a policy at another storage format is another entry, never pooled with it
+        rows = rows.assign(
+            policy=[p + (f" · {s} bits" if s else "") for p, s in zip(rows["policy"], rows["kv_stored"])]
+        )
     budgets = [str(b) for b in present(rows["budget"])]
     if all(b.startswith("cr") for b in budgets):  # compression ratios read from the least removed, as kvpress's plots
         budgets = sorted(budgets, key=lambda b: float(b[2:]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -172,12 +173,94 @@ def _strict_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _strict_mapping)
 
+# Numbers as the command line reads them (``config.parse_int`` / ``parse_float``): plain decimal digits. YAML 1.1, which
+# PyYAML implements, also reads 1_6 as 16, 010 as 8, 0x10 as 16 and 1:30 as 90, none of which the command line takes:
+# such text stays text here, and the option's parser refuses it in one line.
+_NUMBERS = {"tag:yaml.org,2002:int", "tag:yaml.org,2002:float"}
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag not in _NUMBERS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def _decimal(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
+    """An integer in decimal, as the command line reads it: 010 is ten, not YAML 1.1's octal eight."""
+    text = loader.construct_scalar(node)
+    if not re.fullmatch(r"[-+]?[0-9]+", text):
+        raise yaml.constructor.ConstructorError(None, None, f"{text!r} is not a decimal integer", node.start_mark)
+    return int(text)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _decimal)
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+# Aliases (``*name``) may repeat what an anchor holds, but not past this many values in all: a dozen lines of nested
+# aliases can stand for 10^12 values (the "billion laughs"), which no option needs and every check would walk.
+ALIAS_EXPANSION_LIMIT = 10_000
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """How many nodes the document holds once every alias is expanded, stopping past ``ALIAS_EXPANSION_LIMIT``."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_nodes:
+            raise PkvError("an alias refers to the value that holds it")
+        open_nodes.add(id(node))
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        else:
+            children = []
+        for child in children:
+            total += size(child)
+            if total > ALIAS_EXPANSION_LIMIT:
+                break
+        open_nodes.discard(id(node))
+        sizes[id(node)] = total
+        return total
+
+    return size(root)
+
+
+def _load(text: str) -> Any:
+    """``yaml.load`` with ``_StrictLoader``, refusing a document whose aliases expand past the limit (checked on the
+    composed nodes, before any value is built)."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if "*" in text:  # no alias without one; a plain document skips the walk
+            nodes = _expanded_size(node)
+            if nodes > ALIAS_EXPANSION_LIMIT:
+                raise PkvError(
+                    f"its aliases (*name) expand to more than {ALIAS_EXPANSION_LIMIT} values; "
+                    "write the values out, or use fewer aliases"
+                )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
 
 def parse_yaml(text: str, where: str) -> Any:
     """YAML text → Python values, with ``_StrictLoader``'s rules; any problem is one line naming ``where`` (and the
-    line): invalid syntax, a repeated or non-scalar key, nesting too deep to read."""
+    line): invalid syntax, a repeated or non-scalar key, nesting too deep to read, aliases that expand past
+    ``ALIAS_EXPANSION_LIMIT`` values."""
     try:
-        return yaml.load(text, Loader=_StrictLoader)
+        return _load(text)
+    except PkvError as exc:
+        raise PkvError(f"{where}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""

@@ -106,29 +106,45 @@ def word_sequence(prediction: str, answers: list[str], meta: Mapping[str, Any] |
 # --- reasoning sets: final answers ------------------------------------------------------------------------------
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# How written answers separate a number's thousands and sign it, beyond ASCII's ``1,250`` and ``-5``: TeX's
+# separators (``1{,}250``, ``1\,250``, ``1\!250``; ``\;``, ``\:``, ``\ ``, ``~``), the thin and narrow no-break
+# spaces (a separator only before exactly three digits), and the Unicode minus signs (U+2212, its small and
+# full-width forms).
+_THOUSANDS = re.compile(r"(?<=\d)(?:\{,\}|\\[,!;: ]|~|[\u2009\u202f])(?=\d{3}(?!\d))")
+_MINUS = re.compile("[\u2212\ufe63\uff0d]")
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{…}`` (or ``\\fbox{…}``) of a text, braces balanced; None if there is none."""
+    """The content of the last ``\\boxed{…}`` (or ``\\fbox{…}``) of a text, braces balanced; for ``\\boxed 5``
+    (no brace, as Hendrycks' MATH and Qwen2.5-Math's extractors also read it) the one word after it, up to a space
+    or ``$``, never a later ``{…}`` group; None if there is none."""
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
-    opening = text.find("{", start)
-    if opening < 0:
+    after = start + len("\\boxed" if text.startswith("\\boxed", start) else "\\fbox")
+    if text[after : after + 1] in (" ", "\t"):
+        return re.split(r"[\s$]", text[after:].lstrip(" \t"), maxsplit=1)[0] or None
+    if not text.startswith("{", after):
         return None
     depth = 0
-    for index in range(opening, len(text)):
+    for index in range(after, len(text)):
         depth += {"{": 1, "}": -1}.get(text[index], 0)
         if depth == 0:
-            return text[opening + 1 : index]
+            return text[after + 1 : index]
     return None
+
+
+def plain_numbers(text: str) -> str:
+    """``text`` with TeX's and Unicode's thousands separators and minus signs written the ASCII way (``1{,}250`` →
+    ``1250``, ``−5`` → ``-5``), so that a number reads as written."""
+    return _MINUS.sub("-", _THOUSANDS.sub("", text))
 
 
 def _as_number(text: str):
     from decimal import Decimal, InvalidOperation
 
     try:
-        return Decimal(text.replace(",", "").rstrip("."))
+        return Decimal(plain_numbers(text).replace(",", "").rstrip("."))
     except InvalidOperation:
         return None
 
@@ -136,13 +152,13 @@ def _as_number(text: str):
 def final_number(text: str) -> str | None:
     """A prediction's final answer as a number: the last number in its last ``\\boxed{}`` if it has one, else the
     first after its last GSM8K ``####``, else the last number in it (lm-evaluation-harness's flexible extraction);
-    commas dropped."""
+    separators dropped, minus signs read as ``-`` (``plain_numbers``)."""
     boxed = last_boxed(text)
     marked = text.rsplit("####", 1)[1] if "####" in text else None
     # the boxed expression's last number; the first number after "####" (GSM8K's own "#### (-?[0-9.,]+)"); the
     # text's last number
     for part, which in ((boxed, -1), (marked, 0), (text, -1)):
-        numbers = _NUMBER.findall(part) if part is not None else []
+        numbers = _NUMBER.findall(plain_numbers(part)) if part is not None else []
         if numbers:
             return numbers[which].replace(",", "")
     return None

@@ -9,7 +9,8 @@ is written through ``Outputs``, which writes a file only
 - never inside a results folder the command does not read (symlinks resolved): a report may go beside the runs it
   reads, never into another run; a baseline (``check --update``) goes inside none of the folders it is made from;
 - where no file is yet, or over a file pkvbench wrote there itself that nobody has changed since. Each file written is
-  recorded with its SHA-256 in ``.pkvbench-outputs.json`` beside it; a file is pkvbench's while its content still has
+  recorded with its SHA-256 in ``.pkvbench-outputs.json`` beside it (a record that cannot be written, a folder of
+  that name, refuses the file before it is written); a file is pkvbench's while its content still has
   that hash (a baseline is also recognised by its header, as baselines written before that record are). A user's
   file of the same name is never replaced, nor a pkvbench file the user has edited.
 
@@ -126,6 +127,12 @@ class Outputs:
         if target.name == MANIFEST:
             raise PkvError(f"{self.option} {given}: {MANIFEST} is pkvbench's record of the files it wrote")
         self._check_place(given, target.parent, kind, file_name=target.name)
+        record = target.parent / MANIFEST
+        if (record.exists() or record.is_symlink()) and not record.is_file():  # checked now, not after the write
+            raise PkvError(
+                f"{self.option} {given}: {record} is not a file, so pkvbench could not record the file it writes "
+                "beside it (and would refuse to overwrite it later); move it away, or write elsewhere"
+            )
         if (target.exists() or target.is_symlink()) and not self._recognised(target, kind):
             raise PkvError(
                 f"{self.option} {given} exists and pkvbench did not write it (or it was changed since); pkvbench "

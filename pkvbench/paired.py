@@ -17,7 +17,7 @@ import pandas as pd
 
 from pkvbench.axes import ROW_AXES
 from pkvbench.errors import PkvError
-from pkvbench.report import row_axes
+from pkvbench.report import markdown_escape, row_axes
 from pkvbench.stats import ALPHA, holm, paired_difference, samples_needed
 
 ALL_TASKS = "all tasks"  # the group row: every task of the model, each weighted equally
@@ -161,9 +161,10 @@ def matrix_markdown(comparisons: pd.DataFrame) -> str:
             grid.loc[r["policy_a"], r["policy_b"]] = _entry(r["diff"], r["ci_low"], r["ci_high"], mark)
             grid.loc[r["policy_b"], r["policy_a"]] = _entry(-r["diff"], -r["ci_high"], -r["ci_low"], mark)
         lines = [f"**{title}** (n = {int(block['n'].max())}; row − column, points)", ""]
-        lines.append("| | " + " | ".join(policies) + " |")
+        names = {p: markdown_escape(p) for p in policies}
+        lines.append("| | " + " | ".join(names.values()) + " |")
         lines.append("|---|" + "---:|" * len(policies))
-        lines += [f"| {p} | " + " | ".join(grid.loc[p, q] or "·" for q in policies) + " |" for p in policies]
+        lines += [f"| {names[p]} | " + " | ".join(grid.loc[p, q] or "·" for q in policies) + " |" for p in policies]
         blocks.append("\n".join(lines))
     tested = len(comparisons)
     note = (

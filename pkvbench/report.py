@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from pkvbench.results import (
     RUN,
     bits_label,
     decode_budget_label,
+    missing_shards,
     read_rows,
     repeated_rows_note,
     stored_as,
@@ -92,6 +94,9 @@ def load_runs(paths: list[str | os.PathLike], strict: bool = False) -> Runs:
         if strict and (holder := FolderLock(folder).holder()):
             raise PkvError(f"{folder} is being written by a running pkvbench ({holder}); use it once that run ends")
         raw = read_rows(folder)
+        missing_shards = _missing_shards(folder)
+        if missing_shards:
+            notes.append(f"{folder}: a merge without shards {missing_shards}: not the whole run")
         repeated = unique_rows(raw)[1]
         if repeated:
             notes.append(repeated_rows_note(folder / ROWS, repeated))
@@ -172,6 +177,13 @@ def _run_model(folder: Path) -> str:
         return json.loads((folder / RUN).read_text())["options"]["model"]
     except (OSError, ValueError, KeyError, TypeError):
         return "unknown"
+
+
+def _missing_shards(folder: Path) -> str | None:
+    try:
+        return missing_shards(json.loads((folder / RUN).read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def _run_native_bits(folder: Path) -> int | None:
@@ -344,11 +356,16 @@ def _display(table: pd.DataFrame, missing: str) -> tuple[list[str], list[list[st
 def to_markdown(table: pd.DataFrame, missing: str = "—") -> str:
     header, body, numeric = _display(table, missing)
     lines = [
-        "| " + " | ".join(header) + " |",
+        "| " + " | ".join(map(markdown_escape, header)) + " |",
         "|" + "|".join("---:" if num else "---" for num in numeric) + "|",
     ]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
+    lines += ["| " + " | ".join(markdown_escape(cell) for cell in row) + " |" for row in body]
     return "\n".join(lines) + "\n"
+
+
+def markdown_escape(text: str) -> str:
+    """A cell's ``|`` (a model or policy name may have one) escaped: unescaped it would end the cell."""
+    return text.replace("|", "\\|")
 
 
 def to_csv(table: pd.DataFrame) -> str:
@@ -356,21 +373,28 @@ def to_csv(table: pd.DataFrame) -> str:
     return table.assign(**precise).to_csv(index=False, float_format="%.2f", na_rep="")
 
 
+_LATEX_SPECIAL = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\^{}",
+    "|": r"\textbar{}",  # in OT1 text a bare | prints as an em dash
+    "<": r"\textless{}",
+    ">": r"\textgreater{}",
+}
+_LATEX_CHARS = re.compile("|".join(map(re.escape, _LATEX_SPECIAL)))
+
+
 def _latex_escape(text: str) -> str:
-    for char, escaped in (
-        ("\\", r"\textbackslash{}"),
-        ("&", r"\&"),
-        ("%", r"\%"),
-        ("$", r"\$"),
-        ("#", r"\#"),
-        ("_", r"\_"),
-        ("{", r"\{"),
-        ("}", r"\}"),
-        ("~", r"\textasciitilde{}"),
-        ("^", r"\^{}"),
-    ):
-        text = text.replace(char, escaped)
-    return text
+    """Each special character replaced once, in one pass: an escape's own braces are never escaped again (one pass
+    after another turned a backslash into ``\\textbackslash\\{\\}``, which prints ``\\{}``)."""
+    return _LATEX_CHARS.sub(lambda match: _LATEX_SPECIAL[match.group()], text)
 
 
 def to_latex(table: pd.DataFrame, missing: str = "--") -> str:

@@ -5,8 +5,10 @@ partial last line (a kill mid-write) is cut off when the folder is opened again.
 skips the rows already there.
 
 A store touches nothing it did not write. ``claim`` checks the folder before anything slow and locks it for one
-writer (``pkvbench.lock``); the folder changes only at ``record``, once the run's model has loaded: a folder being
-replaced (``--overwrite``) loses its previous pkvbench files then, never a file of anyone else's. ``run.json`` and
+writer (``pkvbench.lock``); the folder changes only when the run's first row is written (or the run ends with
+nothing left to compute): a folder being replaced (``--overwrite``) loses its previous pkvbench files then, never a
+file of anyone else's, and a run refused or failed before its first row leaves the folder as it was (a folder it
+made is removed again). ``run.json`` and
 ``summary.csv`` are replaced atomically (``io.atomic_write``).
 """
 
@@ -212,8 +214,9 @@ class ResultStore:
     """A result folder: a JSON record of the run (its options first), an append-only JSON-lines file of rows, and
     files made from the rows (``outputs``). ``key`` says which rows are the same; ``check`` refuses a malformed row.
 
-    A run goes ``claim`` (check and lock the folder) → ``record`` (the model has loaded: write the record) →
-    ``append`` … → ``close`` (let go of the lock); ``with store.claim(options): …`` closes it.
+    A run goes ``claim`` (check and lock the folder) → ``record`` (the model has loaded: the record to write) →
+    ``append`` … (the first writes the record) → ``close`` (let go of the lock); ``with store.claim(options): …``
+    closes it.
     """
 
     def __init__(
@@ -233,6 +236,7 @@ class ResultStore:
         self.check = check
         self.lock = FolderLock(self.dir)
         self.started = False  # the run is recorded: the folder is this run's
+        self._record: dict[str, Any] | None = None  # the run's record, written with the first row
         self.duplicates = 0  # rows of a key already seen, left out by the last rows()
         self.notes: list[str] = []  # what the user should know about the folder (a resume under other versions)
         self._replacing = False  # the folder's previous files go when the run is recorded
@@ -329,8 +333,17 @@ class ResultStore:
         ]
 
     def record(self, run_info: dict[str, Any]) -> None:
-        """Write the run's record: the run has started (its model has loaded). A folder being replaced loses its
-        previous pkvbench files now, not at ``claim``: a run that fails before this leaves it as it was."""
+        """The run's record (its model has loaded), written with the first row or by ``write_summary``, whichever
+        comes first: a run refused or failed between the model load and its first row (a check that needs the model,
+        a first prefill out of memory) deletes nothing of a folder being replaced and leaves no record behind."""
+        self._record = run_info
+
+    def _write_record(self) -> None:
+        """Write the pending record: the run has started. A folder being replaced loses its previous pkvbench
+        files now, not at ``claim`` or ``record``."""
+        if self._record is None:
+            return
+        run_info, self._record = self._record, None
         if self._replacing:
             for path in self.own_paths:
                 remove_file(path)
@@ -351,6 +364,7 @@ class ResultStore:
         process writes (tests, tools). A run holds the lock from ``claim`` to ``close``."""
         with self.claim(run_info["options"], overwrite):
             self.record(run_info)
+            self._write_record()
 
     def discard(self) -> None:
         """Remove what this store wrote (a merge that failed part-way leaves no half a folder)."""
@@ -406,6 +420,7 @@ class ResultStore:
 
     def extend(self, rows: list[Row]) -> None:
         """Append ``rows`` in one write and one fsync (a merge of thousands of rows should not pay a sync each)."""
+        self._write_record()
         data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
         try:
             fd = os.open(self.rows_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -422,6 +437,7 @@ class ResultStore:
             os.close(fd)
 
     def write_summary(self) -> pd.DataFrame:
+        self._write_record()
         table = summarize(self.rows())
         atomic_write(self.dir / SUMMARY, table.to_csv(index=False))
         return table
@@ -469,13 +485,61 @@ def _check_merge_target(out: Path, folders: list[Path]) -> None:
         raise PkvError(f"--out {out} is not empty; merge writes a new folder and leaves existing ones alone")
 
 
-def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tuple[int, int]:
-    """Combine run folders (typically the shards of one run) into the new folder ``out``; returns (rows written,
-    duplicates dropped).
+def shards_held(folder: Path, record: dict[str, Any]) -> tuple[int, set[int]] | None:
+    """(n, the shards i) of a split into n that a run folder holds: its own ``--shard i/n``, or those an earlier
+    merge recorded (``shards``); None for a whole run."""
+    merged, shard = record.get("shards"), record["options"].get("shard")
+    try:
+        if isinstance(merged, dict):
+            return int(merged["count"]), {int(i) for i in merged["merged"]}
+        if not shard:
+            return None
+        index, _, count = str(shard).partition("/")
+        return int(count), {int(index)}
+    except (KeyError, TypeError, ValueError):
+        raise PkvError(f"{folder / RUN}: its shard ({merged or shard!r}) is not pkvbench's i/n") from None
 
-    The folders must come from the same run options, shard aside, and no run may be writing them. A key present in
-    two folders is kept once; if the two rows disagree on the prediction the merge is refused, since that means the
-    runs were not the same. A merge that fails leaves no files in ``out``.
+
+def missing_shards(record: dict[str, Any]) -> str | None:
+    """``2/3, 3/3``: the shards a merged run's record says it lacks (None for a whole run): its rows are not the whole
+    run's."""
+    shards = record.get("shards")
+    if not isinstance(shards, dict) or not shards.get("missing"):
+        return None
+    return ", ".join(f"{i}/{shards['count']}" for i in shards["missing"])
+
+
+def _split(sources: list[Path], records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What a merge of ``sources`` holds of their split: ``{count, merged, missing}``; None where one of them is a
+    whole run (or none is a shard). Shards of splits into different counts are refused: they take other samples."""
+    first, covered, whole = None, set(), False
+    for folder, record in zip(sources, records):
+        held = shards_held(folder, record)
+        if held is None:
+            whole = True
+            continue
+        if first is not None and held[0] != first[1]:
+            raise PkvError(
+                f"{folder} is a shard of a split into {held[0]}, {first[0]} of one into {first[1]}: shards of two "
+                "splits take other samples; merge the shards of one split"
+            )
+        first = first or (folder, held[0])
+        covered |= held[1]
+    if first is None or whole:
+        return None
+    count = first[1]
+    return {"count": count, "merged": sorted(covered), "missing": sorted(set(range(1, count + 1)) - covered)}
+
+
+def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tuple[int, int, str | None]:
+    """Combine run folders (typically the shards of one run) into the new folder ``out``; returns (rows written,
+    duplicates dropped, the shards missing: ``missing_shards``).
+
+    The folders must come from the same run options, shard aside, and no run may be writing them; shards must be of
+    one split (``1/2`` with ``3/3`` is refused), and the shards a merge lacks are recorded in its ``run.json``
+    (``shards``: count, merged, missing) and said. A key present in two folders is kept once; if the two rows
+    disagree on the prediction the merge is refused, since that means the runs were not the same. A merge that
+    fails leaves no files in ``out``.
     """
     out, sources = Path(out), [Path(f) for f in folders]
     _check_merge_target(out, sources)
@@ -499,6 +563,7 @@ def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tupl
         decisive = version_changes(records[0], record)[0]
         if decisive:
             raise PkvError(f"{folder} was run under other versions than {sources[0]} ({', '.join(decisive)})")
+    split = _split(sources, records)
     merged: dict[tuple, Row] = {}
     duplicates = 0
     for folder in sources:
@@ -515,10 +580,12 @@ def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tupl
         if not store.is_empty():  # checked again under the lock: another merge may have filled it meanwhile
             raise PkvError(f"--out {out} is not empty; merge writes a new folder and leaves existing ones alone")
         try:
-            store.record({**records[0], "options": options, "merged_from": [str(f) for f in sources]})
+            record = {**records[0], "options": options, "merged_from": [str(f) for f in sources]}
+            record.pop("shards", None)  # an input's: this merge's own, if any, below
+            store.record({**record, **({"shards": split} if split else {})})
             store.extend(list(merged.values()))
             store.write_summary()
         except BaseException:
             store.discard()
             raise
-    return len(merged), duplicates
+    return len(merged), duplicates, missing_shards({"shards": split})

@@ -17,7 +17,9 @@ from tqdm import tqdm
 
 from pkvbench import budgets, kv_formats
 from pkvbench.budgets import Budget
+from pkvbench.config import int_text
 from pkvbench.engine.generation import CompressedCache, Engine, Prefill
+from pkvbench.engine.models import ModelShape
 from pkvbench.errors import PkvError
 from pkvbench.fingerprints import fingerprint
 from pkvbench.kv_formats import KVFormat
@@ -50,7 +52,7 @@ class Shard:
     def parse(cls, text: str) -> Shard:
         index, sep, count = str(text).partition("/")
         try:
-            shard = cls(int(index), int(count))
+            shard = cls(int_text(index), int_text(count))
         except ValueError:
             shard = None
         if not sep or shard is None or not 1 <= shard.index <= shard.count:
@@ -407,8 +409,8 @@ def run_grid(
     """The local executor: every pending sample in order, in this process (``items``: the samples, if built)."""
     started = time.perf_counter()
     plan = plan_grid(tasks, engine.tokenizer, cells, options, store, shard, items)
-    check_formats(engine, cells)
-    check_memory(engine, plan.pending)
+    check_formats(engine.loaded.shape, cells)  # evaluate checked them from the model's config: again, as loaded
+    check_memory(engine.loaded.shape, plan.pending)
     writer = RowWriter(store, plan, started=started, quiet=quiet, on_row=on_row)
     try:
         for task, sample, pending in plan.pending:
@@ -420,10 +422,11 @@ def run_grid(
     return writer.stats
 
 
-def check_formats(engine: Engine, cells: list[Cell]) -> None:
-    """Refuse, before any prefill, a KIVI group that does not fit the model's heads: values are quantized per token
-    in groups of G channels, so G must divide the head size."""
-    head_dim = engine.loaded.head_dim
+def check_formats(shape: ModelShape, cells: list[Cell]) -> None:
+    """Refuse a KIVI group that does not fit the model's heads: values are quantized per token in groups of G
+    channels, so G must divide the head size. ``shape`` is read from the model's config: this runs before the model
+    loads (and before ``--overwrite`` deletes anything)."""
+    head_dim = shape.head_dim
     for fmt in {cell.kv for cell in cells if cell.kv is not None and cell.kv.quantized}:
         if head_dim % fmt.group or head_dim * fmt.bits % 8:
             raise PkvError(
@@ -432,20 +435,20 @@ def check_formats(engine: Engine, cells: list[Cell]) -> None:
             )
 
 
-def check_memory(engine: Engine, pending: list[tuple[TaskSpec, Sample, list[Cell]]]) -> None:
-    """Refuse, before any prefill, a memory budget that some cell cannot hold on some prompt (a policy's floor — its
-    window, its sinks — stored in the cell's format takes more): a memory column must hold every cell. The message
-    names the smallest value every cell can hold."""
-    geometry, loaded = engine.geometry, engine.loaded
+def check_memory(shape: ModelShape, pending: list[tuple[TaskSpec, Sample, list[Cell]]]) -> None:
+    """Refuse a memory budget that some cell cannot hold on some prompt (a policy's floor — its window, its sinks —
+    stored in the cell's format takes more): a memory column must hold every cell. The message names the smallest
+    value every cell can hold. Needs the model's config and the prompts' lengths only: runs before the model loads."""
+    geometry = shape.geometry
     short: dict[Budget, tuple[float, str]] = {}
     for _task, sample, cells in pending:
         for cell in cells:
             if not cell.budget.memory:
                 continue
             prompts = [sample.context_ids] if cell.query_mode == AGNOSTIC else map(sample.prompt, sample.questions)
-            fmt = cell.kv or engine.native_format
+            fmt = cell.kv or shape.native_format
             for length in {len(ids) for ids in prompts}:
-                stats = LayerStats(length, loaded.num_kv_heads, loaded.num_query_heads)
+                stats = LayerStats(length, shape.kv_heads, shape.query_heads)
                 needed = kv_formats.floor_bytes(cell.policy, length, geometry, fmt, cell.policy.cache_heads(stats))
                 full = geometry.full_bytes(length)
                 if needed > cell.budget.target_bytes(full):

@@ -106,6 +106,12 @@ STORAGE = ("kv_native", "kv_bits", "kv_group", "kv_residual")
 LOADED = ("folder", "kv_stored", "series")
 # A row's key across run folders (report.load_runs): the model, the store's key, the storage as its label.
 TABLE_KEY = ("model", *(name for name in fields_of(IDENTITY) if name not in ("model", *STORAGE)), "kv_stored")
+# A cell, wherever results are pooled (the gate's cells, the exports' folders, merges' summaries): a row's key less
+# its sample. The storage format (bits, group, residual: ``kv_stored``) and the decode budget are part of it, and so
+# is the memory target: a memory budget is written as one (``mem0.05``). What a cell's column holds where a row
+# written before that column does not say: the model's own cache, no cut while decoding, the question inside.
+CELL_KEY = tuple(name for name in TABLE_KEY if name != "sample_id")
+CELL_DEFAULTS = {"query_mode": DEFAULT_QUERY_MODE, "decode_budget": "none", "kv_stored": ""}
 
 # A row whose cache was stored in another format than the model's own (``kv_native`` false) carries its storage in
 # its key, and writes it with the key: after the query mode, before the decode budget.

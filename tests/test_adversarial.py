@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+import pkvbench
 from pkvbench import api
 from pkvbench.api import FunnelConfig, RunConfig
 from pkvbench.cli import main
@@ -334,6 +335,10 @@ def task_file(name: str = "mine", prompt: str = "{context} {question}", extra: s
 
 
 DEEP = "a: " + "[" * 5000 + "]" * 5000 + "\n"
+# Twelve lines inside a valid key that stand for 10^12 values (each alias ten of the one before).
+ALIAS_BOMB = "policy:\n  - &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"  - &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 12)
+)
 
 
 # --- the table ------------------------------------------------------------------------------------------------------
@@ -675,6 +680,59 @@ CASES = [
     Case("update-over-a-users-samples-file", "check --baseline {tmp}/b.csv --results {tmp}/run --update", 2,
          "b.samples.csv exists and pkvbench did not write it",
          lambda ctx: (baseline_and_run(BASELINE_CSV)(ctx), write(ctx.tmp / "b.samples.csv", "mine\n"))),
+    # --- the third adversarial round (issue 40): run options and configs ----------------------------------------
+    # N1. --overwrite: what the model's config and the prompts decide is checked before anything is deleted
+    Case("overwrite-with-a-group-not-dividing-the-head",
+         f"{NEEDLE} --kv-bits 4 --kv-group 7 --out {{tmp}}/run --overwrite", 2,
+         "--kv-group 7 does not divide the model's head size (64)", run_folder, model=True),
+    Case("overwrite-with-memory-below-a-cell", "run --policy snapkv:window=32 --kv-bits 16 --memory 0.01 --lengths 400 "
+         "--depths 50 --max-new-tokens 4 --quiet --out {tmp}/run --overwrite", 2,
+         "--memory 0.01 is below what snapkv:window=32 at 16 bits on ", run_folder, model=True),
+    Case("overwrite-with-a-seed-beyond-64-bits", "run --policy random:seed=99999999999999999999999 --lengths 400 "
+         "--depths 50 --quiet --out {tmp}/run --overwrite", 2,
+         "random: option seed 99999999999999999999999: must be at most 9223372036854775807", run_folder),
+    # N9. a policy's integer options in 64 bits (and the random policy's seed where its generator takes it)
+    Case("policy-arg-beyond-64-bits", "run --policy snapkv --policy-arg window=99999999999999999999 --out {tmp}/o", 2,
+         "snapkv: option window 99999999999999999999: must be at most 9223372036854775807"),
+    Case("random-seed-beyond-the-generator", "run --policy random:seed=4294967296 --out {tmp}/o", 2,
+         "random: seed must be at most 4294967295"),
+    # N11. options that only shape another are refused alone (--lengths 10000000 would be refused next: on a
+    # pkvbench that accepts them, the case fails fast)
+    Case("kv-group-without-kv-bits", "run --kv-group 16 --lengths 10000000 --out {tmp}/o", 2,
+         "--kv-group only sets KIVI's formats, which this run has none of: give --kv-bits 8, 4 or 2 with it"),
+    Case("kv-residual-with-16-bits", "run --kv-bits 16 --kv-residual 4 --lengths 10000000 --out {tmp}/o", 2,
+         "--kv-residual only sets KIVI's formats"),
+    Case("decode-interval-without-decode-budget", "run --decode-interval 4 --lengths 10000000 --out {tmp}/o", 2,
+         "--decode-interval only sets the cuts while decoding, which this run has none of"),
+    Case("decode-buffer-with-no-cut", "run --decode-budget none --decode-buffer 2 --lengths 10000000 --out {tmp}/o",
+         2, "--decode-buffer only sets the cuts while decoding"),
+    Case("kv-group-in-a-config-without-kv-bits", "run --config {tmp}/config.yaml --lengths 10000000 --out {tmp}/o", 2,
+         "--kv-group and --kv-residual only set KIVI's formats", config("kv-group: 16\nkv-residual: 4\n")),
+    # N11. one number parser: 1_6 and full-width digits are no numbers, on the command line as in a config
+    Case("kv-bits-with-an-underscore", "run --kv-bits 1_6 --out {tmp}/o", 2, "--kv-bits 1_6: expected an integer"),
+    Case("kv-bits-in-full-width-digits", "run --kv-bits \uff11\uff16 --out {tmp}/o", 2,
+         "--kv-bits \uff11\uff16: expected an integer"),
+    Case("kv-bits-with-an-underscore-in-a-config", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+         "--kv-bits 1_6: expected an integer", config("kv-bits: 1_6\n")),
+    Case("kv-bits-in-full-width-digits-in-a-config", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+         "--kv-bits \uff11\uff16: expected an integer", config("kv-bits: \uff11\uff16\n")),
+    Case("kv-group-with-an-underscore", "run --kv-bits 4 --kv-group 1_6 --out {tmp}/o", 2,
+         "--kv-group 1_6: expected an integer"),
+    Case("budget-with-an-underscore", "run --budget 1_28 --out {tmp}/o", 2, "budget '1_28' is not a number"),
+    Case("decode-budget-with-an-underscore", "run --policy snapkv --decode-budget 6_4 --out {tmp}/o", 2,
+         "--decode-budget '6_4': give entries per KV head"),
+    Case("a-hexadecimal-seed-in-a-config", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+         "--seed 0x10: expected an integer", config("seed: 0x10\n")),
+    # N8. aliases expanding past a limit, and a value echoed in a message cut to a short excerpt
+    Case("config-alias-bomb", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+         "its aliases (*name) expand to more than 10000 values", config(ALIAS_BOMB)),
+    Case("config-alias-inside-itself", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+         "an alias refers to the value that holds it", config("policy: &p [*p]\n")),
+    Case("config-value-of-a-megabyte", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+         f"--seed {'x' * 59}…: expected an integer", config(f"seed: {'x' * 1_000_000}\n")),
+    Case("config-list-of-lists", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+         "config key 'policy': list items must be single values, got [['snapkv', 'snapkv', 'snapkv', 'snapkv', ...]",
+         config("policy: [[" + ", ".join(["snapkv"] * 100_000) + "]]\n")),
     # what is allowed stays allowed (and said)
     Case("report-names-rows-that-disagree", "report {tmp}/runs", 0,
          "2 result(s) appear twice with another score or prediction, e.g. needle len500_depth0 full 64 in",
@@ -735,6 +793,7 @@ def test_adversarial(case: Case, tmp_path, monkeypatch, capsys):
         return
     lines = out.err.strip().splitlines()
     assert len(lines) == 1, out.err
+    assert len(lines[0]) < 2100, lines[0][:300]  # one short line, whatever the input echoes (issue 40, N8)
     assert lines[0].startswith("pkvbench: error: ") and case.expected.replace("{tmp}", str(tmp_path)) in lines[0], (
         lines[0]
     )
@@ -788,6 +847,27 @@ API_CASES = [
     ApiCase("overwrite-text", lambda tmp: api.resolve(RunConfig(overwrite="false")),
             "--overwrite false: expected true or false"),
     ApiCase("policy-args-a-number", lambda tmp: api.resolve(RunConfig(policy_args=8)), "--policy-arg: expected"),
+    # issue 40, N13: a configuration of the wrong kind is one PkvError, not an AttributeError
+    ApiCase("evaluate-a-dict", lambda tmp: pkvbench.evaluate({"tasks": "needle"}),
+            "evaluate takes a pkvbench.RunConfig, not a dict; build one with RunConfig(**options)"),
+    ApiCase("evaluate-none", lambda tmp: pkvbench.evaluate(None), "evaluate takes a pkvbench.RunConfig, not None"),
+    ApiCase("evaluate-a-funnel-config", lambda tmp: pkvbench.evaluate(FunnelConfig()),
+            "evaluate takes a pkvbench.RunConfig, not a FunnelConfig"),
+    ApiCase("measure-funnel-a-dict", lambda tmp: pkvbench.measure_funnel({}),
+            "measure_funnel takes a pkvbench.FunnelConfig, not a dict"),
+    # N11: the Python API refuses what the command line refuses
+    ApiCase("kv-group-without-kv-bits", lambda tmp: api.resolve(RunConfig(kv_group=16)),
+            "--kv-group only sets KIVI's formats"),
+    ApiCase("decode-buffer-without-decode-budget", lambda tmp: api.resolve(RunConfig(decode_buffer=2)),
+            "--decode-buffer only sets the cuts while decoding"),
+    ApiCase("kv-bits-with-an-underscore", lambda tmp: api.resolve(RunConfig(kv_bits="4,1_6")),
+            "--kv-bits 1_6: expected an integer"),
+    ApiCase("kivi-defaults-with-kv-bits", lambda tmp: api.resolve(RunConfig(kv_bits="4")).formats,
+            lambda formats: [(f.group, f.residual) for f in formats] == [(32, 128)]),
+    # N11: a config's numbers read as the command line reads them: 010 is ten (YAML 1.1 would read octal eight)
+    ApiCase("config-leading-zero-is-decimal",
+            lambda tmp: (write(tmp / "c.yaml", "seed: 010\n"), RunConfig.from_file(tmp / "c.yaml").seed)[1],
+            lambda seed: seed == 10),
 ]  # fmt: skip
 
 
@@ -798,3 +878,80 @@ def test_api_adversarial(case: ApiCase, tmp_path):
             case.call(tmp_path)
     else:
         assert case.expected(case.call(tmp_path))
+
+
+# --- a run refused after the model loads, a run killed mid-way (issue 40) ----------------------------------------
+
+
+def run_cli(*args: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(arg) for arg in args])
+    assert exit_info.value.code == 0
+
+
+@pytest.mark.model
+def test_a_run_refused_after_the_model_loads_deletes_nothing_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """N1 and N14: where the model's config cannot be read before the load (a hub model not cached yet), its head
+    size is checked once the model has loaded. Refused there, the run deletes nothing of the folder --overwrite was
+    to replace, and a folder it made is gone again: no run.json, no empty summary.csv."""
+    from pkvbench.engine import models
+
+    monkeypatch.setattr(models, "model_shape", lambda *args: None, raising=False)
+    make_run(tmp_path / "run")
+    before = snapshot(tmp_path)
+    refused = f"{NEEDLE} --kv-bits 4 --kv-group 7 --out {tmp_path}/"
+    for argv in (f"{refused}run --overwrite", f"{refused}new"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv.split())
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "--kv-group 7 does not divide the model's head size (64)" in err, err
+    assert snapshot(tmp_path) == before
+
+
+KILLED_GRIDS = {
+    "decode-budget": ["--policy", "snapkv", "--decode-budget", "16,32", "--decode-interval", "2"],
+    "kv-bits": ["--policy", "snapkv", "--budget", "64", "--kv-bits", "4,2", "--kv-residual", "16"],
+}
+TIMINGS = ("prefill_s", "extra_pass_s", "selection_s", "decode_s", "decode_batch")  # how long, how many together
+
+
+def outcome_rows(folder: Path) -> list[str]:
+    """A folder's rows without their timings, in a fixed order: what an interrupted run must reproduce."""
+    from pkvbench.results import read_rows
+
+    return sorted(
+        json.dumps({k: v for k, v in row.items() if k not in TIMINGS}, sort_keys=True) for row in read_rows(folder)
+    )
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("grid", list(KILLED_GRIDS))
+def test_a_grid_killed_mid_run_resumes_to_the_rows_of_an_uninterrupted_run(grid, tmp_path):
+    """A --decode-budget grid and a --kv-bits grid, killed (SIGKILL) once their first rows are written and rerun,
+    end with the rows of a run never interrupted."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pkvbench.results import read_rows
+
+    args = ["run", "--task", "needle", "--lengths", "300", "--depths", "0,100", "--max-new-tokens", "8", "--quiet",
+            *KILLED_GRIDS[grid]]  # fmt: skip
+    run_cli(*args, "--out", tmp_path / "whole")
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pkvbench", *args, "--out", str(killed)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None and not read_rows(killed):
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    written = len(read_rows(killed))
+    assert 1 <= written < 4, f"the run should have been killed part-way ({written} of 4 rows)"
+    run_cli(*args, "--out", killed)
+    assert outcome_rows(killed) == outcome_rows(tmp_path / "whole")

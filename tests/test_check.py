@@ -90,7 +90,7 @@ def test_identical_results_pass(tmp_path, capsys, baseline):
     code, out, _ = run_check(capsys, "--baseline", baseline, "--results", make_run(tmp_path / "same", BASE))
     assert code == 0
     assert out.startswith("check passed: 3 cells (3 ok), 1 policies pooled (ok); ")
-    assert f"; kept sets: 3 identical (fails below {MIN_OVERLAP:g}); " in out
+    assert f"; kept sets of 7 samples in 3 cells (2 to 3 a cell): 3 identical (fails below {MIN_OVERLAP:g}); " in out
     assert "predictions: 0 of 7 changed" in out
 
 
@@ -236,7 +236,11 @@ def test_a_small_selection_change_is_reported_and_passes_unless_exact(tmp_path, 
     --exact fails on it."""
     run = make_run(tmp_path / "nudged", BASE, moved={("needle", "pyramidkv", 0.007): 1}, counts=None)
     code, out, _ = run_check(capsys, "--baseline", baseline, "--results", run, "--min-overlap", "0.8")
-    assert code == 0 and "kept sets: 2 identical, 1 changed within the rule, lowest overlap" in out
+    assert (
+        code == 0
+        and "kept sets of 7 samples in 3 cells (2 to 3 a cell): 2 identical, 1 changed within the rule, lowest overlap"
+        in out
+    )
     code, _, err = run_check(capsys, "--baseline", baseline, "--results", run, "--min-overlap", "0.8", "--exact")
     assert code == 1 and "SELECTION pyramidkv @ 0.007 (needle, aware)" in err
 
@@ -262,7 +266,7 @@ def test_an_entry_moved_between_heads_is_judged_by_the_overlap_not_failed_as_a_c
     )
     run = make_run(tmp_path / "moved", grid, counts=wide, split={cell: 1})
     code, out, _ = run_check(capsys, "--baseline", path, "--results", run, "--min-overlap", "0.9")
-    assert code == 0 and "kept sets: 1 changed within the rule" in out
+    assert code == 0 and "kept sets of 2 samples in 1 cells (2 a cell): 1 changed within the rule" in out
     code, _, err = run_check(capsys, "--baseline", path, "--results", run, "--exact")
     line = next(line for line in err.splitlines() if line.startswith("SELECTION"))
     assert code == 1 and f"the heads' split of a layer's entries moved in {LAYERS} of {LAYERS} layers" in line

@@ -60,8 +60,8 @@ def reasoning_samples(tokenizer, name, **options):
 
 def test_reasoning_sets_read_local_json_lines_with_their_official_answers(tokenizer):
     gsm8k = reasoning_samples(tokenizer, "gsm8k")
-    assert [s.sample_id for s in gsm8k] == ["0", "1", "2"]
-    assert [s.answers for s in gsm8k] == [["72"], ["5,000"], ["9.25"]]  # the number after ####
+    assert [s.sample_id for s in gsm8k] == ["0", "1", "2", "3"]
+    assert [s.answers for s in gsm8k] == [["72"], ["5,000"], ["9.25"], ["-5"]]  # the number after ####
     math = reasoning_samples(tokenizer, "math500", limit=2)
     assert [s.sample_id for s in math] == ["test/prealgebra/1.json", "test/precalculus/2.json"]
     assert math[1].answers == ["\\frac{\\sqrt{3}}{2}"] and math[0].extras == {"subject": "Prealgebra", "level": 1}

@@ -20,13 +20,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from pkvbench.engine import shrinking
+from pkvbench.engine.architecture import FULL
 from pkvbench.engine.attention import decoding
-from pkvbench.engine.cache import RaggedCache, RaggedLayer
-from pkvbench.engine.quantized import StoredEntries, quantized_layers
+from pkvbench.engine.cache import RaggedCache
+from pkvbench.engine.layers import build_cache
+from pkvbench.engine.quantized import StoredEntries
 
 # A batch may pad by this fraction of the entries its rows keep, or by one full cache of the prompt if more.
 PADDING_ALLOWANCE = 0.5
@@ -41,6 +44,7 @@ class KeptEntries:
     values: list[torch.Tensor]
     lengths: list[torch.Tensor] | None = None
     positions: list[torch.Tensor] | None = None  # [heads, n] each entry's original position (None: 0 … n−1)
+    storage: ClassVar[str] = "ragged"  # how a batch of them decodes (layers.LAYER_KINDS)
 
     def stored(self, layer: int) -> int:
         return self.keys[layer].shape[1]
@@ -135,6 +139,8 @@ class BatchDecoder:
         rope: Callable | None = None,
         scaling: float = 1.0,
         query_heads: int | None = None,
+        layer_kinds: list[str] | None = None,
+        windows: list[int | None] | None = None,
     ):
         self.forward = forward
         self.tokenizer = tokenizer
@@ -145,6 +151,8 @@ class BatchDecoder:
         self.rope = rope  # RoPE's cos, sin of positions (start, count): Expected Attention's cuts while decoding
         self.scaling = scaling  # the model's attention scale (the cuts' attention statistics)
         self.query_heads = query_heads or kv_heads
+        self.layer_kinds = layer_kinds  # each layer's attention kind (architecture.FULL, SLIDING); None: all full
+        self.windows = windows  # each layer's sliding window (None: full attention)
 
     def decode(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:
         results: list[Decoded | None] = [None] * len(requests)
@@ -154,27 +162,10 @@ class BatchDecoder:
         return results
 
     def _cache(self, requests: list[DecodeRequest], room: int) -> RaggedCache:
-        if isinstance(requests[0].kept, StoredEntries):  # stored in fewer bits: never cut while decoding (api.resolve)
-            return RaggedCache(quantized_layers([r.kept for r in requests], room, self.kv_heads))
-        stores = [self._padded(requests, layer) for layer in range(len(requests[0].kept.keys))]
-        if any(r.schedule for r in requests):
-            return shrinking.build_cache(*zip(*stores), room, self.kv_heads, requests)
-        return RaggedCache([RaggedLayer(k, v, n, room, self.kv_heads) for k, v, n in stores])
-
-    def _padded(self, requests: list[DecodeRequest], layer: int):
-        """The batch's keys and values of one layer padded to its longest row, and each row's and head's count."""
-        keys = [r.kept.keys[layer] for r in requests]
-        values = [r.kept.values[layer] for r in requests]
-        heads, dim = keys[0].shape[0], keys[0].shape[-1]
-        longest = max(k.shape[1] for k in keys)
-        key_store = keys[0].new_zeros((len(keys), heads, longest, dim))
-        value_store = values[0].new_zeros((len(values), heads, longest, values[0].shape[-1]))
-        lengths = torch.empty((len(keys), heads), dtype=torch.long)
-        for row, (k, v, request) in enumerate(zip(keys, values, requests)):
-            key_store[row, :, : k.shape[1]] = k
-            value_store[row, :, : v.shape[1]] = v
-            lengths[row] = request.kept.lengths[layer] if request.kept.lengths is not None else k.shape[1]
-        return key_store, value_store, lengths
+        """Per layer the class of its attention kind and the rows' storage (``layers.LAYER_KINDS``)."""
+        kinds = self.layer_kinds or [FULL] * len(requests[0].kept.heads)
+        windows = self.windows or [None] * len(kinds)
+        return build_cache(requests, room, self.kv_heads, kinds, windows)
 
     @staticmethod
     def _room(requests: list[DecodeRequest]) -> int:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pkvbench import budgets, kv_formats
+from pkvbench.engine.architecture import Architecture
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries
 from pkvbench.engine.models import LoadedModel
@@ -124,6 +125,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
         self.model = loaded.model
+        self.architecture = Architecture.of(loaded.config)
         self.tokenizer = loaded.tokenizer
         self.device = torch.device(loaded.device)
         # transformers renamed the model's ``past_key_values`` argument to ``cache``; speak whichever it knows.
@@ -141,11 +143,14 @@ class Engine:
             rope=self.rope,
             scaling=float(self.model.model.layers[0].self_attn.scaling),
             query_heads=loaded.num_query_heads,
+            layer_kinds=list(self.architecture.layer_kinds),
+            windows=self.architecture.windows,
         )
 
     @property
     def geometry(self) -> kv_formats.CacheGeometry:
-        return kv_formats.CacheGeometry(self.loaded.num_layers, self.loaded.num_kv_heads, self.loaded.head_dim)
+        whole = tuple(not self.architecture.compressible(layer) for layer in range(self.loaded.num_layers))
+        return kv_formats.CacheGeometry(self.loaded.num_layers, self.loaded.num_kv_heads, self.loaded.head_dim, whole)
 
     @property
     def native_format(self) -> kv_formats.KVFormat:
@@ -245,8 +250,8 @@ class Engine:
         length = len(prompt)
         prefix, passes = repeat_inputs(self.tokenizer, prompt, chunk)
         # The fused path attends to the whole prompt: not for a sliding window shorter than a pass's reach.
-        sliding = getattr(self.model.config, "sliding_window", None)
-        if sliding and getattr(self.model.config, "use_sliding_window", True):
+        sliding = self.architecture.sliding_window
+        if sliding:
             fused = fused and all(length + len(ids) <= sliding for _, _, ids in passes)
         scores = [torch.zeros(self.loaded.num_kv_heads, length, device=self.device) for _ in layers]
         for layer_scores in scores:  # the chat prefix and the sinks are always kept
@@ -269,9 +274,9 @@ class Engine:
         position's logits and the seconds taken. ``cache`` (if given) is filled with the full cache."""
         input_ids = input_ids.to(self.device)
         length = input_ids.shape[1]
-        sliding = getattr(self.model.config, "sliding_window", None)
-        if sliding and getattr(self.model.config, "use_sliding_window", True) and length > sliding:
-            raise PkvError(f"prompt of {length} tokens exceeds the model's sliding window ({sliding}); not supported")
+        limit = self.architecture.prompt_limit
+        if limit is not None and length > limit:
+            raise PkvError(f"prompt of {length} tokens exceeds the model's sliding window ({limit}); not supported")
         started = time.perf_counter()
         with recording(recorder):
             logits = self._forward(input_ids, cache, torch.arange(length, device=self.device)[None])[0]
@@ -284,8 +289,11 @@ class Engine:
         """What ``policy`` keeps at ``budget`` (in entries) of the whole prompt or of its first ``cut`` tokens: the
         layer plan and, for each layer it compresses, the selection (kept positions ``[heads, k]``, or a keep mask
         ``[heads, T]`` where heads keep different numbers of entries)."""
-        plan = budgets.plan(policy, budget, cut or prefill.context_len, self.loaded.num_layers)
+        plan = self._plan(policy, budget, cut or prefill.context_len)
         return plan, self._choose(prefill, policy, plan)
+
+    def _plan(self, policy: Policy, budget: budgets.Budget, length: int) -> budgets.LayerPlan:
+        return budgets.plan(policy, budget, length, self.loaded.num_layers, self.geometry.whole)
 
     def _choose(self, prefill: Prefill, policy: Policy, plan: budgets.LayerPlan) -> dict[int, torch.Tensor]:
         """Each compressed layer's selection under ``plan``."""
@@ -315,7 +323,7 @@ class Engine:
         if budget.memory:
             plan = kv_formats.memory_plan(policy, budget, length, self.geometry, fmt, heads)
         else:
-            plan = budgets.plan(policy, budget, length, self.loaded.num_layers)
+            plan = self._plan(policy, budget, length)
         kept, selected = self._gather(prefill, policy, plan, heads)
         if budget.memory and kept.lengths is not None and kept_bytes(kept, fmt) > plan.target_bytes:
             plan, (kept, selected) = self._fit_head_wise(prefill, policy, budget, plan, heads, fmt)
@@ -334,11 +342,11 @@ class Engine:
     ) -> tuple[budgets.LayerPlan, tuple[KeptEntries, list | None]]:
         """A policy whose heads keep different numbers of entries is stored padded to each layer's fullest head:
         the bytes depend on what it selects. The most entries whose selection fits the memory budget."""
-        layers, length = self.loaded.num_layers, plan.context_len
+        length = plan.context_len
         tried: dict[int, tuple[budgets.LayerPlan, tuple[KeptEntries, list | None]]] = {}
 
         def fits(k: int) -> bool:
-            per_layer = policy.layer_budgets(k, length, layers)
+            per_layer = self.geometry.layer_budgets(policy, k, length)
             smaller = dataclasses.replace(plan, requested=k, effective=k, per_layer=per_layer)
             tried[k] = (smaller, self._gather(prefill, policy, smaller, heads))
             return kept_bytes(tried[k][1][0], fmt) <= plan.target_bytes
@@ -426,7 +434,7 @@ class Engine:
         target or for a policy that keeps everything)."""
         if target is None:
             return None
-        schedule = DecodeSchedule.make(policy, target, interval, buffer, self.loaded.num_layers)
+        schedule = DecodeSchedule.make(policy, target, interval, buffer, self.loaded.num_layers, self.geometry.whole)
         return None if schedule.cuts_nothing else schedule
 
     def decode_many(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 from pkvbench.errors import PkvError, first_line
 from pkvbench.io import read_json
+from pkvbench.kv_formats import CacheGeometry, KVFormat
 
 # RoPE + grouped-query-attention decoders whose attention modules follow transformers' shared layout
 # (q/k/v projections, ``layer_idx``, ``scaling``, the attention-function registry).
@@ -55,6 +56,38 @@ ALIASES: dict[str, GGUFAlias] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """What a model's config says of its cache (no weights needed): what every check of a storage format or a memory
+    budget reads, before the model loads and again after."""
+
+    layers: int
+    kv_heads: int
+    query_heads: int
+    head_dim: int
+    bits: int  # the width the model computes in: its own cache's values
+
+    @classmethod
+    def of(cls, config, bits: int) -> ModelShape:
+        """From a transformers config and the width the model computes in."""
+        query_heads = config.num_attention_heads
+        return cls(
+            layers=config.num_hidden_layers,
+            kv_heads=getattr(config, "num_key_value_heads", None) or query_heads,
+            query_heads=query_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // query_heads,
+            bits=bits,
+        )
+
+    @property
+    def geometry(self) -> CacheGeometry:
+        return CacheGeometry(self.layers, self.kv_heads, self.head_dim)
+
+    @property
+    def native_format(self) -> KVFormat:
+        return KVFormat(self.bits, native=True)
+
+
 @dataclass
 class LoadedModel:
     model: object
@@ -86,6 +119,10 @@ class LoadedModel:
     @property
     def head_dim(self) -> int:
         return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape.of(self.config, 32 if self.dtype == "float32" else 16)
 
     def describe(self) -> dict:
         """What a run records about its model (run.json's ``model``)."""
@@ -389,6 +426,19 @@ def _config_file(model: str) -> Path | None:
 
         return Path(hf_hub_download(model, "config.json"))
     except Exception:  # offline and not cached, no such model, no access: the model load says which, in one line
+        return None
+
+
+def model_shape(model: str, bits: int) -> ModelShape | None:
+    """The cache's shape of ``model`` computing in ``bits`` (its dtype's width), read from its ``config.json`` (a GGUF model's
+    float copy's, made by then: building the samples loaded its tokenizer), not its weights; None when no config can
+    be read here (the model load then reports what is wrong)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path(model)[0])
+        return ModelShape.of(config, bits)
+    except (OSError, ValueError, AttributeError, TypeError, ZeroDivisionError):
         return None
 
 

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from pkvbench.config import SEED_MAX
 from pkvbench.policies.base import LayerStats, ScoringPolicy
 
 
@@ -24,6 +25,11 @@ class Random(ScoringPolicy):
     kvpress_options: ClassVar[dict[str, object]] = {"per_layer": False}
     seed: int = 0
     per_layer: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.seed > SEED_MAX:  # the generator's seed is seed·1000003 + layer + 7919·position: 64 bits in all
+            raise ValueError(f"{self.name}: seed must be at most {SEED_MAX}, as --seed")
 
     def score(self, stats: LayerStats) -> torch.Tensor:
         seed = self.seed * 1_000_003 + stats.layer if self.per_layer else self.seed

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pkvbench.config import as_list, option_text
+from pkvbench.config import as_list, excerpt, option_text, parse_float, parse_int
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import Policy
 from pkvbench.policies.registry import default_grid, registry
@@ -29,15 +29,23 @@ def parse_option_pairs(pairs: list[str]) -> dict[str, str]:
     return options
 
 
+# A policy's integer options are sizes, counts and seeds that reach torch as 64-bit integers: anything wider is
+# refused when the option is parsed, not by torch after the model has loaded.
+OPTION_INT_RANGE = (-(2**63), 2**63 - 1)
+
+
 def _coerce(policy: str, option: str, kind: type, text: str) -> object:
-    try:
-        if kind is bool:
-            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError
-            return text.lower() in ("true", "1", "yes")
-        return kind(text)
-    except ValueError:
-        raise PkvError(f"{policy}: option {option}={text!r} is not a valid {kind.__name__}") from None
+    """An option's text as its field's type, by the one number parser (``config.parse_int`` / ``parse_float``)."""
+    what = f"{policy}: option {option}"
+    if kind is int:
+        return parse_int(text, what, *OPTION_INT_RANGE)
+    if kind is float:
+        return parse_float(text, what)
+    if kind is bool and text.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return text.lower() in ("true", "1", "yes")
+    if kind is str:
+        return text
+    raise PkvError(f"{policy}: option {option}={excerpt(repr(text))} is not a valid {kind.__name__}")
 
 
 PROTOCOLS = ("exact", "reference", "kvpress")

@@ -140,6 +140,37 @@ class Generator:
     context: bool = True  # the template names {context} (a reasoning problem has none: the question is all)
 
 
+RowCheck = Callable[[Any, str], None]  # refuses a data row (raises PkvError) naming ``where``: its file and line
+
+
+def with_unique_ids(check: RowCheck, sample_id: Callable[[dict[str, Any], int], str]) -> RowCheck:
+    """``check`` that also refuses a data row whose sample id an earlier row of the set had
+    (``sample_id(row, index)``, ``index`` the row's place from 0): the store keeps one result per id, so the
+    second sample would run and then vanish from the results."""
+    seen: dict[str, str] = {}
+
+    def checked(row: Any, where: str) -> None:
+        check(row, where)
+        identity = sample_id(row, len(seen))
+        if identity in seen:
+            raise PkvError(
+                f"{where}: the sample id {identity!r} again ({seen[identity]} has it); give each row its own"
+            )
+        seen[identity] = where
+
+    return checked
+
+
+def refuse_repeated_samples(task: str, samples: list[Sample]) -> list[Sample]:
+    """``samples`` as they are, unless two share an id (a generator's or a plugin's data with an id twice)."""
+    seen: set[str] = set()
+    for sample in samples:
+        if sample.sample_id in seen:
+            raise PkvError(f"{task}: two samples have the id {sample.sample_id!r}; each sample needs its own")
+        seen.add(sample.sample_id)
+    return samples
+
+
 def chat_prompt_ids(tokenizer, system: str | None, user: str) -> list[int]:
     """Token ids of a one-turn chat prompt, ready for the assistant's answer."""
     return chat_ids(tokenizer, chat_messages(system, [user]))

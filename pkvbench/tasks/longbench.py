@@ -26,6 +26,7 @@ from pkvbench.tasks.base import (
     chat_messages,
     chat_prompt_ids,
     context_length,
+    with_unique_ids,
 )
 from pkvbench.tasks.files import file_sha256
 
@@ -66,7 +67,11 @@ def verify_file(path: Path, expected: str | None) -> None:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Rows of a LongBench jsonl file; a malformed line is an error naming the file and line."""
-    return read_json_lines(path, "LongBench file", check=check_row)
+    return read_json_lines(path, "LongBench file", check=with_unique_ids(check_row, _row_id))
+
+
+def _row_id(row: dict[str, Any], number: int) -> str:
+    return str(row["_id"])
 
 
 def check_row(row: Any, where: str) -> None:
@@ -123,8 +128,9 @@ def hub_rows(spec: TaskSpec) -> list[dict[str, Any]]:
                 reasons.append(f"{repo}: {first_line(exc)}")
                 continue
             rows = [dict(row) for row in table]
+            check = with_unique_ids(check_row, _row_id)
             for number, row in enumerate(rows, start=1):
-                check_row(row, f"{repo} {name}, row {number}")
+                check(row, f"{repo} {name}, row {number}")
             return rows
     raise PkvError(f"could not load LongBench {name} from the Hugging Face hub ({reasons[0]}); {DATA_HINT}")
 

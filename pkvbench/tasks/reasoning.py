@@ -21,7 +21,16 @@ from typing import Any
 
 from pkvbench.errors import PkvError, first_line
 from pkvbench.io import read_json_lines
-from pkvbench.tasks.base import Generator, Sample, TaskOptions, TaskSpec, chat_ids, chat_messages, context_length
+from pkvbench.tasks.base import (
+    Generator,
+    Sample,
+    TaskOptions,
+    TaskSpec,
+    chat_ids,
+    chat_messages,
+    context_length,
+    with_unique_ids,
+)
 
 
 def _hint(spec: TaskSpec) -> str:
@@ -33,12 +42,23 @@ def _hint(spec: TaskSpec) -> str:
     )
 
 
+def sample_id(config: dict[str, Any], row: dict[str, Any], number: int) -> str:
+    """A row's sample id: its ``id_field`` where the YAML names one and the row has it, else its place from 0."""
+    field = config.get("id_field")
+    return str(row[field]) if field and field in row else str(number)
+
+
 def check_row(spec: TaskSpec):
+    """Refuses a row without a question or an answer, one whose id is not a string or a whole number (a null would
+    read as "None"), and one whose id an earlier row had."""
     config = spec.config
+    id_field = config.get("id_field")
 
     def check(row: Any, where: str) -> None:
         if not isinstance(row, dict):
             raise PkvError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        if id_field in row and (not isinstance(row[id_field], (str, int)) or isinstance(row[id_field], bool)):
+            raise PkvError(f"{where}: the id {id_field!r} must be a string or a whole number, got {row[id_field]!r}")
         if not any(isinstance(row.get(name), str) for name in config["question_fields"]):
             raise PkvError(f"{where}: no question (a string field {' or '.join(config['question_fields'])})")
         if not isinstance(row.get(config["answer_field"]), (str, int, float)) or isinstance(
@@ -46,7 +66,7 @@ def check_row(spec: TaskSpec):
         ):
             raise PkvError(f"{where}: no answer (field {config['answer_field']!r}, a string or a number)")
 
-    return check
+    return with_unique_ids(check, lambda row, number: sample_id(config, row, number))
 
 
 def local_rows(spec: TaskSpec, data_dir: str) -> list[dict[str, Any]]:
@@ -96,8 +116,8 @@ def reasoning_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[S
     rows = local_rows(spec, options.data_dir) if options.data_dir else hub_rows(spec)
     samples = []
     for number, row in enumerate(rows):
-        sample_id = str(row.get(config.get("id_field") or "", number)) if config.get("id_field") else str(number)
-        if options.sample_ids is not None and sample_id not in options.sample_ids:
+        identity = sample_id(config, row, number)
+        if options.sample_ids is not None and identity not in options.sample_ids:
             continue
         question = next(row[name] for name in config["question_fields"] if isinstance(row.get(name), str))
         template = config["prompt"]
@@ -107,7 +127,7 @@ def reasoning_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[S
         extras = {name: row[name] for name in config.get("extra_fields") or () if name in row}
         samples.append(
             Sample.one_question(
-                sample_id,
+                identity,
                 ids,
                 context_length(tokenizer, ids, messages, None, len(head)),
                 [reference_answer(spec, row)],

@@ -28,7 +28,7 @@ from pkvbench.io import parse_yaml
 from pkvbench.metric_registry import METRICS
 from pkvbench.metrics import PREDICTION_RULES
 from pkvbench.plugins import Registry
-from pkvbench.tasks.base import Generator, Sample, TaskOptions, TaskSpec
+from pkvbench.tasks.base import Generator, Sample, TaskOptions, TaskSpec, refuse_repeated_samples
 
 BUILTIN_PACKAGE = "pkvbench.task_definitions"
 ENV_VAR = "PKVBENCH_TASKS"
@@ -303,7 +303,7 @@ def expand_tasks(names: list[str], include_paths: tuple[str, ...] = ()) -> list[
 
 
 def build_samples(spec: TaskSpec, tokenizer, options: TaskOptions) -> list[Sample]:
-    return GENERATORS[spec.generator].build(tokenizer, spec, options)
+    return refuse_repeated_samples(spec.name, GENERATORS[spec.generator].build(tokenizer, spec, options))
 
 
 def check_sample_options(tasks: list[TaskSpec], options: TaskOptions) -> None:
