@@ -933,7 +933,9 @@ def funnel(**options) -> None:
 @click.option("--memory", help="Memory budgets instead (as `run --memory`).")
 @click.option("--kv-bits", help="Bits each kept value is stored in, comma-separated (as `run --kv-bits`).")
 @click.option("--decode-budget", help="Cut the cache back to this many entries while answering (generation tasks).")
-@click.option("--query-mode", default="aware", show_default=True, help="aware, agnostic (needs --question-split).")
+@click.option(
+    "--query-mode", default=DEFAULT_QUERY_MODE, show_default=True, help="aware, agnostic (needs --question-split)."
+)
 @click.option("--question-split", help="Agnostic: the question starts where this text last occurs in the context.")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES))
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPES))
