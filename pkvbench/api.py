@@ -18,7 +18,7 @@ import pandas as pd
 
 from pkvbench import budgets as budget_rules
 from pkvbench import kv_formats
-from pkvbench.budgets import Budget, parse_budgets, parse_decode_budgets, parse_memory_budgets
+from pkvbench.budgets import Budget, parse_budgets, parse_decode_budgets, parse_memory_budgets, rounding_for
 from pkvbench.config import (
     MAX_LAYERS,
     SEED_MAX,
@@ -452,8 +452,8 @@ def resolve_budgets(config: RunConfig, policies: list[Policy], default: str = "1
     """``--budget`` (entries, fractions of the prompt; ``default`` if not given), or ``--memory`` (bytes), never
     both."""
     if config.memory is None:
-        rounding = "half-even" if config.protocol == "reference" else "half-up"
-        return parse_budgets(as_list(config.budgets if config.budgets is not None else default, "--budget"), rounding)
+        budgets = as_list(config.budgets if config.budgets is not None else default, "--budget")
+        return parse_budgets(budgets, rounding_for(config.protocol))
     if config.budgets is not None:
         raise PkvError("--memory and --budget together: give one (--memory in bytes, --budget in entries)")
     budgets = parse_memory_budgets(as_list(config.memory, "--memory"))
@@ -530,16 +530,18 @@ class EvalResult:
     notes: list[str] = field(default_factory=list)  # what the user should know (the CLI prints them on stderr)
 
 
-def evaluate(config: RunConfig, *, on_row: Callable[[dict], None] | None = None) -> EvalResult:
+def evaluate(config: RunConfig | ResolvedRun, *, on_row: Callable[[dict], None] | None = None) -> EvalResult:
     """Run ``config``: each sample is prefilled once, every policy × budget decoded from that prefill; rows are
     appended to ``<out>/samples.jsonl`` as they finish, then ``summary.csv`` is written. Rerunning the same config into
     the same folder does only what is missing; one process at a time writes a folder (a second is refused).
 
     Returns the folder's rows and summary as pandas tables. Raises ``PkvError`` (one line: what is wrong) for bad
-    options, data or models; ``on_row`` (if given) sees each row as it is written.
+    options, data or models; ``on_row`` (if given) sees each row as it is written. A config already resolved
+    (``resolve``) is not checked again.
     """
-    expect_config(config, RunConfig, "evaluate")
-    run = resolve(config)
+    if not isinstance(config, ResolvedRun):
+        expect_config(config, RunConfig, "evaluate")
+    run = config if isinstance(config, ResolvedRun) else resolve(config)
     config = run.config
     if config.executor == "ray":
         from pkvbench.ray_executor import check_ray
@@ -726,9 +728,8 @@ def layer_budget_table(
     context = parse_int(context, "--context", minimum=1)
     layers = parse_int(layers, "--layers", 1, MAX_LAYERS)
     entries = []
-    rounding = "half-even" if protocol == "reference" else "half-up"
     for policy in parse_policies(list_value(policies, "--policy"), pair_values(policy_args, "--policy-arg"), protocol):
-        for budget in parse_budgets(as_list(list_value(budgets, "--budget"), "--budget"), rounding):
+        for budget in parse_budgets(as_list(list_value(budgets, "--budget"), "--budget"), rounding_for(protocol)):
             layer_plan = plan(policy, budget, context, layers)
             entries.append(
                 {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -151,6 +152,11 @@ def budget_label(value: float | int | str) -> str:
     return str(Budget.parse(value) if isinstance(value, str) else Budget(value))
 
 
+def rounding_for(protocol: str) -> str:
+    """How fractions of the prompt round to entries under a protocol: the reference code rounds half to even."""
+    return "half-even" if protocol == "reference" else "half-up"
+
+
 def parse_budgets(values: list[str] | str, rounding: str = "half-up") -> list[Budget]:
     items = [str(v).strip() for v in (values.split(",") if isinstance(values, str) else values)]
     if not any(items):
@@ -194,11 +200,21 @@ class LayerPlan:
         return sum(self.per_layer) / len(self.per_layer)
 
 
-def plan(policy, budget: Budget, context_len: int, num_layers: int) -> LayerPlan:
-    """Per-layer budgets for ``policy`` at ``budget`` on a prompt of ``context_len`` tokens."""
+def layer_budgets(policy, k: int, context_len: int, num_layers: int, whole: Sequence[bool] = ()) -> list[int]:
+    """``policy``'s per-layer budgets at k. A layer kept ``whole`` (a mixed model's local sliding layers,
+    ``engine/architecture.py``) keeps all ``context_len`` entries; the policy splits k over the others."""
+    if not any(whole):
+        return policy.layer_budgets(k, context_len, num_layers)
+    compressed = iter(policy.layer_budgets(k, context_len, num_layers - sum(whole)) if not all(whole) else ())
+    return [context_len if kept_whole else next(compressed) for kept_whole in whole]
+
+
+def plan(policy, budget: Budget, context_len: int, num_layers: int, whole: Sequence[bool] = ()) -> LayerPlan:
+    """Per-layer budgets for ``policy`` at ``budget`` on a prompt of ``context_len`` tokens (``whole``: the layers
+    kept whole, see ``layer_budgets``)."""
     requested = budget.entries(context_len)
     effective = min(max(requested, policy.min_budget), context_len)
-    per_layer = policy.layer_budgets(effective, context_len, num_layers)
+    per_layer = layer_budgets(policy, effective, context_len, num_layers, whole)
     return LayerPlan(requested=requested, effective=effective, per_layer=per_layer, context_len=context_len)
 
 

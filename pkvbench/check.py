@@ -1,7 +1,7 @@
 """``pkvbench check``: accuracy-at-budget as a CI gate that catches real regressions and ignores noise.
 
-A run's cells (model × task × policy × budget [× query mode]: sample count, mean score × 100 and its 95% interval)
-are compared with a committed baseline of the same columns. A cell fails when
+A run's cells (model × task × policy × budget × query mode × storage format × decode budget: ``schema.CELL_KEY``;
+sample count, mean score × 100 and its 95% interval) are compared with a committed baseline of the same columns. A cell fails when
 
 - it is missing from the run, or its sample count differs (a different sample set is not a comparison);
 - its score fell by more than the tolerance (points; per task if set) *and* below the baseline's interval — a fall
@@ -35,11 +35,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pkvbench.axes import sort_rows
 from pkvbench.errors import PkvError
 from pkvbench.fingerprints import Fingerprint, compare
 from pkvbench.io import read_yaml
 from pkvbench.outputs import Kind, Outputs, csv_with_columns
-from pkvbench.report import load_runs, run_folders, sort_rows
+from pkvbench.report import load_runs, run_folders
 from pkvbench.schema import CELL_DEFAULTS, CELL_KEY
 from pkvbench.stats import ALPHA, cell_scores, holm, paired_difference
 

@@ -13,7 +13,8 @@ import click
 
 from pkvbench._version import __version__
 from pkvbench.config import MAX_LAYERS, MIN_POWER, SEED_MAX
-from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, SUPPORTED_ARCHITECTURES
+from pkvbench.engine.architecture import FAMILIES
+from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES
 from pkvbench.errors import PkvError
 from pkvbench.schema import DEFAULT_QUERY_MODE
 
@@ -359,11 +360,12 @@ def run(**options) -> None:
     from pkvbench.api import evaluate, resolve
 
     config, html_file = _run_config(options)
+    run = resolve(config)  # once: the page's path is checked against the run's folder before the run starts
     if html_file is not None:
         from pkvbench.html_report import check_html_target
 
-        check_html_target(html_file, [resolve(config).out])  # before the run: a bad path must not cost the run
-    result = evaluate(config)
+        check_html_target(html_file, [run.out])  # before the run: a bad path must not cost the run
+    result = evaluate(run)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if not config.quiet:
@@ -857,7 +859,10 @@ def list_(include_paths) -> None:
     click.echo("Models:")
     for name, alias in ALIASES.items():
         click.echo(f"  {name:14} {alias.description} (from {alias.distribution}=={alias.version})")
-    click.echo(f"  or any Hugging Face id / local folder / .gguf file of: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    click.echo("  or any Hugging Face id / local folder / .gguf file of a family below (docs/models.md)")
+    click.echo("Model families (config model_type: what is special; how pkvbench handles it, or why it refuses it):")
+    for name, family in FAMILIES.items():
+        click.echo(f"  {name:14} {family.special}\n  {'':14} {family.handled or 'refused: ' + family.refused}")
 
 
 @cli.command()
@@ -914,6 +919,70 @@ def funnel(**options) -> None:
     click.echo(
         f"{result.written} samples measured, {result.skipped} already done, {result.seconds:.1f} s → "
         f"{result.out}/{measure.TABLE}, {measure.HEAD_TABLE}, {measure.FIGURE}, {measure.VERDICT}"
+    )
+
+
+# --- lm-eval: lm-evaluation-harness tasks under compression (pkvbench/lm_eval, docs/lm-eval.md) ------------------
+@cli.command(name="lm-eval")
+@click.option("--tasks", required=True, help="lm-eval task names (comma list), as `lm_eval --tasks` takes them.")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="As `run --model`.")
+@click.option("--policy", default="full", show_default=True, help="Policies, comma-separated (options as in `run`).")
+@click.option(
+    "--budget", help="Budgets, comma-separated: entries per KV head, or a fraction of the context (default 128)."
+)
+@click.option("--memory", help="Memory budgets instead (as `run --memory`).")
+@click.option("--kv-bits", help="Bits each kept value is stored in, comma-separated (as `run --kv-bits`).")
+@click.option("--decode-budget", help="Cut the cache back to this many entries while answering (generation tasks).")
+@click.option("--query-mode", default="aware", show_default=True, help="aware, agnostic (needs --question-split).")
+@click.option("--question-split", help="Agnostic: the question starts where this text last occurs in the context.")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES))
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPES))
+@click.option("--limit", type=Number(int, minimum=1), help="At most this many documents per task.")
+@click.option("--num-fewshot", type=Number(int, minimum=0), help="Few-shot examples (default: each task's own).")
+@click.option(
+    "--include-path",
+    "include_paths",
+    multiple=True,
+    type=PathType(exists=True, file_okay=False),
+    help="A folder of your own lm-eval task YAML files (repeatable).",
+)
+@click.option("--bootstrap-iters", type=Number(int, minimum=0), default=1000, show_default=True)
+@click.option("--out", required=True, type=PathType(file_okay=False), help="Folder for the results.")
+@click.option("--overwrite", is_flag=True, help="Run afresh in --out (its pkvbench files go once the model loads).")
+@click.option("--quiet", is_flag=True, help="No summary table.")
+def lm_eval_command(tasks, include_paths, limit, num_fewshot, bootstrap_iters, out, overwrite, quiet, **grid) -> None:
+    """lm-evaluation-harness tasks under KV-cache compression: every configuration from one prefill per request.
+
+    Writes lm-eval's results and per-sample logs per configuration (OUT/lm_eval/<configuration>/) and pkvbench's
+    samples.jsonl and summary.csv (read by report, diff, check). Needs pip install 'pkvbench[lm-eval]'.
+
+    \b
+    Example:
+      pkvbench lm-eval --tasks arc_easy --policy full,snapkv --budget 64,128 --limit 20 --out results/lm-eval/arc
+    """
+    from pkvbench.config import as_list
+    from pkvbench.lm_eval.run import LM_EVAL_FOLDER, evaluate_grid
+
+    model_args = {name: value for name, value in grid.items() if value is not None}
+    run = evaluate_grid(
+        as_list(tasks, "--tasks"),
+        model_args,
+        out,
+        limit=limit,
+        include_paths=include_paths,
+        num_fewshot=num_fewshot,
+        bootstrap_iters=bootstrap_iters,
+        overwrite=overwrite,
+    )
+    for note in run.notes:
+        click.echo(f"note: {note}", err=True)
+    if not quiet:
+        click.echo(run.summary.to_string(index=False) if len(run.summary) else "(no rows)")
+    took = ", ".join(f"{label} {seconds:.1f} s" for label, seconds in run.seconds.items())
+    resumed = f", {len(run.resumed)} already done" if run.resumed else ""
+    click.echo(
+        f"{len(run.seconds)} configurations ({took}){resumed}, {run.rows} rows → {run.out}/samples.jsonl, "
+        f"{run.out}/{LM_EVAL_FOLDER}/<configuration>/"
     )
 
 

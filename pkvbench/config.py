@@ -176,6 +176,11 @@ def parse_bool(value: Any, what: str) -> bool:
     return value
 
 
+def option_text(value: Any) -> str:
+    """An option's value as policy labels and ``--policy-arg`` write it: booleans lower-case (``true``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def load_yaml_mapping(path: str | Path, what: str = "config") -> dict[str, Any]:
     """A YAML file whose top level is a mapping (an empty file is an empty mapping); duplicate keys are refused."""
     raw = read_yaml(path, what)

@@ -10,9 +10,12 @@ run, so kvpress users' scripts read it:
   preset, ``--protocol kvpress`` (``no_press``, ``streaming_llm``, ``snapkv`` for SnapKV with window 64 and average
   pooling of 5, ``expected_attention`` for ``adakv(expected_attention:epsilon=0.01)``, ``adakv_snapkv``, ``chunkkv``,
   ``critical_adakv_snapkv``, …: ``KVPRESS_PRESSES``) — else pkvbench's label (e.g. ``snapkv`` with pkvbench's window
-  8 and max-pooling is not kvpress's ``snapkv``);
+  8 and max-pooling is not kvpress's ``snapkv``), followed by ``-kv4`` (``-kv4-g64-r32``) for a cache stored in another
+  format than the model's own: each storage format is a folder of its own;
 - the ratio is the budget's compression ratio (``cr0.5`` → 0.50), or for other budgets 1 − the share of the prompt the
-  rows kept on average; ``__query_aware`` marks query-aware rows (kvpress's default is agnostic);
+  rows kept on average (1 − a fraction budget where rows do not record ``budget_tokens`` and ``context_tokens``;
+  ``budget<label>`` in the name where the ratio cannot be known); two budgets of one ratio are refused rather than
+  written into one folder; ``__query_aware`` marks query-aware rows (kvpress's default is agnostic);
 - ``predictions.csv`` has ``task, sample_id, question, answer, predicted_answer, compression_ratio, query_mode,
   context_tokens`` (``question`` from the rows' ``question_text``, empty for runs older than that column); kvpress's
   ``context`` and ``answer_prefix`` columns are absent (rows keep only the context's head and tail);
@@ -35,11 +38,11 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from pkvbench.axes import present
 from pkvbench.errors import PkvError
 from pkvbench.outputs import Outputs
 from pkvbench.report import (
     Runs,
-    budget_sort_key,
     interval_columns,
     model_display_name,
     refuse_decode_budgets,
@@ -210,7 +213,7 @@ def leaderboard_ranking(rows: pd.DataFrame) -> pd.DataFrame:
         rows = rows.assign(
             policy=[p + (f" · {s} bits" if s else "") for p, s in zip(rows["policy"], rows["kv_stored"])]
         )
-    budgets = sorted(rows["budget"].astype(str).unique(), key=budget_sort_key)
+    budgets = [str(b) for b in present(rows["budget"])]
     if all(b.startswith("cr") for b in budgets):  # compression ratios read from the least removed, as kvpress's plots
         budgets = sorted(budgets, key=lambda b: float(b[2:]))
     records = []

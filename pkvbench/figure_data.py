@@ -1,5 +1,5 @@
 """The numbers behind the figures, computed once for both renderers: ``plots.py`` draws them as PNG files
-(matplotlib), ``html_report.py`` as Vega-Lite specs (altair). The colours live here too, so that a policy has one
+(matplotlib), ``html_figures.py`` as Vega-Lite specs (altair) for the HTML page. The colours live here too, so that a policy has one
 colour, and a needle score one shade, in every figure, and the HTML page needs no plotting library to know them.
 """
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from pkvbench.results import bits_sort_key
+from pkvbench.axes import KEY, is_full, present
 from pkvbench.schema import DEFAULT_QUERY_MODE
+from pkvbench.stats import group_interval, mean_interval
 
 # seaborn's "colorblind" palette, written out: a policy's colour is the same on a PNG and on the HTML page.
 POLICY_COLOURS = (
@@ -25,16 +26,10 @@ POLICY_COLOURS = (
 )
 # Red → yellow → green at scores 0, 0.5 and 1: the colours of Kamradt's needle plots that the paper reuses.
 NEEDLE_COLOURS = ("#F0496E", "#EBB839", "#0CD79F")
-FULL = "full"
 
 
 def policy_colour(index: int) -> str:
     return POLICY_COLOURS[index % len(POLICY_COLOURS)]
-
-
-def is_full(policy: str) -> bool:
-    """The full cache under any label the figures give it (``full``, ``full · 16 bits``, ``full (agnostic)``)."""
-    return str(policy).split(":")[0].split(" ")[0] == FULL
 
 
 # --- needle grids ----------------------------------------------------------------------------------------------------
@@ -55,6 +50,36 @@ def needle_cells(rows: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     return rows.groupby([*by, "depth", "length"], sort=False)["score"].agg(score="mean", n="count").reset_index()
 
 
+# --- score-vs-budget curves ------------------------------------------------------------------------------------------
+
+
+def curve_table(rows: pd.DataFrame, by: tuple[str, ...] = tuple(KEY), average: bool = True):
+    """The curves' points: ``by`` (model first), task, n, score (× 100) with its 95% interval (ci_low, ci_high),
+    one point per cell, in the rows' order; with ``average`` also task ``avg`` (mean over the model's tasks, only
+    where every task has the cell; resampled within tasks). ``policy`` is what a line stands for: give the rows'
+    ``series`` (the policy with its bits and decode budget, ``axes.order_axes``) as ``policy`` to draw those apart."""
+    axes = list(by)
+    points = []
+    for _, per_model in rows.groupby("model", sort=False):
+        tasks = list(per_model["task"].unique())
+        for key, cell in per_model.groupby(axes, sort=False):
+            by_task = {task: part["score"] for task, part in cell.groupby("task", sort=False)}
+            for task, scores in by_task.items():
+                low, high = mean_interval(scores)
+                points.append([*key, task, int(scores.count()), scores.mean() * 100, low * 100, high * 100])
+            if average and len(tasks) > 1 and len(by_task) == len(tasks):
+                low, high = group_interval(list(by_task.values()))
+                mean = sum(s.mean() for s in by_task.values()) / len(by_task)
+                count = sum(int(s.count()) for s in by_task.values())
+                points.append([*key, "avg", count, mean * 100, low * 100, high * 100])
+    table = pd.DataFrame(points, columns=[*axes, "task", "n", "score", "ci_low", "ci_high"])
+    # the axes keep their order (report.load_runs: ordered categoricals); ``avg`` after the tasks
+    orders = {c: rows[c].dtype for c in [*axes, "task"] if isinstance(rows[c].dtype, pd.CategoricalDtype)}
+    if "task" in orders:
+        orders["task"] = pd.CategoricalDtype([*orders["task"].categories, "avg"], ordered=True)
+    return table.astype(orders)
+
+
 # --- the full cache's reference line ---------------------------------------------------------------------------------
 
 
@@ -72,7 +97,7 @@ def full_reference(rows: pd.DataFrame, task: str, query_mode: str | None = None)
         if query_mode is not None:
             full = full[full["query_mode"] == query_mode]
     if "kv_bits" in full.columns and full["kv_bits"].nunique() > 1:
-        widest = min(full["kv_bits"].unique(), key=lambda bits: bits_sort_key(str(bits)))
+        widest = present(full["kv_bits"])[0]
         full = full[full["kv_bits"] == widest]
     tasks = list(rows["task"].unique()) if task == "avg" else [task]
     per_task = [full[full["task"] == t].drop_duplicates("sample_id")["score"] for t in tasks]

@@ -13,7 +13,6 @@ import functools
 import html
 import importlib.resources
 import json
-import math
 import os
 import re
 from collections import defaultdict
@@ -22,35 +21,33 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import altair as alt
 import pandas as pd
 import vl_convert
 from altair.utils.html import vl_version_for_vl_convert
 
 from pkvbench import frontier
 from pkvbench._version import __version__
-from pkvbench.budgets import ALL, MEMORY_PREFIX, Budget
+from pkvbench.axes import LINE_KEY, ROW_AXES, SERIES, is_full, present
 from pkvbench.errors import PkvError
-from pkvbench.figure_data import NEEDLE_COLOURS, full_reference, is_full, needle_cells, needle_rows, policy_colour
-from pkvbench.paper_compare import compare, load_reference
-from pkvbench.report import (
-    Runs,
-    budget_sort_key,
-    load_runs,
-    model_display_name,
-    policy_sort_key,
-    report_table,
-    task_order,
-    uneven_counts,
-    with_bits_in_policy,
-    with_decode_in_policy,
+from pkvbench.figure_data import full_reference
+from pkvbench.html_figures import (
+    budget_curve_figures,
+    curve_points,
+    decode_memory_figures,
+    frontier_figures,
+    json_value,
+    layer_budget_figures,
+    needle_heatmap_figures,
+    query_modes,
+    rounded,
 )
-from pkvbench.results import ROWS, RUN, bits_sort_key, read_run_record, summarize
+from pkvbench.paper_compare import compare, load_reference
+from pkvbench.report import Runs, load_runs, model_display_name, report_table, uneven_counts
+from pkvbench.results import ROWS, RUN, read_run_record, summarize
 from pkvbench.schema import DEFAULT_QUERY_MODE, FIELDS, LOADED, SAMPLE, TEXT, fields_of
 
 ASSETS = "html_assets"  # inside the pkvbench package: the page's skeleton, style sheet and script
 PAPER_REFERENCE = "pyramidkv-table1"
-FULL_CACHE = "full cache"  # the reference line of the curves
 # Row fields that name or measure one policy × budget, not the sample: every field of the schema but the sample's and
 # the texts shown on their own, and what report.load_runs adds; the sample's own fields (context_tokens, length,
 # depth, ...) are what is left of its first row.
@@ -152,7 +149,7 @@ def page_data(runs: Runs) -> dict[str, Any]:
     rows = runs.rows
     summary = summary_table(rows)
     tables = {"summary": table_json(summary), "report": table_json(report_table(rows, intervals=True))}
-    figures = budget_curve_figures(with_bits_in_policy(summary), rows)
+    figures = budget_curve_figures(curve_points(rows), rows)
     if frontier.has_frontier(rows):  # runs with --kv-bits or --memory: accuracy per byte (docs/memory.md)
         points = frontier.points(rows)
         tables["frontier"] = table_json(points)
@@ -160,7 +157,7 @@ def page_data(runs: Runs) -> dict[str, Any]:
         if not compared.empty:
             tables["memory_diff"] = table_json(compared)
         figures += frontier_figures(points)
-    labelled = with_bits_in_policy(rows)
+    labelled = rows.assign(policy=rows[SERIES])  # a policy with its bits and decode budget: each line its own
     return {
         "title": page_title(rows),
         "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -180,26 +177,20 @@ def page_data(runs: Runs) -> dict[str, Any]:
 
 def page_title(rows: pd.DataFrame) -> str:
     models = ", ".join(model_display_name(m) for m in rows["model"].unique())
-    return f"pkvbench · {models} · {', '.join(task_order(rows['task'].unique()))}"
+    return f"pkvbench · {models} · {', '.join(present(rows['task']))}"
 
 
 def sort_ranks(rows: pd.DataFrame) -> dict[str, dict[str, int]]:
     """The report's order of policies, budgets and tasks, for the page's sortable tables (not alphabetical)."""
     return {
-        "policy": _ranks(sorted(rows["policy"].unique(), key=policy_sort_key)),
-        "budget": _ranks(sorted(rows["budget"].unique(), key=budget_sort_key)),
-        "task": _ranks(task_order(rows["task"].unique())),
+        "policy": _ranks(present(rows["policy"])),
+        "budget": _ranks(present(rows["budget"])),
+        "task": _ranks(present(rows["task"])),
     }
 
 
 def _ranks(values: list[str]) -> dict[str, int]:
     return {str(value): rank for rank, value in enumerate(values)}
-
-
-def _query_modes(rows: pd.DataFrame) -> pd.Series:
-    if "query_mode" not in rows.columns:
-        return pd.Series(DEFAULT_QUERY_MODE, index=rows.index)
-    return rows["query_mode"].fillna(DEFAULT_QUERY_MODE)
 
 
 def summary_table(rows: pd.DataFrame) -> pd.DataFrame:
@@ -220,19 +211,10 @@ def summary_table(rows: pd.DataFrame) -> pd.DataFrame:
     full_scores = [references[key] for key in zip(table["model"], table["task"], modes)]
     full_scores = [round(reference[0], 2) if reference else float("nan") for reference in full_scores]
     table["vs full"] = (table["score"] - pd.Series(full_scores, index=table.index)).round(2)
-    tasks = task_order(table["task"].unique())
-    models = list(dict.fromkeys(table["model"]))
-    order = sorted(
-        range(len(table)),
-        key=lambda i: (
-            models.index(table["model"].iat[i]),
-            tasks.index(table["task"].iat[i]),
-            policy_sort_key(table["policy"].iat[i]),
-            budget_sort_key(table["budget"].iat[i]),
-            str(table["query_mode"].iat[i]) if "query_mode" in table.columns else "",
-        ),
-    )
-    return table.iloc[order].reset_index(drop=True)
+    axes = ["task", *(c for c in ROW_AXES if c in table.columns)]
+    models = {model: rank for rank, model in enumerate(dict.fromkeys(table["model"]))}
+    table = table.astype({c: rows[c].dtype for c in axes}).assign(rank=table["model"].map(models))
+    return table.sort_values(["rank", *axes], kind="stable").drop(columns="rank").reset_index(drop=True)
 
 
 def table_json(frame: pd.DataFrame) -> dict[str, list]:
@@ -247,19 +229,6 @@ def table_json(frame: pd.DataFrame) -> dict[str, list]:
     ]
     rows = [[json_value(v) for v in row] for row in frame.itertuples(index=False)]
     return {"columns": [str(c) for c in frame.columns], "kinds": kinds, "rows": rows}
-
-
-def json_value(value: Any) -> Any:
-    """A cell as JSON: missing values (NaN, None, pandas' NA) are null, numpy scalars plain numbers."""
-    if isinstance(value, (list, dict)):
-        return value
-    if value is None or (not isinstance(value, str) and pd.isna(value)):
-        return None
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def paper_comparison(runs: Runs) -> dict | None:
@@ -349,16 +318,14 @@ def sample_view(rows: pd.DataFrame) -> dict[str, Any]:
 
     A sample's ``disagree`` says some policies of one model and query mode predicted different texts; ``lost`` that
     one scored below the full cache."""
-    rows = rows.assign(query_mode=_query_modes(rows), budget=_budget_and_decode(rows))
-    configs = sorted(
-        set(zip(rows["model"], rows["policy"], rows["budget"], rows["query_mode"])),
-        key=lambda c: (c[0], policy_sort_key(c[1]), budget_sort_key(c[2].split(",")[0]), c[2], c[3]),
-    )
+    rows = rows.assign(query_mode=query_modes(rows))
+    key = LINE_KEY
+    configs = list(rows[key].drop_duplicates().sort_values(key, kind="stable").itertuples(index=False, name=None))
     config_index = {config: i for i, config in enumerate(configs)}
     by_sample: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in rows.to_dict("records"):
         by_sample[(row["task"], row["sample_id"])].append(row)
-    tasks = task_order(rows["task"].unique())
+    tasks = present(rows["task"])
     samples = []
     for task, sample_id in sorted(by_sample, key=lambda key: tasks.index(key[0])):  # stable: run order within a task
         members = by_sample[(task, sample_id)]
@@ -367,8 +334,8 @@ def sample_view(rows: pd.DataFrame) -> dict[str, Any]:
                 [
                     config_index[(r["model"], r["policy"], r["budget"], r["query_mode"])],
                     _string_or_empty(r.get("pred")),
-                    _rounded(r.get("score"), 4),
-                    _rounded(r.get("budget_tokens"), 1),
+                    rounded(r.get("score"), 4),
+                    rounded(r.get("budget_tokens"), 1),
                 ]
                 for r in members
             ),
@@ -393,16 +360,6 @@ def sample_view(rows: pd.DataFrame) -> dict[str, Any]:
     }
 
 
-def _budget_and_decode(rows: pd.DataFrame) -> pd.Series:
-    """A configuration's budget as the sample view names it: with its decode budget where the row had one."""
-    if "decode_budget" not in rows.columns:
-        return rows["budget"]
-    return pd.Series(
-        [b if d == "none" else f"{b}, decode {d}" for b, d in zip(rows["budget"], rows["decode_budget"])],
-        index=rows.index,
-    )
-
-
 def sample_flags(members: list[dict]) -> dict[str, bool]:
     """Whether a sample's policies disagree (different predictions within one model and query mode) and whether
     one of them lost points against the full cache."""
@@ -412,7 +369,7 @@ def sample_flags(members: list[dict]) -> dict[str, bool]:
     disagree = lost = False
     for group in groups.values():
         disagree |= len({_string_or_empty(r.get("pred")).strip() for r in group}) > 1
-        scored = [r for r in group if _rounded(r.get("score"), 6) is not None]
+        scored = [r for r in group if rounded(r.get("score"), 6) is not None]
         full = [r["score"] for r in scored if is_full(r["policy"])]
         if full:
             reference = sum(full) / len(full)
@@ -465,363 +422,3 @@ def _answers(value: Any) -> list[str]:
     if isinstance(value, (list, tuple)):
         return [str(v) for v in value]
     return []
-
-
-def _rounded(value: Any, digits: int) -> float | None:
-    value = json_value(value)
-    return round(float(value), digits) if isinstance(value, (int, float)) else None
-
-
-# --- figures ---------------------------------------------------------------------------------------------------------
-
-
-def budget_axis(label: str) -> tuple[str, float]:
-    """A budget's kind (each gets its own panels) and its value: entries per KV head, a fraction of the prompt kept,
-    or kvpress's compression ratio (the fraction removed)."""
-    label = str(label)
-    if label.startswith("cr"):
-        return "compression ratio", float(label[2:])
-    if label == ALL:
-        return "every entry", 1.0
-    if label.startswith(MEMORY_PREFIX):
-        memory = Budget.parse(label)
-        return ("memory share", memory.value) if isinstance(memory.value, float) else ("memory bytes", memory.value)
-    value = float(label)
-    return ("entries per head", value) if value >= 1 else ("fraction of the prompt", value)
-
-
-def _policy_scale(policies):
-    domain = sorted(dict.fromkeys(policies), key=policy_sort_key)
-    return alt.Scale(domain=domain, range=[policy_colour(i) for i in range(len(domain))])
-
-
-def _figure(kind: str, title: str, caption: str, chart) -> dict[str, Any]:
-    return {"kind": kind, "title": title, "caption": caption, "spec": chart.to_dict()}
-
-
-def _mode_suffix(mode: str, several: bool) -> str:
-    return f" · query-{mode}" if several else ""
-
-
-def budget_panels(budgets, modes, several: bool) -> tuple[list[str], list[str]]:
-    """Each point's panel label (``budget 64``, with the query mode when a run has several) and the labels in
-    budget order."""
-    pairs = list(zip(budgets, modes))
-    label = {pair: f"budget {pair[0]}{_mode_suffix(pair[1], several)}" for pair in pairs}
-    ordered = sorted(set(pairs), key=lambda pair: (budget_sort_key(pair[0]), pair[1]))
-    return [label[pair] for pair in pairs], [label[pair] for pair in ordered]
-
-
-def budget_curve_figures(summary: pd.DataFrame, rows: pd.DataFrame) -> list[dict]:
-    """Per model, score vs budget (``summary``'s cells): a panel per task and budget kind, a line per policy, the
-    full cache dashed (from the ``rows`` the summary was made of); whiskers for the interval when the summary has one
-    (``ci_low``, ``ci_high``). Hover shows n and the interval."""
-    interval = {"ci_low", "ci_high"} <= set(summary.columns)
-    summary = with_decode_in_policy(summary)
-    figures = []
-    for model, table in summary.groupby("model", sort=False):
-        modes = (
-            table["query_mode"] if "query_mode" in table.columns else pd.Series(DEFAULT_QUERY_MODE, index=table.index)
-        )
-        several = modes.nunique() > 1
-        points, panels = [], {}
-        for row, mode in zip(table.to_dict("records"), modes):
-            if is_full(row["policy"]):
-                continue
-            kind, value = budget_axis(row["budget"])
-            panel = f"{row['task']} · {kind}{_mode_suffix(mode, several)}"
-            panels.setdefault(panel, (row["task"], mode))
-            points.append({**_point(row, interval), "panel": panel, "x": value, "series": row["policy"]})
-        model_rows = rows[rows["model"] == model]
-        for panel, (task, mode) in panels.items():
-            reference = full_reference(model_rows, task, mode)
-            if reference is not None:
-                score, n = reference
-                points.append(
-                    {"panel": panel, "series": FULL_CACHE, "policy": FULL_CACHE, "score": round(score, 2), "n": n}
-                )
-        if not panels:
-            continue
-        chart = _curve_chart(points, list(panels), interval)
-        figures.append(
-            _figure(
-                "curves",
-                f"Score vs KV budget · {model_display_name(model)}",
-                "Mean score × 100 per task; a line per policy, the full cache dashed. Hover a point for n"
-                + (" and the interval; whiskers show it." if interval else ".")
-                + " Click a policy in the legend to pick it out.",
-                chart,
-            )
-        )
-    return figures
-
-
-def _point(row: dict, interval: bool) -> dict[str, Any]:
-    point = {"policy": row["policy"], "budget": row["budget"], "score": json_value(row["score"]), "n": row["n"]}
-    if interval:
-        point.update(ci_low=json_value(row["ci_low"]), ci_high=json_value(row["ci_high"]))
-    return point
-
-
-def _curve_chart(points: list[dict], panels: list[str], interval: bool):
-    budgets = sorted({p["budget"] for p in points if "budget" in p}, key=budget_sort_key)
-    policies = [p["policy"] for p in points if p["series"] != FULL_CACHE]
-    pick = alt.selection_point(fields=["policy"], bind="legend")
-    base = alt.Chart(alt.Data(values=points))
-    is_policy = f"datum.series !== '{FULL_CACHE}'"
-    tooltip = [
-        alt.Tooltip("policy:N"),
-        alt.Tooltip("budget:N"),
-        alt.Tooltip("score:Q", format=".2f"),
-        alt.Tooltip("n:Q"),
-    ]
-    if interval:
-        tooltip += [alt.Tooltip("ci_low:Q", format=".2f"), alt.Tooltip("ci_high:Q", format=".2f")]
-    x = alt.X("budget:O", sort=budgets, title="KV budget", axis=alt.Axis(labelAngle=0))
-    y = alt.Y("score:Q", scale=alt.Scale(domain=[0, 100]), title="score (× 100)")
-    colour = alt.Color("policy:N", scale=_policy_scale(policies), title="policy")
-    fade = alt.condition(pick, alt.value(1), alt.value(0.15))
-    layers = [
-        base.transform_filter(f"!({is_policy})")
-        .mark_rule(strokeDash=[6, 4], color="black")
-        .encode(y="score:Q", tooltip=[alt.Tooltip("policy:N"), alt.Tooltip("score:Q", format=".2f"), "n:Q"]),
-        base.transform_filter(is_policy)
-        .mark_line(point=alt.OverlayMarkDef(size=60, filled=True))
-        .encode(x=x, y=y, color=colour, opacity=fade, tooltip=tooltip)
-        .add_params(pick),
-    ]
-    if interval:
-        layers.insert(
-            1,
-            base.transform_filter(is_policy)
-            .mark_rule(strokeWidth=1.5)
-            .encode(x=x, y="ci_low:Q", y2="ci_high:Q", color=colour, opacity=fade),
-        )
-    return (
-        alt.layer(*layers, width=220, height=170)
-        .facet(facet=alt.Facet("panel:N", sort=panels, title=None), columns=3)
-        .resolve_scale(x="independent")
-    )
-
-
-def frontier_figures(points: pd.DataFrame) -> list[dict]:
-    """Per model (and query mode): score (the mean over tasks) vs bytes on a log axis, a line per policy × bits
-    through its budgets, whiskers for the interval, the Pareto front's points ringed."""
-    figures = []
-    groups = [c for c in ("model", "query_mode") if c in points.columns]
-    for key, table in points.groupby(groups, sort=False):
-        key = key if isinstance(key, tuple) else (key,)
-        records = [
-            {
-                "policy": row["policy"],
-                "bits": str(row["kv_bits"]),
-                "series": f"{row['policy']} · {row['kv_bits']} bits",
-                "budget": row["budget"],
-                "bytes": json_value(row["kv_bytes"]),
-                "memory": json_value(row["memory"]),
-                "score": json_value(row["avg"]),
-                "ci_low": json_value(row["avg ci_low"]),
-                "ci_high": json_value(row["avg ci_high"]),
-                "front": row["front"] == "*",
-                "n": int(row["n"]),
-            }
-            for row in table.to_dict("records")
-            if row["kv_bytes"] == row["kv_bytes"] and row["avg"] == row["avg"]
-        ]
-        if not records:
-            continue
-        base = alt.Chart(alt.Data(values=records))
-        x = alt.X("bytes:Q", scale=alt.Scale(type="log", nice=False, padding=16), title="KV cache bytes (log)")
-        y = alt.Y("score:Q", scale=alt.Scale(domain=[0, 100]), title="score (× 100, mean over tasks)")
-        colour = alt.Color("policy:N", scale=_policy_scale(r["policy"] for r in records), title="policy")
-        dash = alt.StrokeDash("bits:N", sort=sorted({r["bits"] for r in records}, key=bits_sort_key), title="bits")
-        tooltip = [
-            "policy:N",
-            "bits:N",
-            "budget:N",
-            alt.Tooltip("bytes:Q", format=",.0f"),
-            alt.Tooltip("memory:Q", format=".2f", title="memory %"),
-            alt.Tooltip("score:Q", format=".2f"),
-            alt.Tooltip("ci_low:Q", format=".2f"),
-            alt.Tooltip("ci_high:Q", format=".2f"),
-            "n:Q",
-        ]
-        shape = alt.Shape("bits:N", sort=sorted({r["bits"] for r in records}, key=bits_sort_key), title="bits")
-        chart = alt.layer(
-            base.mark_rule(strokeWidth=1, opacity=0.5).encode(x=x, y="ci_low:Q", y2="ci_high:Q", color=colour),
-            base.mark_line().encode(x=x, y=y, color=colour, strokeDash=dash, detail="series:N", order="bytes:Q"),
-            base.mark_point(size=60, filled=True).encode(x=x, y=y, color=colour, shape=shape, tooltip=tooltip),
-            base.transform_filter("datum.front")
-            .mark_point(size=220, shape="circle", filled=False, strokeWidth=2, color="black")
-            .encode(x=x, y=y, tooltip=tooltip),
-            width=560,
-            height=320,
-        )
-        where = " · ".join([model_display_name(key[0]), *(f"query-{m}" for m in key[1:])])
-        figures.append(
-            _figure(
-                "frontier",
-                f"Accuracy per byte · {where}",
-                "Mean score over tasks × 100 against the mean bytes of the cells' caches (log axis); a line per policy "
-                "× bits through its budgets (dashes and marks: bits), whiskers for the 95% interval, black rings on the Pareto "
-                "front (no cell smaller and at least as good). Hover a point for its memory share and n.",
-                chart,
-            )
-        )
-    return figures
-
-
-def needle_heatmap_figures(rows: pd.DataFrame) -> list[dict]:
-    """Per model and needle-grid task: depth × length heatmaps (score 0–1), a row per budget, a column per policy."""
-    grid = needle_rows(rows[rows["score"].notna()])
-    if grid.empty:
-        return []
-    grid = grid.assign(query_mode=_query_modes(grid))
-    several = grid["query_mode"].nunique() > 1
-    figures = []
-    for (model, task), per_task in grid.groupby(["model", "task"], sort=False):
-        cells = needle_cells(per_task, ["policy", "budget", "query_mode"])
-        cells["row"], row_order = budget_panels(cells["budget"], cells["query_mode"], several)
-        cells["score"] = cells["score"].round(3)
-        lengths, depths = sorted(cells["length"].unique()), sorted(cells["depth"].unique())
-        records = [{k: json_value(v) for k, v in r.items()} for r in cells.to_dict("records")]
-        base = alt.Chart(alt.Data(values=records + _not_run(records, lengths[0], depths[0])))
-        base = base.encode(
-            x=alt.X("length:O", sort=[json_value(v) for v in lengths], title="length", axis=alt.Axis(labelAngle=0)),
-            y=alt.Y("depth:O", sort=[json_value(v) for v in depths], title="depth %"),
-        )
-        rect = base.mark_rect().encode(
-            color=alt.Color(
-                "score:Q", scale=alt.Scale(domain=[0, 0.5, 1], range=list(NEEDLE_COLOURS)), title="score (0–1)"
-            ),
-            tooltip=["policy:N", "budget:N", "length:O", "depth:O", alt.Tooltip("score:Q", format=".2f"), "n:Q"],
-        )
-        text = (
-            base.transform_filter("datum.score !== null")
-            .mark_text(fontSize=10)
-            .encode(text=alt.Text("score:Q", format=".2f"))
-        )
-        chart = alt.layer(rect, text, width=max(120, 48 * len(lengths)), height=max(70, 24 * len(depths))).facet(
-            row=alt.Row("row:N", sort=row_order, title=None),
-            column=alt.Column("policy:N", sort=sorted(cells["policy"].unique(), key=policy_sort_key), title=None),
-        )
-        figures.append(
-            _figure(
-                "heatmap",
-                f"{task} · {model_display_name(model)}: needle depth × context length",
-                "Mean score (0–1) per cell of needle depth (% of the context) × context length (tokens), red → yellow "
-                "→ green; a row per budget, a column per policy. Hover a cell for n.",
-                chart,
-            )
-        )
-    return figures
-
-
-def _not_run(records: list[dict], length, depth) -> list[dict]:
-    """A scoreless square for each budget row × policy that has no rows: Vega-Lite lays out a row × column facet
-    with sorted headers wrongly when a combination is missing (cells shift under the wrong headers)."""
-    present = {(r["row"], r["policy"]) for r in records}
-    rows, policies = dict.fromkeys(r["row"] for r in records), dict.fromkeys(r["policy"] for r in records)
-    return [
-        {"row": row, "policy": policy, "length": json_value(length), "depth": json_value(depth), "score": None, "n": 0}
-        for row in rows
-        for policy in policies
-        if (row, policy) not in present
-    ]
-
-
-def layer_budget_figures(rows: pd.DataFrame) -> list[dict]:
-    """Per model: entries kept per layer (the rows' ``kv_kept``, mean over samples), a line per policy, a panel per
-    budget. The full cache is left out: it keeps the whole prompt, which would flatten every other line."""
-    if "kv_kept" not in rows.columns:
-        return []
-    recorded = rows["kv_kept"].map(lambda v: isinstance(v, list) and len(v) > 0)
-    kept = rows[recorded & ~rows["policy"].map(is_full)]
-    kept = kept.assign(query_mode=_query_modes(kept))
-    several = kept["query_mode"].nunique() > 1
-    figures = []
-    for model, per_model in kept.groupby("model", sort=False):
-        points = []
-        for (policy, budget, mode), cell in per_model.groupby(["policy", "budget", "query_mode"], sort=False):
-            layers = pd.DataFrame(cell["kv_kept"].tolist())  # a column per layer (rows of one model: same count)
-            for layer, mean in layers.mean().items():
-                points.append(
-                    {
-                        "policy": policy,
-                        "budget": budget,
-                        "mode": mode,
-                        "layer": int(layer),
-                        "kept": _rounded(mean, 1),
-                        "n": int(layers[layer].notna().sum()),
-                    }
-                )
-        labels, panels = budget_panels([p["budget"] for p in points], [p["mode"] for p in points], several)
-        for point, label in zip(points, labels):
-            point["panel"] = label
-        chart = (
-            alt.Chart(alt.Data(values=points), width=260, height=170)
-            .mark_line(point=alt.OverlayMarkDef(size=25, filled=True))
-            .encode(
-                x=alt.X("layer:Q", title="layer (0 = bottom)", axis=alt.Axis(tickMinStep=1, format="d")),
-                y=alt.Y("kept:Q", title="entries kept per KV head"),
-                color=alt.Color("policy:N", scale=_policy_scale(p["policy"] for p in points), title="policy"),
-                tooltip=["policy:N", "budget:N", "layer:Q", alt.Tooltip("kept:Q", format=".1f"), "n:Q"],
-            )
-            .facet(facet=alt.Facet("panel:N", sort=panels, title=None), columns=3)
-        )
-        figures.append(
-            _figure(
-                "layers",
-                f"Entries kept per layer · {model_display_name(model)}",
-                "Mean over samples of the entries each layer kept per KV head (the rows' kv_kept); the full cache, "
-                "which keeps the whole prompt, is left out. Hover a point for the layer and n.",
-                chart,
-            )
-        )
-    return figures
-
-
-def decode_memory_figures(rows: pd.DataFrame) -> list[dict]:
-    """Per model and task, for one sample (the first with rows cut while decoding): the cache's entries (over layers
-    and heads) as the answer is written, a line per policy, a panel per budget and decode budget, from the rows'
-    ``kv_trace`` (the start, before and after each cut, the end: the cache grows one entry per head and layer per
-    token in between, so straight lines join the points)."""
-    if "kv_trace" not in rows.columns:
-        return []
-    traced = rows[rows["kv_trace"].map(lambda v: isinstance(v, list) and len(v) > 1)]
-    figures = []
-    for (model, task), per_task in traced.groupby(["model", "task"], sort=False):
-        cut = per_task[per_task["decode_budget"] != "none"]
-        if cut.empty:
-            continue
-        sample_id = cut["sample_id"].iloc[0]
-        points = []
-        for row in per_task[per_task["sample_id"] == sample_id].to_dict("records"):
-            panel = f"budget {row['budget']} · decode {row['decode_budget']}"
-            points += [
-                {"policy": row["policy"], "panel": panel, "token": step, "entries": entries, "order": i}
-                for i, (step, entries) in enumerate(row["kv_trace"])
-            ]
-        panels = sorted({p["panel"] for p in points}, key=lambda label: (len(label), label))
-        chart = (
-            alt.Chart(alt.Data(values=points), width=300, height=170)
-            .mark_line(point=alt.OverlayMarkDef(size=12, filled=True))
-            .encode(
-                x=alt.X("token:Q", title="answer tokens written"),
-                y=alt.Y("entries:Q", title="cache entries (all layers and heads)"),
-                color=alt.Color("policy:N", scale=_policy_scale(p["policy"] for p in points), title="policy"),
-                order="order:Q",
-                tooltip=["policy:N", "panel:N", "token:Q", "entries:Q"],
-            )
-            .facet(facet=alt.Facet("panel:N", sort=panels, title=None), columns=3)
-        )
-        figures.append(
-            _figure(
-                "memory",
-                f"Cache size while the answer is written · {task} · sample {sample_id} · {model_display_name(model)}",
-                "Entries in the cache (summed over layers and KV heads) against the answer's tokens: each cut "
-                "brings it back to the decode budget; the full cache grows by one entry per head and layer per token.",
-                chart,
-            )
-        )
-    return figures

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pkvbench.budgets import MEMORY_PREFIX, Budget, LayerPlan
+from pkvbench.budgets import MEMORY_PREFIX, Budget, LayerPlan, layer_budgets
 from pkvbench.errors import PkvError
 
 KV_BITS = (2, 4, 8, 16, 32)  # what --kv-bits accepts; below 16 KIVI's integers, 32 only where the model computes so
@@ -28,6 +28,10 @@ class CacheGeometry:
     layers: int
     kv_heads: int
     head_dim: int
+    whole: tuple[bool, ...] = ()  # per layer: kept whole, never compressed (``budgets.layer_budgets``)
+
+    def layer_budgets(self, policy, k: int, context_len: int) -> list[int]:
+        return layer_budgets(policy, k, context_len, self.layers, self.whole)
 
     def full_bytes(self, context_len: int) -> int:
         """The full cache of ``context_len`` tokens at 16 bits per value: what memory fractions are of."""
@@ -119,7 +123,7 @@ class MemoryTooSmall(PkvError):
 def floor_bytes(policy, context_len: int, geometry: CacheGeometry, fmt: KVFormat, heads: int | None = None) -> int:
     """The bytes of the smallest cache ``policy`` keeps (its floor: window, sinks) in ``fmt``."""
     floor = min(max(policy.min_budget, 1), context_len)
-    per_layer = policy.layer_budgets(floor, context_len, geometry.layers)
+    per_layer = geometry.layer_budgets(policy, floor, context_len)
     return planned_bytes(fmt, per_layer, heads or geometry.kv_heads, geometry.head_dim)
 
 
@@ -135,11 +139,11 @@ def memory_plan(
     target = budget.target_bytes(full)
 
     def cost(k: int) -> int:
-        return planned_bytes(fmt, policy.layer_budgets(k, context_len, geometry.layers), heads, geometry.head_dim)
+        return planned_bytes(fmt, geometry.layer_budgets(policy, k, context_len), heads, geometry.head_dim)
 
     k = largest(min(max(policy.min_budget, 1), context_len), context_len, lambda k: cost(k) <= target)
     if k is None:
         needed = floor_bytes(policy, context_len, geometry, fmt, heads)
         raise MemoryTooSmall(budget, needed, full, f"{policy.label} at {fmt} bits on {context_len} tokens")
-    per_layer = policy.layer_budgets(k, context_len, geometry.layers)
+    per_layer = geometry.layer_budgets(policy, k, context_len)
     return LayerPlan(requested=k, effective=k, per_layer=per_layer, context_len=context_len, target_bytes=target)

@@ -102,12 +102,6 @@ def bits_label(row: Row) -> str:
     return str(int(row["kv_bits"])) if _given(row.get("kv_bits")) else "native"
 
 
-def bits_sort_key(label: str) -> tuple[float, str]:
-    """Widest first: 32, 16, 8, 4, 2 (``native`` first of all: the model's own cache, width unknown)."""
-    head = str(label).split(" ")[0]
-    return (-float(head) if head.replace(".", "").isdigit() else -math.inf, str(label))
-
-
 def differing_keys(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(first) | set(second) if first.get(k) != second.get(k))
 

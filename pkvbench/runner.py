@@ -158,46 +158,19 @@ def run_sample(
         cuts=tuple(n for n, mode in ((aware_len, AWARE), (context_len, AGNOSTIC)) if mode in modes),
         decoding=[cell.policy for cell in cells if cell.decode_budget is not None],
     )
-    jobs: list[_Job] = []
-    requests = []
-    # uncompressed caches stored alike decode to the same tokens: one request per mode, question and format
-    shared: dict[tuple, int] = {}
-
-    def add(cell: Cell, question: Question, source: Prefill, cache: CompressedCache, selection_s: float) -> None:
-        agnostic = cell.query_mode == AGNOSTIC
-        key = (cell.query_mode, question.question_id, id(source), cell.kv)
-        schedule = engine.schedule(cell.policy, cell.decode_budget, settings.decode_interval, settings.decode_buffer)
-        own = cache.plan.compressed or schedule is not None  # else the full cache, never cut: decoded once
-        if own or key not in shared:
-            requests.append(
-                engine.request(
-                    source,
-                    cache,
-                    settings.max_new_tokens or task.max_new_tokens,
-                    task.stop_strings,
-                    task.min_new_tokens,
-                    question.ids if agnostic else None,
-                    schedule,
-                )
-            )
-            if not own:
-                shared[key] = len(requests) - 1
-        which = shared[key] if not own else len(requests) - 1
-        jobs.append(_Job(cell, question, cache, selection_s, which, source, cell.kv or engine.native_format))
-
+    batch = _Batch(engine, task, settings)
     for cell in cells:
         started = time.perf_counter()
         cut = context_len if cell.query_mode == AGNOSTIC else aware_len
         cache = engine.compress(prefill, cell.policy, cell.budget, cut, cell.kv)
         selection_s = time.perf_counter() - started
         for question in sample.questions if cell.query_mode == AGNOSTIC else [first]:
-            add(cell, question, prefill, cache, selection_s)
-    decoded = engine.decode_many(requests, settings.decode_batch)
-    yield from (_row(engine, task, sample, job, decoded[job.request], settings, texts) for job in jobs)
+            batch.add(cell, question, prefill, cache, selection_s)
+    yield from batch.rows(sample, texts)
 
     aware_cells = [cell for cell in cells if cell.query_mode == AWARE]
     for question in sample.questions[1:] if aware_cells else []:
-        jobs, requests, shared = [], [], {}
+        batch = _Batch(engine, task, settings)
         own = engine.prefill(
             _as_tensor(sample.prompt(question)),
             [cell.policy for cell in aware_cells],
@@ -206,9 +179,48 @@ def run_sample(
         for cell in aware_cells:
             started = time.perf_counter()
             cache = engine.compress(own, cell.policy, cell.budget, fmt=cell.kv)
-            add(cell, question, own, cache, time.perf_counter() - started)
-        decoded = engine.decode_many(requests, settings.decode_batch)
-        yield from (_row(engine, task, sample, job, decoded[job.request], settings, texts) for job in jobs)
+            batch.add(cell, question, own, cache, time.perf_counter() - started)
+        yield from batch.rows(sample, texts)
+
+
+class _Batch:
+    """The caches of one prefill's cells, decoded together: each cell × question a job, each job pointing at the
+    decode request that writes its answer. Uncompressed caches stored alike decode to the same tokens, so they
+    share one request per query mode, question and format."""
+
+    def __init__(self, engine: Engine, task: TaskSpec, settings: RunSettings):
+        self.engine, self.task, self.settings = engine, task, settings
+        self.jobs: list[_Job] = []
+        self.requests: list = []
+        self.shared: dict[tuple, int] = {}
+
+    def add(self, cell: Cell, question: Question, source: Prefill, cache: CompressedCache, selection_s: float) -> None:
+        engine, task, settings = self.engine, self.task, self.settings
+        key = (cell.query_mode, question.question_id, id(source), cell.kv)
+        schedule = engine.schedule(cell.policy, cell.decode_budget, settings.decode_interval, settings.decode_buffer)
+        own = cache.plan.compressed or schedule is not None  # else the full cache, never cut: decoded once
+        if own or key not in self.shared:
+            self.requests.append(
+                engine.request(
+                    source,
+                    cache,
+                    settings.max_new_tokens or task.max_new_tokens,
+                    task.stop_strings,
+                    task.min_new_tokens,
+                    question.ids if cell.query_mode == AGNOSTIC else None,
+                    schedule,
+                )
+            )
+            if not own:
+                self.shared[key] = len(self.requests) - 1
+        which = self.shared[key] if not own else len(self.requests) - 1
+        self.jobs.append(_Job(cell, question, cache, selection_s, which, source, cell.kv or engine.native_format))
+
+    def rows(self, sample: Sample, texts: dict[str, dict]) -> Iterator[dict]:
+        """Decode every request (in batches of at most ``decode_batch`` rows) and yield each job's row."""
+        decoded = self.engine.decode_many(self.requests, self.settings.decode_batch)
+        for job in self.jobs:
+            yield _row(self.engine, self.task, sample, job, decoded[job.request], self.settings, texts)
 
 
 def _row(

@@ -164,7 +164,7 @@ def test_report_shows_score_length_and_peak_per_decode_budget(tmp_path, capsys):
 
 
 def test_the_html_report_draws_the_cache_over_the_answer(tmp_path):
-    from pkvbench.html_report import decode_memory_figures
+    from pkvbench.html_figures import decode_memory_figures
     from pkvbench.report import load_runs
 
     folder = tmp_path / "run"

@@ -177,6 +177,23 @@ def test_expected_attention_while_decoding():
     assert policy.select_while_decoding(stats, 7, buffer=3).tolist() == longhand_top(scores, 7, 3)
 
 
+@pytest.mark.parametrize("length", [7, 64, 301])
+def test_rkv_redundancy_in_row_blocks_equals_the_whole_matrixs_and_keeps_the_same_entries(length):
+    """R-KV's redundancy computed a few rows at a time (flat memory in T) against the whole similarity matrix at
+    once (what it computed before): the same scores to float rounding and the same top entries per head."""
+    from pkvbench.policies.rkv import key_redundancy
+
+    generator = torch.Generator().manual_seed(length)
+    keys = torch.randn(3, length, 16, generator=generator)
+    keys[:, length // 2 :] += keys[:, : length - length // 2]  # near-copies, so the threshold's zeroing matters
+    whole = key_redundancy(keys, 0.5)
+    for block_bytes in (8 * length, 8 * length * 5):  # one row, five rows per block
+        blocked = key_redundancy(keys, 0.5, block_bytes=block_bytes)
+        torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-7)
+        k = max(1, length // 4)
+        assert (blocked.topk(k).indices.sort().values == whole.topk(k).indices.sort().values).all()
+
+
 def test_rkv_importance_less_redundancy():
     policy = parse_policy(f"rkv:window={WINDOW}:kernel=3:mix_lambda=0.3:threshold=0.2")
     stats = decode_stats(policy)

@@ -10,14 +10,12 @@ from pathlib import Path
 import pytest
 
 from pkvbench.errors import PkvError
+from pkvbench.html_figures import budget_axis, budget_curve_figures, curve_points, needle_heatmap_figures
 from pkvbench.html_report import (
     CONTEXT_EXCERPT_CHARS,
-    budget_axis,
-    budget_curve_figures,
     build_page,
     check_html_target,
     context_excerpt,
-    needle_heatmap_figures,
     page_data,
     summary_table,
     write_html_report,
@@ -191,13 +189,13 @@ def test_figures_curves_heatmap_and_layer_budgets(run_folder):
 
 def test_intervals_in_the_summary_are_drawn_and_hovered(run_folder):
     rows = load_runs([run_folder]).rows
-    summary = summary_table(rows)
-    summary["ci_low"], summary["ci_high"] = summary["score"] - 5, summary["score"] + 5
-    (figure,) = budget_curve_figures(summary, rows)
+    points = curve_points(rows)
+    points["ci_low"], points["ci_high"] = points["score"] - 5, points["score"] + 5
+    (figure,) = budget_curve_figures(points, rows)
     spec = json.dumps(figure["spec"])
     assert '"y2": {"field": "ci_high"' in spec
     assert '"field": "ci_low"' in spec and "interval" in figure["caption"]
-    no_interval = budget_curve_figures(summary.drop(columns=["ci_low", "ci_high"]), rows)
+    no_interval = budget_curve_figures(points.drop(columns=["ci_low", "ci_high"]), rows)
     assert "ci_high" not in json.dumps(no_interval[0]["spec"])
 
 

@@ -63,6 +63,7 @@ def test_repeat_passes_ask_for_the_prompt_past_its_prefix_chunk_by_chunk(tokeniz
     )
 
 
+@pytest.mark.model
 def test_fused_scores_equal_the_unfused_ones(engine, monkeypatch):
     """The fused path (three flash calls, scores from their log-sum-exps) against the model's own kernel plus the
     recorder's softmax, on the real model: several chunks, a system message."""

@@ -59,8 +59,7 @@ def test_curves_one_figure_per_model(rendered):
 
 
 def test_curve_points_and_full_reference():
-    from pkvbench.figure_data import full_reference
-    from pkvbench.plots import curve_table
+    from pkvbench.figure_data import curve_table, full_reference
 
     rows = load_runs([RUNS / "longbench_llama"]).rows
     points = curve_table(rows)

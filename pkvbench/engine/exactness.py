@@ -35,10 +35,21 @@ def generate_reference(model, input_ids: torch.Tensor, new_tokens: int) -> list[
 
 
 def masked_reference(
-    model, keys, values, visible: torch.Tensor, first_token: int, new_tokens: int, stop_ids: set[int]
+    model,
+    keys,
+    values,
+    visible: torch.Tensor,
+    first_token: int,
+    new_tokens: int,
+    stop_ids: set[int],
+    kept_whole: tuple[str, ...] = (),
 ) -> list[int]:
     """Greedy tokens after a prompt whose full cache is ``keys``/``values`` (per layer ``[1, Hkv, T, D]``), the new
-    tokens seeing only the prompt positions where ``visible`` (``[T]``) is true, at positions T, T + 1, …"""
+    tokens seeing only the prompt positions where ``visible`` (``[T]``) is true, at positions T, T + 1, …
+
+    ``kept_whole``: layer kinds whose layers keep every prompt entry (a mixed model's local layers, never
+    compressed); their layers see the whole prompt under their own window while the others see ``visible``: the
+    model then takes one mask per layer kind, as its own forward builds them."""
     from transformers import DynamicCache
 
     length = visible.shape[0]
@@ -53,12 +64,31 @@ def masked_reference(
         mask = visible.long().to(device)
         while len(tokens) < new_tokens and tokens[-1] not in stop_ids:
             mask = torch.cat([mask, torch.ones(1, dtype=torch.long, device=device)])
+            position = length + len(tokens) - 1
             step = model(
                 input_ids=torch.tensor([[tokens[-1]]], device=device),
-                attention_mask=mask[None],
-                position_ids=torch.tensor([[length + len(tokens) - 1]], device=device),
+                attention_mask=_masks_by_kind(model.config, mask.bool(), position, kept_whole)
+                if kept_whole
+                else mask[None],
+                position_ids=torch.tensor([[position]], device=device),
                 use_cache=True,
                 **{cache_arg: cache},
             )
             tokens.append(int(step.logits[0, -1].argmax()))
     return tokens
+
+
+def _masks_by_kind(config, visible: torch.Tensor, position: int, kept_whole: tuple[str, ...]) -> dict:
+    """The one query's 4-D masks ``[1, 1, 1, position + 1]`` per layer kind: what it may see of the cache's entries
+    (at positions 0 … position), a sliding kind within its window."""
+    from pkvbench.engine.architecture import SLIDING, Architecture
+
+    architecture = Architecture.of(config)
+    entries = torch.arange(position + 1, device=visible.device)
+    masks = {}
+    for kind in set(architecture.layer_kinds):
+        seen = torch.ones_like(visible) if kind in kept_whole else visible
+        if kind == SLIDING:
+            seen = seen & (entries > position - architecture.sliding_window)
+        masks[kind] = seen[None, None, None]
+    return masks

@@ -7,6 +7,7 @@ original positions T, T+1, ... whatever the compressed cache's length.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import time
@@ -16,13 +17,14 @@ import numpy as np
 import torch
 
 from pkvbench import budgets, kv_formats
+from pkvbench.engine.architecture import Architecture
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries
 from pkvbench.engine.models import LoadedModel
 from pkvbench.engine.quantized import StoredEntries
 from pkvbench.engine.reconstruction import SINK, ReconstructionRecorder, repeat_inputs
 from pkvbench.engine.shrinking import DecodeSchedule, prefill_needs, start_from
-from pkvbench.errors import PkvError
+from pkvbench.errors import PkvError, first_line
 from pkvbench.policies.base import LayerStats, Needs, Policy
 
 
@@ -69,6 +71,24 @@ def ragged_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(positions < length, positions, last), counts
 
 
+# How PyTorch says an allocation failed: on the CPU a RuntimeError with one of these, on a GPU OutOfMemoryError.
+OUT_OF_MEMORY = ("can't allocate memory", "not enough memory", "out of memory")
+
+
+@contextlib.contextmanager
+def too_big_for_memory(what: str, length: int):
+    """A statistic that would allocate more than the machine (or the device) has: one line naming the length, not
+    an internal error."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not any(marker in str(exc) for marker in OUT_OF_MEMORY):
+            raise
+        raise PkvError(
+            f"{what} on a prompt of {length} tokens need more memory than is free: {first_line(exc)}"
+        ) from None
+
+
 @dataclass
 class CompressedCache:
     """The entries one policy keeps at one budget, per layer ``[heads, n, dim]`` (batch dimension dropped), in the
@@ -104,9 +124,7 @@ class CompressedCache:
     @property
     def nbytes(self) -> int:
         """Physical bytes of the stored keys and values (padding included)."""
-        if isinstance(self.kept, StoredEntries):
-            return self.kept.nbytes
-        return sum(t.numel() * t.element_size() for t in (*self.kept.keys, *self.kept.values))
+        return self.kept.nbytes
 
 
 def kept_bytes(kept: KeptEntries, fmt: kv_formats.KVFormat) -> int:
@@ -124,13 +142,14 @@ class Engine:
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
         self.model = loaded.model
+        self.architecture = Architecture.of(loaded.config)
         self.tokenizer = loaded.tokenizer
         self.device = torch.device(loaded.device)
         # transformers renamed the model's ``past_key_values`` argument to ``cache``; speak whichever it knows.
         forward_params = inspect.signature(self.model.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
         self.stop_ids = self._stop_ids()
-        self.output_weights = [layer.self_attn.o_proj.weight for layer in self.model.model.layers]
+        self.output_weights = self.architecture.output_weights(self.model)
         self.decoder = BatchDecoder(
             self._forward,
             self.tokenizer,
@@ -139,13 +158,16 @@ class Engine:
             self.device,
             self._sync,
             rope=self.rope,
-            scaling=float(self.model.model.layers[0].self_attn.scaling),
+            scaling=self.architecture.scalings(self.model)[0],
             query_heads=loaded.num_query_heads,
+            layer_kinds=list(self.architecture.layer_kinds),
+            windows=self.architecture.windows,
         )
 
     @property
     def geometry(self) -> kv_formats.CacheGeometry:
-        return kv_formats.CacheGeometry(self.loaded.num_layers, self.loaded.num_kv_heads, self.loaded.head_dim)
+        whole = tuple(not self.architecture.compressible(layer) for layer in range(self.loaded.num_layers))
+        return kv_formats.CacheGeometry(self.loaded.num_layers, self.loaded.num_kv_heads, self.loaded.head_dim, whole)
 
     @property
     def native_format(self) -> kv_formats.KVFormat:
@@ -161,7 +183,7 @@ class Engine:
     def rope(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's RoPE cos and sin ``[count, head_dim]`` (float32) at positions start, start + 1, …"""
         positions = torch.arange(start, start + count, device=self.device)[None]
-        cos, sin = self.model.model.rotary_emb(torch.zeros(1, device=self.device), positions)
+        cos, sin = self.architecture.rotary(self.model)(torch.zeros(1, device=self.device), positions)
         return cos[0].float(), sin[0].float()
 
     def _stop_ids(self) -> set[int]:
@@ -201,7 +223,8 @@ class Engine:
         needs = Needs.union([*(p.needs for p in policies), *(prefill_needs(p) for p in decoding)])
         recorder = StatsRecorder(needs, cuts, self.rope)
         cache = DynamicCache()
-        logits, seconds = self.recorded_forward(input_ids, recorder, cache)
+        with too_big_for_memory("the prefill's statistics", input_ids.shape[1]):
+            logits, seconds = self.recorded_forward(input_ids, recorder, cache)
         layers = [cache.layers[i] for i in range(self.loaded.num_layers)]
         started = time.perf_counter()
         reconstruction = {
@@ -245,8 +268,8 @@ class Engine:
         length = len(prompt)
         prefix, passes = repeat_inputs(self.tokenizer, prompt, chunk)
         # The fused path attends to the whole prompt: not for a sliding window shorter than a pass's reach.
-        sliding = getattr(self.model.config, "sliding_window", None)
-        if sliding and getattr(self.model.config, "use_sliding_window", True):
+        sliding = self.architecture.sliding_window
+        if sliding:
             fused = fused and all(length + len(ids) <= sliding for _, _, ids in passes)
         scores = [torch.zeros(self.loaded.num_kv_heads, length, device=self.device) for _ in layers]
         for layer_scores in scores:  # the chat prefix and the sinks are always kept
@@ -269,9 +292,9 @@ class Engine:
         position's logits and the seconds taken. ``cache`` (if given) is filled with the full cache."""
         input_ids = input_ids.to(self.device)
         length = input_ids.shape[1]
-        sliding = getattr(self.model.config, "sliding_window", None)
-        if sliding and getattr(self.model.config, "use_sliding_window", True) and length > sliding:
-            raise PkvError(f"prompt of {length} tokens exceeds the model's sliding window ({sliding}); not supported")
+        limit = self.architecture.prompt_limit
+        if limit is not None and length > limit:
+            raise PkvError(f"prompt of {length} tokens exceeds the model's sliding window ({limit}); not supported")
         started = time.perf_counter()
         with recording(recorder):
             logits = self._forward(input_ids, cache, torch.arange(length, device=self.device)[None])[0]
@@ -284,8 +307,11 @@ class Engine:
         """What ``policy`` keeps at ``budget`` (in entries) of the whole prompt or of its first ``cut`` tokens: the
         layer plan and, for each layer it compresses, the selection (kept positions ``[heads, k]``, or a keep mask
         ``[heads, T]`` where heads keep different numbers of entries)."""
-        plan = budgets.plan(policy, budget, cut or prefill.context_len, self.loaded.num_layers)
+        plan = self._plan(policy, budget, cut or prefill.context_len)
         return plan, self._choose(prefill, policy, plan)
+
+    def _plan(self, policy: Policy, budget: budgets.Budget, length: int) -> budgets.LayerPlan:
+        return budgets.plan(policy, budget, length, self.loaded.num_layers, self.geometry.whole)
 
     def _choose(self, prefill: Prefill, policy: Policy, plan: budgets.LayerPlan) -> dict[int, torch.Tensor]:
         """Each compressed layer's selection under ``plan``."""
@@ -294,7 +320,8 @@ class Engine:
         length = plan.context_len
         stats = prefill.stats_at[length]
         compressed = [layer for layer, k in enumerate(plan.per_layer) if k < length]
-        kept = policy.select_layers([stats[i] for i in compressed], [plan.per_layer[i] for i in compressed])
+        with too_big_for_memory(f"{policy.label}'s scores", length):
+            kept = policy.select_layers([stats[i] for i in compressed], [plan.per_layer[i] for i in compressed])
         return dict(zip(compressed, kept))
 
     def compress(
@@ -315,7 +342,7 @@ class Engine:
         if budget.memory:
             plan = kv_formats.memory_plan(policy, budget, length, self.geometry, fmt, heads)
         else:
-            plan = budgets.plan(policy, budget, length, self.loaded.num_layers)
+            plan = self._plan(policy, budget, length)
         kept, selected = self._gather(prefill, policy, plan, heads)
         if budget.memory and kept.lengths is not None and kept_bytes(kept, fmt) > plan.target_bytes:
             plan, (kept, selected) = self._fit_head_wise(prefill, policy, budget, plan, heads, fmt)
@@ -334,11 +361,11 @@ class Engine:
     ) -> tuple[budgets.LayerPlan, tuple[KeptEntries, list | None]]:
         """A policy whose heads keep different numbers of entries is stored padded to each layer's fullest head:
         the bytes depend on what it selects. The most entries whose selection fits the memory budget."""
-        layers, length = self.loaded.num_layers, plan.context_len
+        length = plan.context_len
         tried: dict[int, tuple[budgets.LayerPlan, tuple[KeptEntries, list | None]]] = {}
 
         def fits(k: int) -> bool:
-            per_layer = policy.layer_budgets(k, length, layers)
+            per_layer = self.geometry.layer_budgets(policy, k, length)
             smaller = dataclasses.replace(plan, requested=k, effective=k, per_layer=per_layer)
             tried[k] = (smaller, self._gather(prefill, policy, smaller, heads))
             return kept_bytes(tried[k][1][0], fmt) <= plan.target_bytes
@@ -426,7 +453,7 @@ class Engine:
         target or for a policy that keeps everything)."""
         if target is None:
             return None
-        schedule = DecodeSchedule.make(policy, target, interval, buffer, self.loaded.num_layers)
+        schedule = DecodeSchedule.make(policy, target, interval, buffer, self.loaded.num_layers, self.geometry.whole)
         return None if schedule.cuts_nothing else schedule
 
     def decode_many(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:

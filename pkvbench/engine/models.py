@@ -16,13 +16,15 @@ from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
+from pkvbench.engine.architecture import admitted_families, check_family
 from pkvbench.errors import PkvError, first_line
 from pkvbench.io import read_json
 from pkvbench.kv_formats import CacheGeometry, KVFormat
 
 # RoPE + grouped-query-attention decoders whose attention modules follow transformers' shared layout
-# (q/k/v projections, ``layer_idx``, ``scaling``, the attention-function registry).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# (q/k/v projections, ``layer_idx``, ``scaling``, the attention-function registry), each proven in
+# tests/test_architectures.py (engine/architecture.py's FAMILIES).
+SUPPORTED_ARCHITECTURES = tuple(admitted_families())
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -293,11 +295,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def check_architecture(config, name: str) -> None:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise PkvError(
-            f"model {name} is a {model_type!r} model; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    check_family(config, name)
 
 
 def is_gguf_file(name: str) -> bool:
@@ -455,6 +453,6 @@ def model_context_window(model: str) -> int | None:
     path = _config_file(str(float_copy or model))
     config = read_json(path, "model config") if path is not None else None
     if isinstance(config, dict):  # an architecture pkvbench cannot run is refused before its tokenizer is used
-        check_architecture(SimpleNamespace(model_type=config.get("model_type")), model)
+        check_architecture(SimpleNamespace(**config), model)
     window = config.get("max_position_embeddings") if isinstance(config, dict) else None
     return window if isinstance(window, int) and window > 0 else None

@@ -16,6 +16,7 @@ not depend on the order of the columns: the packed part comes first, then the re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -38,6 +39,10 @@ class StoredLayer:
     residual_keys: torch.Tensor
     residual_values: torch.Tensor
     residual: torch.Tensor  # [heads] long
+    # Each packed and residual column's original position ([heads, columns], padding repeating a head's last): what
+    # a sliding-window layer's mask reads; bookkeeping, not stored bytes.
+    packed_positions: torch.Tensor | None = None
+    residual_positions: torch.Tensor | None = None
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -67,10 +72,17 @@ def _sixteen_bits(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def store_layer(
-    keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, fmt: KVFormat, dtype: torch.dtype
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    fmt: KVFormat,
+    dtype: torch.dtype,
+    positions: torch.Tensor | None = None,
 ) -> StoredLayer:
-    """Store one layer's kept ``keys``/``values`` ``[heads, n, dim]`` (head h's in ``[:lengths[h]]``) in ``fmt``,
-    16-bit parts in ``dtype``."""
+    """Store one layer's kept ``keys``/``values`` ``[heads, n, dim]`` (head h's in ``[:lengths[h]]``, at original
+    ``positions`` ``[heads, n]``, default 0 … n−1) in ``fmt``, 16-bit parts in ``dtype``."""
+    if positions is None:
+        positions = torch.arange(keys.shape[1], device=keys.device).expand(keys.shape[0], -1)
     lengths = lengths.to(device=keys.device, dtype=torch.long)
     residual = lengths.clamp(max=fmt.residual) if fmt.quantized else lengths
     quantized = lengths - residual
@@ -80,11 +92,12 @@ def store_layer(
     tail_index = (quantized[:, None] + torch.arange(tail, device=keys.device)).minimum(
         (lengths - 1).clamp(min=0)[:, None]
     )
-    packed_keys = packed_values = None
+    packed_keys = packed_values = packed_positions = None
     if width:
         index = torch.arange(width, device=keys.device).minimum((quantized - 1).clamp(min=0)[:, None])
         packed_keys = quantize_keys(_gather(keys, index), fmt.bits, fmt.group, dtype)
         packed_values = quantize_values(_gather(values, index), fmt.bits, fmt.group, dtype)
+        packed_positions = positions.to(keys.device).gather(1, index)
     return StoredLayer(
         packed_keys,
         packed_values,
@@ -92,6 +105,8 @@ def store_layer(
         _sixteen_bits(_gather(keys, tail_index), dtype),
         _sixteen_bits(_gather(values, tail_index), dtype),
         residual,
+        packed_positions,
+        positions.to(keys.device).gather(1, tail_index),
     )
 
 
@@ -103,6 +118,7 @@ class StoredEntries:
     layers: list[StoredLayer]
     format: KVFormat
     dtype: torch.dtype
+    storage: ClassVar[str] = "stored"  # how a batch of them decodes (layers.LAYER_KINDS)
 
     @classmethod
     def store(cls, kept, fmt: KVFormat, dtype: torch.dtype) -> StoredEntries:
@@ -110,7 +126,8 @@ class StoredEntries:
         layers = []
         for index, (keys, values) in enumerate(zip(kept.keys, kept.values)):
             lengths = kept.lengths[index] if kept.lengths is not None else torch.full((keys.shape[0],), keys.shape[1])
-            layers.append(store_layer(keys, values, lengths, fmt, dtype))
+            positions = kept.positions[index] if kept.positions is not None else None
+            layers.append(store_layer(keys, values, lengths, fmt, dtype, positions))
         return cls(layers, fmt, kept.keys[0].dtype)
 
     @property
@@ -170,8 +187,12 @@ class QuantizedLayer(CacheLayerMixin):
         self.packed_bytes = torch.tensor(
             [sum(t.nbytes for q in (row.keys, row.values) if q is not None for t in q.tensors) for row in rows]
         )
-        self.residual = RaggedLayer(residual_keys, residual_values, lengths, room, kv_heads)
+        self.residual = self._residual_layer(rows, residual_keys, residual_values, lengths, room, kv_heads)
         self.device = residual_keys.device
+
+    def _residual_layer(self, rows, keys, values, lengths, room: int, kv_heads: int) -> RaggedLayer:
+        """Where the residual and new tokens live (a sliding-window layer's kind also knows their positions)."""
+        return RaggedLayer(keys, values, lengths, room, kv_heads)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
@@ -225,11 +246,11 @@ class QuantizedLayer(CacheLayerMixin):
         entries, stored = self.residual.held(row)
         return entries + int(self.quantized[row].sum()), stored + int(self.packed_bytes[row])
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.packed_bytes = self.packed_bytes[rows.cpu()]
+    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+        self.packed_bytes = self.packed_bytes[rows.cpu() if host_rows is None else list(host_rows)]
         self.quantized = self.quantized[rows]
         self.packed = [tensor[rows] for tensor in self.packed]
-        self.residual.select_rows(rows)
+        self.residual.select_rows(rows, host_rows)
 
     def get_seq_length(self) -> int:
         return self.width + self.residual.get_seq_length()

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pkvbench import budgets
 from pkvbench.engine.attention import last_queries_sums, rotate_moments
-from pkvbench.engine.cache import RaggedCache, RaggedLayer
+from pkvbench.engine.cache import RaggedCache
+from pkvbench.engine.sliding import PositionedLayer
 from pkvbench.policies.base import LayerStats, Needs, Policy
 
 # A row's trace (cache entries over the answer's tokens) keeps at most this many cuts, evenly spread.
@@ -44,16 +46,19 @@ class DecodeSchedule:
     interval: int
     buffer: int
     num_layers: int
+    whole: tuple[bool, ...] = ()  # per layer: never cut (a mixed model's local layers, ``budgets.layer_budgets``)
 
     @classmethod
-    def make(cls, policy: Policy, target: int, interval: int, buffer: int, num_layers: int) -> DecodeSchedule:
-        return cls(policy, target, interval, buffer, num_layers)
+    def make(
+        cls, policy: Policy, target: int, interval: int, buffer: int, num_layers: int, whole: tuple[bool, ...] = ()
+    ) -> DecodeSchedule:
+        return cls(policy, target, interval, buffer, num_layers, whole)
 
     def targets(self, length: int) -> list[int]:
         """Each layer's entries per head after a cut when the sequence (prompt and answer so far) holds ``length``
         tokens: the policy's split of the target over a prompt of that length, as at the prefill (nothing is cut
         where the target holds the whole sequence)."""
-        return self.policy.layer_budgets(self.target, length, self.num_layers)
+        return budgets.layer_budgets(self.policy, self.target, length, self.num_layers, self.whole)
 
     @property
     def cuts_nothing(self) -> bool:
@@ -111,9 +116,9 @@ def start_from(stats: list[LayerStats], positions: list[torch.Tensor], needs: Ne
     return start
 
 
-class ShrinkingLayer(RaggedLayer):
-    """A ``RaggedLayer`` whose rows can also be cut (``keep``), that knows each entry's original position, and that
-    records the latest queries (``query_window`` > 0) and accumulated attention (``accumulate``) as rows decode."""
+class ShrinkingLayer(PositionedLayer):
+    """A ``PositionedLayer`` whose rows can also be cut (``keep``), and that records the latest queries
+    (``query_window`` > 0) and accumulated attention (``accumulate``) as rows decode."""
 
     def __init__(
         self,
@@ -126,37 +131,27 @@ class ShrinkingLayer(RaggedLayer):
         queries: torch.Tensor | None = None,
         query_counts: torch.Tensor | None = None,
         accumulated: torch.Tensor | None = None,
+        start: int = 0,
     ):
         """``positions`` ``[batch, heads, n]`` of the entries; ``queries`` ``[batch, Hq, W, d]`` the latest W
-        queries, the last ``query_counts[b]`` of row b real; ``accumulated`` ``[batch, Hq, n]`` the sums so far."""
-        super().__init__(keys, values, lengths, room, kv_heads)
+        queries, the last ``query_counts[b]`` of row b real; ``accumulated`` ``[batch, Hq, n]`` the sums so far;
+        ``start`` the position of the first new token."""
+        super().__init__(keys, values, lengths, room, kv_heads, positions, start)
         if self.group != 1:
             raise ValueError("a cache of one set per query head cannot be cut while the answer is written")
         capacity = self._key_store.shape[2]
-        self._positions = positions.new_zeros((*positions.shape[:2], capacity))
-        self._positions[:, :, : positions.shape[2]] = positions
         self._queries = queries
         self.query_counts = query_counts
         self._accumulated = None
         if accumulated is not None:
             self._accumulated = accumulated.new_zeros((*accumulated.shape[:2], capacity))
             self._accumulated[:, :, : accumulated.shape[2]] = accumulated
-        self.next_position = 0  # where the coming update's first token sits (set by the decoder)
 
     def _grow(self, longest: int) -> None:
         super()._grow(longest)
-        extra = self._key_store.shape[2] - self._positions.shape[2]
-        self._positions = torch.nn.functional.pad(self._positions, (0, extra))
         if self._accumulated is not None:
+            extra = self._key_store.shape[2] - self._accumulated.shape[2]
             self._accumulated = torch.nn.functional.pad(self._accumulated, (0, extra))
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        new = key_states.shape[2]
-        columns = self.lengths[:, :, None] + torch.arange(new, device=self.lengths.device)
-        out = super().update(key_states, value_states, *args, **kwargs)
-        positions = self.next_position + torch.arange(new, device=columns.device)
-        self._positions.scatter_(2, columns, positions.expand_as(columns).contiguous())
-        return out
 
     def observe(self, query: torch.Tensor, scaling: float) -> None:
         """The attention wrapper's call with each decoding step's queries ``[batch, Hq, new, d]`` (post-RoPE),
@@ -177,9 +172,8 @@ class ShrinkingLayer(RaggedLayer):
                 logits = logits.masked_fill(~mask, float("-inf"))
             self._accumulated[:, :, : keys.shape[2]] += logits.softmax(dim=-1).sum(dim=2)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        super().select_rows(rows)
-        self._positions = self._positions[rows]
+    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+        super().select_rows(rows, host_rows)
         if self._queries is not None:
             self._queries = self._queries[rows]
             self.query_counts = self.query_counts[rows]
@@ -220,14 +214,7 @@ class ShrinkingLayer(RaggedLayer):
             by_query_head = columns.repeat_interleave(self._accumulated.shape[1] // self.heads, dim=0)
             self._accumulated[row, :, :kept] = self._accumulated[row].gather(1, by_query_head)
             self._accumulated[row, :, kept:] = 0.0  # the columns new tokens will take start from nothing
-        self.lengths[row] = kept
-        self._expose()
-
-
-class ShrinkingCache(RaggedCache):
-    def set_position(self, position: int) -> None:
-        for layer in self.layers:
-            layer.next_position = position
+        self.set_row_length(row, kept)
 
 
 @dataclass
@@ -307,8 +294,6 @@ class MemoryTracker:
             self.cut(batch_row, schedule, self.starts[request], position)
             self.memory[request].cuts += 1
             self.note(batch_row, step, attended=False)
-        if isinstance(self.cache, ShrinkingCache):
-            self.cache.set_position(position)
         self.forwarded = self.forwarded or step_taken(generated)
 
     def cut(self, batch_row: int, schedule: DecodeSchedule, start: DecodeStart | None, end: int) -> None:
@@ -339,44 +324,29 @@ def step_taken(generated: list[int]) -> bool:
     return any(generated)
 
 
-def build_cache(
-    key_stores: list[torch.Tensor],
-    value_stores: list[torch.Tensor],
-    lengths: list[torch.Tensor],
-    room: int,
-    kv_heads: int,
-    requests: list,
-) -> ShrinkingCache:
-    """A ``ShrinkingCache`` for a batch of which some rows have a schedule: per layer the padded stores and
-    lengths (as ``RaggedLayer`` takes them), with positions, the query rings and sums the rows' policies need."""
+def decoding_state(
+    requests: list, layer: int, keys: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """What a ``ShrinkingLayer`` of a batch of which some rows have a schedule starts from, for ``layer`` (its padded
+    keys ``[batch, heads, longest, d]``): the query rings, their counts and the sums the rows' policies need."""
     window = max((query_window(r.schedule.needs) for r in requests if r.schedule), default=0)
     accumulate = any(r.schedule and r.schedule.needs.accumulated for r in requests)
-    layers = []
-    for layer, (keys, values, counts) in enumerate(zip(key_stores, value_stores, lengths)):
-        batch, heads, longest, _ = keys.shape
-        positions = torch.arange(longest, device=keys.device).expand(batch, heads, longest).clone()
+    batch, _, longest, _ = keys.shape
+    queries = counts_of_queries = accumulated = None
+    if window:
+        query_heads = next(r.start.queries[layer].shape[0] for r in requests if r.start and r.start.queries)
+        queries = keys.new_zeros((batch, query_heads, window, keys.shape[-1]), dtype=torch.float32)
+        counts_of_queries = torch.zeros(batch, dtype=torch.long, device=keys.device)
         for row, request in enumerate(requests):
-            if request.kept.positions is not None:
-                kept = request.kept.positions[layer]
-                positions[row, :, : kept.shape[1]] = kept
-        queries = counts_of_queries = accumulated = None
-        if window:
-            query_heads = next(r.start.queries[layer].shape[0] for r in requests if r.start and r.start.queries)
-            queries = keys.new_zeros((batch, query_heads, window, keys.shape[-1]), dtype=torch.float32)
-            counts_of_queries = torch.zeros(batch, dtype=torch.long, device=keys.device)
-            for row, request in enumerate(requests):
-                if request.start and request.start.queries:
-                    own = request.start.queries[layer][:, -window:]
-                    queries[row, :, window - own.shape[1] :] = own
-                    counts_of_queries[row] = own.shape[1]
-        if accumulate:
-            query_heads = next(r.start.accumulated[layer].shape[0] for r in requests if r.start and r.start.accumulated)
-            accumulated = keys.new_zeros((batch, query_heads, longest), dtype=torch.float32)
-            for row, request in enumerate(requests):
-                if request.start and request.start.accumulated:
-                    own = request.start.accumulated[layer]
-                    accumulated[row, :, : own.shape[1]] = own
-        layers.append(
-            ShrinkingLayer(keys, values, counts, room, kv_heads, positions, queries, counts_of_queries, accumulated)
-        )
-    return ShrinkingCache(layers)
+            if request.start and request.start.queries:
+                own = request.start.queries[layer][:, -window:]
+                queries[row, :, window - own.shape[1] :] = own
+                counts_of_queries[row] = own.shape[1]
+    if accumulate:
+        query_heads = next(r.start.accumulated[layer].shape[0] for r in requests if r.start and r.start.accumulated)
+        accumulated = keys.new_zeros((batch, query_heads, longest), dtype=torch.float32)
+        for row, request in enumerate(requests):
+            if request.start and request.start.accumulated:
+                own = request.start.accumulated[layer]
+                accumulated[row, :, : own.shape[1]] = own
+    return queries, counts_of_queries, accumulated

@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from pkvbench import budgets
+from pkvbench.config import option_text
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,7 @@ class Policy:
     def label(self) -> str:
         """``name`` plus every option that differs from its default, e.g. ``snapkv:window=32``."""
         changed = [
-            f"{f.name}={_format(getattr(self, f.name))}"
+            f"{f.name}={option_text(getattr(self, f.name))}"
             for f in dataclasses.fields(self)
             if getattr(self, f.name) != f.default
         ]
@@ -354,7 +355,3 @@ class ScoringPolicy(Policy):
         chosen = best_positions(scores[:, : length - recent], k - recent, self.ties)
         window = torch.arange(length - recent, length, device=chosen.device).expand(chosen.shape[0], recent)
         return torch.cat([chosen, window], dim=1).sort(dim=-1).values
-
-
-def _format(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)

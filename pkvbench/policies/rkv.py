@@ -37,20 +37,42 @@ def window_importance(queries: torch.Tensor, keys: torch.Tensor, kernel: int) ->
     return pool_scores(attention, kernel, "max")
 
 
-def key_redundancy(keys: torch.Tensor, threshold: float) -> torch.Tensor:
+# Bytes of one block of rows of a head's key similarities (float32, plus an int32 index of the same shape): the
+# all-pairs matrix of a 32k-token prompt would take 4 GiB per head (13 B × T² with its temporaries); in blocks of
+# rows the memory is flat in T. A prompt whose rows fit one block is scored exactly as the whole matrix was.
+SIMILARITY_BLOCK_BYTES = 64 * 2**20
+
+
+def key_redundancy(keys: torch.Tensor, threshold: float, block_bytes: int = SIMILARITY_BLOCK_BYTES) -> torch.Tensor:
     """``[Hkv, n]``: R-KV's redundancy of each key (``cal_similarity``, ``retain_direction="last"``), a head at a
-    time so that at most one n×n matrix exists."""
+    time and, per head, in blocks of rows (each row is zeroed on its own, and a key's redundancy is its column's
+    mean), so that at most ``block_bytes`` of similarities exist at once whatever n."""
+    length = keys.shape[1]
+    rows = max(1, block_bytes // (8 * length))
     out = []
     for head in keys.float():
         normed = head / (head.norm(dim=-1, keepdim=True) + 1e-8)
-        similarity = normed @ normed.T
-        similarity.fill_diagonal_(0.0)
-        columns = torch.arange(similarity.shape[1], device=similarity.device)
-        # the last column more similar than the threshold (column 0 where none is, as the reference's max over zeros)
-        last_similar = torch.where(similarity > threshold, columns, 0).amax(dim=-1)
-        similarity[columns, last_similar] = 0.0
-        out.append(similarity.mean(dim=0).softmax(dim=-1))
+        if rows >= length:
+            out.append(_similarity_rows(normed, 0, length, threshold).mean(dim=0).softmax(dim=-1))
+            continue
+        sums = torch.zeros(length, device=keys.device)
+        for start in range(0, length, rows):
+            sums += _similarity_rows(normed, start, min(length, start + rows), threshold).sum(dim=0)
+        out.append((sums / length).softmax(dim=-1))
     return torch.stack(out)
+
+
+def _similarity_rows(normed: torch.Tensor, start: int, end: int, threshold: float) -> torch.Tensor:
+    """Rows ``start``…``end`` of a head's key similarities, R-KV's way: a key with itself 0, and in each row the
+    similarity to the last key more similar than ``threshold`` zeroed (column 0 where none is, as the reference's
+    max over zeros)."""
+    similarity = normed[start:end] @ normed.T
+    rows = torch.arange(end - start, device=normed.device)
+    similarity[rows, rows + start] = 0.0
+    columns = torch.arange(similarity.shape[1], device=similarity.device, dtype=torch.int32)
+    last_similar = torch.where(similarity > threshold, columns, 0).amax(dim=-1)
+    similarity[rows, last_similar.long()] = 0.0
+    return similarity
 
 
 @dataclass(frozen=True)

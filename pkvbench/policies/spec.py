@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pkvbench.config import as_list, excerpt, parse_float, parse_int
+from pkvbench.config import as_list, excerpt, option_text, parse_float, parse_int
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import Policy
 from pkvbench.policies.registry import default_grid, registry
@@ -132,7 +132,7 @@ def parse_policies(
 ) -> list[Policy]:
     """Policy specs (``snapkv:window=32``) plus options shared by every policy that has them; each label once."""
     if isinstance(policy_args, Mapping):
-        shared = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in policy_args.items()}
+        shared = {str(k): option_text(v) for k, v in policy_args.items()}
     else:
         shared = parse_option_pairs(list(policy_args))
     names = default_grid() if specs is None else as_list(specs, "--policy")

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from pkvbench.config import option_text
 from pkvbench.policies.base import LayerStats, Needs, Policy, ScoringPolicy
 
 
@@ -65,9 +66,5 @@ class Wrapper(Policy):
     def label(self) -> str:
         """``name(inner label)`` plus the wrapper's own options that differ from their defaults."""
         own = [f for f in dataclasses.fields(self) if f.name != "inner"]
-        changed = [f"{f.name}={_label_value(getattr(self, f.name))}" for f in own if getattr(self, f.name) != f.default]
+        changed = [f"{f.name}={option_text(getattr(self, f.name))}" for f in own if getattr(self, f.name) != f.default]
         return ":".join([f"{self.name}({self.inner.label})", *changed])
-
-
-def _label_value(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,0 +1,178 @@
+"""What pkvbench must know of a model's architecture, read once from its config: the seam between the engine and
+the model families.
+
+Per layer, its attention kind, as transformers' ``cache_utils`` reads it (``config.layer_types``, else inferred:
+a ``sliding_window`` makes every layer slide): ``full_attention`` or ``sliding_attention`` (the token at position p
+sees positions p − window + 1 … p). How the engine treats them:
+
+- a model whose every layer slides (Mistral-7B-v0.1; Qwen2/Qwen3 with ``use_sliding_window`` and
+  ``max_window_layers`` 0) is compressed as any other; the window is applied while decoding (``sliding``);
+- in a model that mixes local (sliding) and global layers, the local layers are never compressed by a policy: they
+  keep their entries, counted in the row's entries and bytes, and decode under their window; the global layers are
+  compressed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pkvbench.errors import PkvError
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+ATTENTION_KINDS = (FULL, SLIDING)
+MATRIX = "tests/test_architectures.py"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A ``config.model_type``: what is special about it and how pkvbench handles it (docs/models.md's matrix), or
+    why it is refused. A family is admitted only with its row in ``tests/test_architectures.py``."""
+
+    special: str
+    handled: str
+    refused: str = ""  # the reason, in one line, where pkvbench does not run it
+
+    @property
+    def admitted(self) -> bool:
+        return not self.refused
+
+
+HALF_ROPE = "RoPE over the whole head (rotate-half)"
+FAMILIES: dict[str, Family] = {
+    "llama": Family(HALF_ROPE + "; Llama 3.1 and YaRN scaling", "the reference layout"),
+    "mistral": Family(
+        "a sliding window on every layer (Mistral-7B-v0.1)",
+        "compressed as any model; the window applied while decoding; prompts up to the window",
+    ),
+    "qwen2": Family(
+        "a sliding window on the layers from max_window_layers on, where use_sliding_window",
+        "every layer sliding: as mistral; some: the local layers kept whole",
+    ),
+    "qwen3": Family("q/k norms; an optional sliding window as qwen2", "as qwen2"),
+    "qwen3_moe": Family("mixture-of-experts MLP; q/k norms", "attention as qwen3"),
+    "phi3": Family("fused qkv projection; partial RoPE (partial_rotary_factor)", "RoPE un-rotated over its width"),
+    "olmo2": Family("q/k norms over all heads, after the projection", "attention as llama"),
+    "starcoder2": Family("projection biases; an optional sliding window", "as mistral where it slides"),
+    "granite": Family("attention, residual and logit multipliers", "the module's own scaling"),
+    "gemma2": Family(
+        "soft-capped attention logits; local and global layers",
+        "",
+        refused="soft-capped attention logits are not yet what the statistics score",
+    ),
+    "gemma3_text": Family(
+        "per-layer RoPE (local and global); local and global layers",
+        "",
+        refused="per-layer RoPE (local and global layers) is not yet read by the engine",
+    ),
+    "gpt_oss": Family(
+        "attention sinks in the softmax; half-width interleaved RoPE; local and global layers",
+        "",
+        refused="attention sinks are not yet in the statistics' softmax",
+    ),
+    "cohere": Family(
+        "interleaved RoPE", "", refused="interleaved RoPE: Expected Attention's un-rotation does not read it yet"
+    ),
+    "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused="MLA caches a compressed latent"),
+    "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused="MLA caches a compressed latent"),
+}
+# Layer kinds of transformers' cache_utils that hold no per-token keys and values (hybrid linear attention).
+RECURRENT_KINDS = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba")
+
+
+def admitted_families() -> list[str]:
+    return [name for name, family in FAMILIES.items() if family.admitted]
+
+
+def check_family(config, name: str) -> None:
+    """Refuse, in one line and before the model loads, a family pkvbench has not proven (``FAMILIES``) or layers it
+    cannot describe (``config``: a transformers config or anything with its attributes)."""
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise PkvError(
+            f"model {name} is a {model_type!r} model; supported architectures: {', '.join(admitted_families())}"
+        )
+    if family.refused:
+        raise PkvError(f"model {name} is a {model_type!r} model, not supported: {family.refused}")
+    kinds = set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_KINDS)
+    if kinds:
+        raise PkvError(
+            f"model {name} has {', '.join(sorted(kinds))} layers; pkvbench runs layers of kinds "
+            f"{', '.join(ATTENTION_KINDS)} only (per-token keys and values)"
+        )
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A model's layers as the engine sees them."""
+
+    family: str  # config.model_type
+    layer_kinds: tuple[str, ...]  # per layer: FULL or SLIDING (or a kind pkvbench refuses, e.g. linear attention)
+    sliding_window: int | None  # the window of the sliding layers
+
+    @classmethod
+    def of(cls, config) -> Architecture:
+        """From a transformers config (or anything with its attributes)."""
+        window = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True) is False:
+            window = None
+        kinds = getattr(config, "layer_types", None)
+        if not kinds:
+            kinds = [SLIDING if window else FULL] * config.num_hidden_layers
+        kinds = tuple(kinds)
+        if SLIDING not in kinds:
+            window = None
+        return cls(getattr(config, "model_type", "") or "", kinds, window)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    def window(self, layer: int) -> int | None:
+        """The layer's sliding window, None for full attention."""
+        return self.sliding_window if self.layer_kinds[layer] == SLIDING else None
+
+    @property
+    def windows(self) -> list[int | None]:
+        return [self.window(layer) for layer in range(self.num_layers)]
+
+    @property
+    def every_layer_slides(self) -> bool:
+        return all(kind == SLIDING for kind in self.layer_kinds)
+
+    @property
+    def mixed(self) -> bool:
+        """Local (sliding) and global layers both."""
+        return SLIDING in self.layer_kinds and not self.every_layer_slides
+
+    def compressible(self, layer: int) -> bool:
+        """Whether a policy may compress the layer: every layer but a mixed model's local ones."""
+        return not (self.mixed and self.layer_kinds[layer] == SLIDING)
+
+    # --- the loaded model's modules: the one place that names their paths -------------------------------------
+
+    @staticmethod
+    def attention_modules(model) -> list:
+        """Each decoder layer's attention module (``transformers``' shared layout: ``model.model.layers[i]
+        .self_attn``, with ``layer_idx``, ``scaling``, ``o_proj``)."""
+        return [layer.self_attn for layer in model.model.layers]
+
+    def output_weights(self, model) -> list:
+        """Each layer's attention output projection's weight (VATP-style value scores)."""
+        return [module.o_proj.weight for module in self.attention_modules(model)]
+
+    def scalings(self, model) -> list[float]:
+        """The softmax scale each attention module applies (granite's multiplier, not always 1/sqrt(d))."""
+        return [float(module.scaling) for module in self.attention_modules(model)]
+
+    @staticmethod
+    def rotary(model):
+        """The model's rotary embedding module (cos, sin of positions; its width may be part of a head)."""
+        return model.model.rotary_emb
+
+    @property
+    def prompt_limit(self) -> int | None:
+        """The longest prompt the engine prefills exactly: a compressed sliding layer's statistics assume every
+        query sees the whole prompt, so a model whose every layer slides takes prompts up to its window."""
+        return self.sliding_window if self.every_layer_slides else None

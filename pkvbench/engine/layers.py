@@ -1,0 +1,205 @@
+"""The layers a batch of compressed caches decodes from: one declared protocol, one class per kind, chosen per layer
+from a table keyed by the layer's attention kind and how its rows are stored — as transformers' ``cache_utils`` maps
+a config's ``layer_types`` to one cache-layer class each (``DYNAMIC_LAYER_TYPE_MAPPING``).
+
+Attention kinds (``architecture.FULL``, ``architecture.SLIDING``) come from the model's ``Architecture``; storages:
+
+- ``ragged``: entries in the model's dtype, rows and heads of different lengths (``cache.RaggedLayer``);
+- ``shrinking``: the same, cut again while the answer is written (``shrinking.ShrinkingLayer``);
+- ``stored``: packed in fewer bits (``quantized.QuantizedLayer``).
+
+A sliding layer's class is its full-attention counterpart that also knows each entry's original position and hides
+the entries older than the window from new queries (``sliding.WindowMask``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pkvbench.engine.architecture import FULL, SLIDING
+from pkvbench.engine.cache import RaggedCache, RaggedLayer
+from pkvbench.engine.quantized import QuantizedLayer
+from pkvbench.engine.shrinking import ShrinkingLayer, decoding_state
+from pkvbench.engine.sliding import SlidingLayer, WindowMask, row_positions
+
+
+class DecodingLayer(Protocol):
+    """What a layer of a batch of compressed caches offers the model (transformers' cache-layer calls), the attention
+    wrapper (``attention_mask``; ``observe`` where a kind records queries) and the decoder (``held``,
+    ``select_rows``)."""
+
+    keys: torch.Tensor  # [batch, heads, columns, d]: what attention reads
+    values: torch.Tensor
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[batch, heads]``: each row's and head's entries."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new tokens' keys and values after each row's entries; return what attention reads."""
+
+    def attention_mask(self) -> torch.Tensor | None:
+        """``[batch, 1 or heads, new, columns]``, True where the last update's queries may look; None: everywhere."""
+
+    def held(self, row: int) -> tuple[int, int]:
+        """Row ``row``'s entries (over heads) and the bytes of its keys and values, as a row alone stores them."""
+
+    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+        """Keep only these batch rows."""
+
+    def get_seq_length(self) -> int: ...
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]: ...
+
+
+class SlidingShrinkingLayer(WindowMask, ShrinkingLayer):
+    """A sliding-window layer of rows cut while the answer is written."""
+
+    def __init__(self, *args, window: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.window = window
+
+
+class SlidingQuantizedLayer(QuantizedLayer):
+    """A sliding-window layer of stored caches: the packed entries and the residual's both hidden once older than
+    the window (the residual and new tokens in a ``SlidingLayer``)."""
+
+    def __init__(self, rows, fmt, dtype, room: int, kv_heads: int, *, start: int, window: int):
+        self.window, self._start = window, start
+        super().__init__(rows, fmt, dtype, room, kv_heads)
+        if self.width:
+            heads = rows[0].residual_keys.shape[0]
+            packed = [row.packed_positions for row in rows]
+            self.packed_positions = row_positions(packed, heads, self.width, self.device)
+
+    def _residual_layer(self, rows, keys, values, lengths, room: int, kv_heads: int) -> RaggedLayer:
+        positions = row_positions([row.residual_positions for row in rows], keys.shape[1], keys.shape[2], keys.device)
+        return SlidingLayer(keys, values, lengths, room, kv_heads, positions, self._start, window=self.window)
+
+    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+        super().select_rows(rows, host_rows)
+        if self.width:
+            self.packed_positions = self.packed_positions[rows]
+
+    def attention_mask(self) -> torch.Tensor | None:
+        mask = super().attention_mask()
+        residual = self.residual
+        newest = residual.query_start + residual._new - 1
+        if not self.width or newest - self.window < 0:
+            return mask
+        queries = residual.query_start + torch.arange(residual._new, device=self.device)
+        inside = self.packed_positions[:, :, None, :] > (queries - self.window)[:, None]  # [batch, heads, new, width]
+        if mask is None:
+            columns = self.width + residual.keys.shape[2]
+            mask = torch.ones((*inside.shape[:3], columns), dtype=torch.bool, device=self.device)
+        mask = mask.expand(-1, inside.shape[1], -1, -1).clone()
+        mask[..., : self.width] &= inside
+        return mask
+
+
+@dataclass(frozen=True)
+class LayerBatch:
+    """One layer of a batch: the rows' requests, where new tokens start, the room to make, the model's KV heads and
+    the layer's sliding window (None: full attention)."""
+
+    requests: list
+    layer: int
+    start: int
+    room: int
+    kv_heads: int
+    window: int | None
+
+
+def _padded(batch: LayerBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's keys and values of the layer padded to its longest row, and each row's and head's count."""
+    keys = [r.kept.keys[batch.layer] for r in batch.requests]
+    values = [r.kept.values[batch.layer] for r in batch.requests]
+    heads, dim = keys[0].shape[0], keys[0].shape[-1]
+    longest = max(k.shape[1] for k in keys)
+    key_store = keys[0].new_zeros((len(keys), heads, longest, dim))
+    value_store = values[0].new_zeros((len(values), heads, longest, values[0].shape[-1]))
+    lengths = torch.empty((len(keys), heads), dtype=torch.long)
+    for row, (k, v, request) in enumerate(zip(keys, values, batch.requests)):
+        key_store[row, :, : k.shape[1]] = k
+        value_store[row, :, : v.shape[1]] = v
+        lengths[row] = request.kept.lengths[batch.layer] if request.kept.lengths is not None else k.shape[1]
+    return key_store, value_store, lengths
+
+
+def _positions(batch: LayerBatch, keys: torch.Tensor) -> torch.Tensor:
+    kept = [r.kept.positions[batch.layer] if r.kept.positions is not None else None for r in batch.requests]
+    return row_positions(kept, keys.shape[1], keys.shape[2], keys.device)
+
+
+def _window(batch: LayerBatch) -> dict:
+    return {} if batch.window is None else {"window": batch.window}
+
+
+def _ragged(kind: type, batch: LayerBatch):
+    keys, values, lengths = _padded(batch)
+    return kind(keys, values, lengths, batch.room, batch.kv_heads)
+
+
+def _positioned(kind: type, batch: LayerBatch):
+    keys, values, lengths = _padded(batch)
+    positions = _positions(batch, keys)
+    return kind(keys, values, lengths, batch.room, batch.kv_heads, positions, batch.start, **_window(batch))
+
+
+def _shrinking(kind: type, batch: LayerBatch):
+    keys, values, lengths = _padded(batch)
+    queries, counts, accumulated = decoding_state(batch.requests, batch.layer, keys)
+    positions = _positions(batch, keys)
+    return kind(
+        keys,
+        values,
+        lengths,
+        batch.room,
+        batch.kv_heads,
+        positions,
+        queries,
+        counts,
+        accumulated,
+        batch.start,
+        **_window(batch),
+    )
+
+
+def _stored(kind: type, batch: LayerBatch):
+    first = batch.requests[0].kept
+    rows = [r.kept.layers[batch.layer] for r in batch.requests]
+    extra = {} if batch.window is None else {"start": batch.start, "window": batch.window}
+    return kind(rows, first.format, first.dtype, batch.room, batch.kv_heads, **extra)
+
+
+# (attention kind, storage) → the layer class and how a batch builds it. The one place that knows them all.
+LAYER_KINDS: dict[tuple[str, str], tuple[type, object]] = {
+    (FULL, "ragged"): (RaggedLayer, _ragged),
+    (SLIDING, "ragged"): (SlidingLayer, _positioned),
+    (FULL, "shrinking"): (ShrinkingLayer, _shrinking),
+    (SLIDING, "shrinking"): (SlidingShrinkingLayer, _shrinking),
+    (FULL, "stored"): (QuantizedLayer, _stored),
+    (SLIDING, "stored"): (SlidingQuantizedLayer, _stored),
+}
+
+
+def storage_of(requests: list) -> str:
+    """How a batch's rows are stored: ``stored`` in fewer bits, ``shrinking`` where a row is cut while decoding,
+    else ``ragged``. Rows of one batch share it (``decoding.plan_batches``)."""
+    if requests[0].kept.storage == "stored":  # never cut while decoding (api.resolve)
+        return "stored"
+    return "shrinking" if any(r.schedule for r in requests) else "ragged"
+
+
+def build_cache(requests: list, room: int, kv_heads: int, kinds: list[str], windows: list[int | None]) -> RaggedCache:
+    """The batch's cache: per model layer the class its attention kind and the rows' storage name."""
+    storage = storage_of(requests)
+    start = requests[0].position
+    layers = []
+    for layer, (kind, window) in enumerate(zip(kinds, windows)):
+        cls, build = LAYER_KINDS[kind, storage]
+        layers.append(build(cls, LayerBatch(requests, layer, start, room, kv_heads, window)))
+    return RaggedCache(layers)

@@ -1,0 +1,278 @@
+"""Every admitted model family, proven exact on a tiny random model of its own (``docs/models.md``).
+
+Each row builds a 2-layer random-weight model from transformers' config class (no download), saves it with the
+embedded model's tokenizer, loads it as a user's folder and checks the engine against the stock model in float32:
+
+- the full cache decodes as the model's own greedy ``generate``;
+- StreamingLLM's cache decodes as the stock model over the full cache with the dropped positions masked, and its
+  tokens differ from the full cache's (else that check proves nothing);
+- a batch of several policies' caches decodes as each alone.
+
+The sliding-window rows take a prompt that fits the window and an answer that carries the sequence past it: the
+window must apply while decoding (the defect of issue 41: the full cache left ``generate`` at the 24th token).
+Every row also runs the CLI over every policy on a needle prompt of about 100 tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from pkvbench.budgets import Budget
+from pkvbench.engine.exactness import generate_reference, masked_reference
+from pkvbench.policies.spec import parse_policy
+
+VOCAB = 49152  # the embedded model's tokenizer
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One family's tiny model and the prompt it is checked on."""
+
+    name: str
+    model_type: str
+    settings: dict = field(default_factory=dict)
+    length: int = 40  # prompt tokens
+    new_tokens: int = 24
+    budget: int = 16  # StreamingLLM's entries per head
+
+
+ROWS = [
+    Row("llama", "llama"),
+    Row("phi3", "phi3", {"partial_rotary_factor": 0.5}),
+    Row("olmo2", "olmo2"),
+    Row("starcoder2", "starcoder2", {"initializer_range": 0.2}),
+    Row("qwen3_moe", "qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    Row("granite", "granite", {"attention_multiplier": 0.3, "residual_multiplier": 0.5, "logits_scaling": 2.0}),
+    # Sliding windows the prompt fits but prompt + answer does not (window 128, prompt 120, 24 new tokens).
+    Row("mistral-window", "mistral", {"sliding_window": 128}, length=120),
+    Row(
+        "qwen3-window", "qwen3", {"sliding_window": 128, "use_sliding_window": True, "max_window_layers": 0}, length=120
+    ),
+    # Mixed: layer 0 global (compressed), layer 1 local (kept whole, under its window).
+    Row(
+        "qwen2-mixed", "qwen2", {"sliding_window": 128, "use_sliding_window": True, "max_window_layers": 1}, length=120
+    ),
+]
+
+
+def build(row: Row, folder, tokenizer):
+    """The row's random model (seeded) saved in ``folder`` with the tokenizer; loaded through ``load_model``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pkvbench.engine.generation import Engine
+    from pkvbench.engine.models import load_model
+
+    config = AutoConfig.for_model(row.model_type, **{**TINY, **row.settings})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Engine(load_model(str(folder), device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="module", params=ROWS, ids=lambda row: row.name)
+def family(request, tmp_path_factory, tokenizer):
+    row = request.param
+    folder = tmp_path_factory.mktemp(row.name)
+    return row, build(row, folder, tokenizer), folder
+
+
+def prompt(row: Row) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, row.length), generator=torch.Generator().manual_seed(1))
+
+
+def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
+    row, engine, _ = family
+    ids = prompt(row)
+    full, streaming = parse_policy("full"), parse_policy("streamingllm")
+    prefill = engine.prefill(ids, [full, streaming])
+
+    ours = engine.decode(prefill, engine.compress(prefill, full, Budget(row.budget)), row.new_tokens).tokens
+    reference = generate_reference(engine.model, ids, row.new_tokens)
+    assert ours == reference
+
+    compressed = engine.compress(prefill, streaming, Budget(row.budget))
+    streamed = engine.decode(prefill, compressed, row.new_tokens).tokens
+    visible = torch.zeros(row.length, dtype=torch.bool)
+    visible[: streaming.sink] = True
+    visible[row.length - (row.budget - streaming.sink) :] = True
+    architecture = engine.architecture
+    for layer in range(architecture.num_layers):  # a mixed model's local layers keep every entry
+        assert compressed.kept.stored(layer) == (row.budget if architecture.compressible(layer) else row.length)
+    whole = tuple({kind for i, kind in enumerate(architecture.layer_kinds) if not architecture.compressible(i)})
+    masked = masked_reference(
+        engine.model, prefill.keys, prefill.values, visible, prefill.first_token, row.new_tokens, engine.stop_ids, whole
+    )
+    assert streamed == masked
+    assert streamed != reference  # the masked check proves something only where dropping entries changes the answer
+
+
+def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(family, monkeypatch):
+    """The recorded window sums and accumulated attention equal the stock eager kernel's attention weights (the
+    module's own scale, whatever the family); the queries Expected Attention un-rotates equal the model's pre-RoPE
+    queries (captured at its ``apply_rotary_pos_emb``), a partial RoPE's pass-through dimensions included."""
+    import inspect
+
+    from pkvbench.engine.attention import StatsRecorder, unrotate
+    from pkvbench.engine.exactness import stock_attention
+    from pkvbench.policies.base import Needs
+
+    row, engine, _ = family
+    ids = prompt(row)
+    modeling = inspect.getmodule(type(engine.architecture.attention_modules(engine.model)[0]))
+    rotate, before_rope = modeling.apply_rotary_pos_emb, []
+
+    def spy(q, *args, **kwargs):
+        before_rope.append(q[0].float().clone())
+        return rotate(q, *args, **kwargs)
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", spy)
+    needs = Needs(windows=frozenset({8}), accumulated=True, queries=frozenset({row.length}))
+    recorder = StatsRecorder(needs, rope=engine.rope)
+    engine.recorded_forward(ids, recorder)
+    with stock_attention(engine.model, "eager"), torch.inference_mode():
+        weights = engine.model(ids, output_attentions=True).attentions
+    cos, sin = engine.rope(0, row.length)
+    for layer, attention in enumerate(weights):
+        stats = recorder.layers[row.length, layer]
+        torch.testing.assert_close(stats.window_scores[8], attention[0, :, -8:].sum(1), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(stats.accumulated, attention[0].sum(1), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(unrotate(stats.recent_queries, cos, sin), before_rope[layer], atol=1e-5, rtol=1e-4)
+
+
+def test_a_batch_of_policies_decodes_as_each_alone(family):
+    """Caches of several policies, two of them cut again while the answer is written (``--decode-budget``)."""
+    row, engine, _ = family
+    ids = prompt(row)
+    policies = [parse_policy(name) for name in ("full", "streamingllm", "snapkv", "h2o")]
+    prefill = engine.prefill(ids, policies, decoding=policies[2:])
+    requests = [
+        engine.request(prefill, engine.compress(prefill, policy, Budget(row.budget)), row.new_tokens)
+        for policy in policies
+    ]
+    requests += [
+        engine.request(
+            prefill,
+            engine.compress(prefill, policy, Budget(2 * row.budget)),
+            row.new_tokens,
+            schedule=engine.schedule(policy, row.budget, 4, 4),
+        )
+        for policy in policies[2:]
+    ]
+    alone = engine.decode_many(requests, 1)
+    together = engine.decode_many(requests)
+    assert [d.tokens for d in together] == [d.tokens for d in alone]
+
+
+@pytest.mark.parametrize("storage", ["ragged", "stored"])
+def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage):
+    """Rows of kept entries at scattered original positions (each head its own), one new token at position 60 with a
+    window of 32: every row and head sees its kept entries at positions 29 … 59 and the new token, nothing else —
+    kept in the model's dtype, or packed in 4 bits (then the window reaches into the packed part and the residual)."""
+    from pkvbench.budgets import KVFormat
+    from pkvbench.engine.architecture import SLIDING
+    from pkvbench.engine.decoding import DecodeRequest, KeptEntries
+    from pkvbench.engine.layers import build_cache
+    from pkvbench.engine.quantized import StoredEntries
+
+    heads, dim, start, window = 2, 16, 60, 32
+    generator = torch.Generator().manual_seed(3)
+    requests, kept_positions = [], []
+    for count in (40, 25):
+        positions = torch.stack(
+            [torch.randperm(start, generator=generator)[:count].sort().values for _ in range(heads)]
+        )
+        kept = KeptEntries([torch.randn(heads, count, dim)], [torch.randn(heads, count, dim)], positions=[positions])
+        if storage == "stored":
+            kept = StoredEntries.store(kept, KVFormat(4, group=16, residual=5), torch.float32)
+        requests.append(DecodeRequest(kept=kept, position=start, max_new_tokens=4))
+        kept_positions.append(positions)
+    layer = build_cache(requests, room=4, kv_heads=heads, kinds=[SLIDING], windows=[window]).layers[0]
+    layer.update(torch.randn(2, heads, 1, dim), torch.randn(2, heads, 1, dim))
+    mask = layer.attention_mask()
+    if storage == "stored":  # the packed columns' positions, then the residual's
+        columns = torch.cat([layer.packed_positions, layer.residual.positions], dim=-1)
+    else:
+        columns = layer.positions
+    for row, positions in enumerate(kept_positions):
+        for head in range(heads):
+            seen = sorted(columns[row, head][mask[row, min(head, mask.shape[1] - 1), 0]].tolist())
+            expected = sorted(p for p in positions[head].tolist() if p > start - window) + [start]
+            assert seen == expected
+
+
+EVERY_POLICY = "full,streamingllm,h2o,snapkv,pyramidkv,random,knorm,keydiff,tova,rkv,expected_attention,kvzip,adakv(snapkv),chunkkv(snapkv)"
+# One policy of each kind of decode-time statistic: none, accumulated, a window's, R-KV's queries, query moments.
+CUT_WHILE_DECODING = "streamingllm,h2o,snapkv,rkv,expected_attention"
+
+
+@pytest.mark.parametrize(
+    "grid",
+    [
+        ["--policy", EVERY_POLICY, "--memory", "0.25", "--kv-bits", "16,4", "--kv-group", "16"],
+        ["--policy", CUT_WHILE_DECODING, "--budget", "32", "--decode-budget", "24", "--decode-interval", "4"],
+    ],
+    ids=["memory-bits", "decode-budget"],
+)
+def test_the_cli_runs_a_grid_on_the_family(family, grid, tmp_path, capsys):
+    """The user's path: ``pkvbench run --model FOLDER`` over every policy, at a memory budget in 16 and 4 bits, and
+    cutting the cache while the answer is written."""
+    from pkvbench.cli import main
+
+    _, _, folder = family
+    args = ["run", "--model", str(folder), "--task", "needle", "--lengths", "100", "--depths", "50"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--max-new-tokens", "5", "--quiet", "--out", str(tmp_path / "run"), *grid])
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    assert (tmp_path / "run" / "summary.csv").is_file()
+
+
+def test_a_statistic_beyond_the_machines_memory_is_one_line_naming_the_length():
+    from pkvbench.engine.generation import too_big_for_memory
+    from pkvbench.errors import PkvError
+
+    failure = "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate"
+    expected = "rkv's scores on a prompt of 32768 tokens need more memory than is free"
+    with pytest.raises(PkvError, match=expected), too_big_for_memory("rkv's scores", 32768):
+        raise RuntimeError(failure)
+    # any other error stays what it is
+    with pytest.raises(RuntimeError, match="shape mismatch"), too_big_for_memory("rkv's scores", 32768):
+        raise RuntimeError("shape mismatch")
+
+
+@pytest.mark.parametrize(
+    "config,reason",
+    [
+        ({"model_type": "deepseek_v3"}, "'deepseek_v3' model, not supported: MLA caches a compressed latent"),
+        ({"model_type": "gemma2"}, "not supported: soft-capped attention logits"),
+        ({"model_type": "falcon"}, "'falcon' model; supported architectures: llama, mistral, qwen2, qwen3"),
+        (
+            {"model_type": "llama", "num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"]},
+            "has linear_attention layers",
+        ),
+    ],
+    ids=["mla", "refused-family", "unknown-family", "linear-attention"],
+)
+def test_a_family_pkvbench_cannot_run_is_refused_in_one_line_before_the_model_loads(config, reason, tmp_path, capsys):
+    """A folder holding only a config (no weights, no tokenizer): the refusal comes from the config alone."""
+    import json
+
+    from pkvbench.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--model", str(tmp_path), "--out", str(tmp_path / "run"), "--quiet"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and reason in err and len(err.strip().splitlines()) == 1, err
