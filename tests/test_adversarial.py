@@ -693,10 +693,12 @@ CASES = [
     Case("overwrite-with-a-seed-beyond-64-bits", "run --policy random:seed=99999999999999999999999 --lengths 400 "
          "--depths 50 --quiet --out {tmp}/run --overwrite", 2,
          "random: option seed 99999999999999999999999: must be at most 9223372036854775807", run_folder),
-    # N9. a policy's integer options in 64 bits (and the random policy's seed where its generator takes it)
-    Case("policy-arg-beyond-64-bits", "run --policy snapkv --policy-arg window=99999999999999999999 --out {tmp}/o", 2,
+    # N9. a policy's integer options in 64 bits (and the random policy's seed where its generator takes it; each case
+    # refused for its lengths next)
+    Case("policy-arg-beyond-64-bits", "run --policy snapkv --policy-arg window=99999999999999999999 --lengths 10000000 "
+         "--out {tmp}/o", 2,
          "snapkv: option window 99999999999999999999: must be at most 9223372036854775807"),
-    Case("random-seed-beyond-the-generator", "run --policy random:seed=4294967296 --out {tmp}/o", 2,
+    Case("random-seed-beyond-the-generator", "run --policy random:seed=4294967296 --lengths 10000000 --out {tmp}/o", 2,
          "random: seed must be at most 4294967295"),
     # N11. options that only shape another are refused alone (--lengths 10000000 would be refused next: on a
     # pkvbench that accepts them, the case fails fast)
