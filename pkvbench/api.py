@@ -563,7 +563,7 @@ def evaluate(config: RunConfig | ResolvedRun, *, on_row: Callable[[dict], None] 
                 **this_session,
             }
         )
-        store.record(info)
+        store.record_with_first_row(info)
 
     # The folder is checked and locked before the slow model load; it changes only once the model has loaded
     # (``record``), so a run that fails before that leaves it as it was.
@@ -702,7 +702,9 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
         loaded = load_model(
             config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation
         )
-        store.record({"options": record, "model": loaded.describe(), **provenance(config.seed), **this_session})
+        store.record_with_first_row(
+            {"options": record, "model": loaded.describe(), **provenance(config.seed), **this_session}
+        )
         engine = Engine(loaded)
         stats = funnel.run_funnel(engine, items, store, config.window, config.sink, config.top_k, quiet=config.quiet)
         report = funnel.write_reports(out, store.rows(), loaded.name, loaded.num_layers, overlay[0], config.sink)

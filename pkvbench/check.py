@@ -35,11 +35,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pkvbench.axes import sort_rows
 from pkvbench.errors import PkvError
 from pkvbench.fingerprints import Fingerprint, compare
 from pkvbench.io import read_yaml
 from pkvbench.outputs import Kind, Outputs, csv_with_columns
-from pkvbench.report import load_runs, run_folders, sort_rows
+from pkvbench.report import load_runs, run_folders
 from pkvbench.schema import CELL_DEFAULTS, CELL_KEY
 from pkvbench.stats import ALPHA, cell_scores, holm, paired_difference
 

@@ -933,7 +933,9 @@ def funnel(**options) -> None:
 @click.option("--memory", help="Memory budgets instead (as `run --memory`).")
 @click.option("--kv-bits", help="Bits each kept value is stored in, comma-separated (as `run --kv-bits`).")
 @click.option("--decode-budget", help="Cut the cache back to this many entries while answering (generation tasks).")
-@click.option("--query-mode", default="aware", show_default=True, help="aware, agnostic (needs --question-split).")
+@click.option(
+    "--query-mode", default=DEFAULT_QUERY_MODE, show_default=True, help="aware, agnostic (needs --question-split)."
+)
 @click.option("--question-split", help="Agnostic: the question starts where this text last occurs in the context.")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES))
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPES))
@@ -979,8 +981,9 @@ def lm_eval_command(tasks, include_paths, limit, num_fewshot, bootstrap_iters, o
     if not quiet:
         click.echo(run.summary.to_string(index=False) if len(run.summary) else "(no rows)")
     took = ", ".join(f"{label} {seconds:.1f} s" for label, seconds in run.seconds.items())
+    resumed = f", {len(run.resumed)} already done" if run.resumed else ""
     click.echo(
-        f"{len(run.seconds)} configurations ({took}), {run.rows} rows → {run.out}/samples.jsonl, "
+        f"{len(run.seconds)} configurations ({took}){resumed}, {run.rows} rows → {run.out}/samples.jsonl, "
         f"{run.out}/{LM_EVAL_FOLDER}/<configuration>/"
     )
 

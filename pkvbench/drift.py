@@ -13,8 +13,8 @@ import math
 
 import pandas as pd
 
-from pkvbench.figure_data import is_full
-from pkvbench.report import interval_columns, row_axes, sort_rows
+from pkvbench.axes import is_full
+from pkvbench.report import interval_columns, row_axes
 from pkvbench.stats import mean_interval
 
 
@@ -48,4 +48,7 @@ def length_table(rows: pd.DataFrame) -> pd.DataFrame | None:
     table = pd.DataFrame(out)
     numeric = [c for c in table.columns if c not in (*key, "n")]
     table[numeric] = table[numeric].astype(float).round(2)
-    return sort_rows(table, columns=["task", *row_axes(rows)])
+    order = ["task", *row_axes(rows)]  # the task as written first, then the axes' order (load_runs)
+    table = table.astype({c: rows[c].dtype for c in order if c not in ("task", "model")})
+    by_name = lambda column: column.astype(str) if column.name == "task" else column  # noqa: E731
+    return table.sort_values(order, key=by_name, kind="stable").reset_index(drop=True)

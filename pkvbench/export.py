@@ -38,11 +38,11 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from pkvbench.axes import present
 from pkvbench.errors import PkvError
 from pkvbench.outputs import Outputs
 from pkvbench.report import (
     Runs,
-    budget_sort_key,
     interval_columns,
     model_display_name,
     refuse_decode_budgets,
@@ -213,7 +213,7 @@ def leaderboard_ranking(rows: pd.DataFrame) -> pd.DataFrame:
         rows = rows.assign(
             policy=[p + (f" · {s} bits" if s else "") for p, s in zip(rows["policy"], rows["kv_stored"])]
         )
-    budgets = sorted(rows["budget"].astype(str).unique(), key=budget_sort_key)
+    budgets = [str(b) for b in present(rows["budget"])]
     if all(b.startswith("cr") for b in budgets):  # compression ratios read from the least removed, as kvpress's plots
         budgets = sorted(budgets, key=lambda b: float(b[2:]))
     records = []

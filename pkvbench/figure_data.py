@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from pkvbench.results import bits_sort_key
+from pkvbench.axes import KEY, is_full, present
 from pkvbench.schema import DEFAULT_QUERY_MODE
 from pkvbench.stats import group_interval, mean_interval
 
@@ -26,16 +26,10 @@ POLICY_COLOURS = (
 )
 # Red → yellow → green at scores 0, 0.5 and 1: the colours of Kamradt's needle plots that the paper reuses.
 NEEDLE_COLOURS = ("#F0496E", "#EBB839", "#0CD79F")
-FULL = "full"
 
 
 def policy_colour(index: int) -> str:
     return POLICY_COLOURS[index % len(POLICY_COLOURS)]
-
-
-def is_full(policy: str) -> bool:
-    """The full cache under any label the figures give it (``full``, ``full · 16 bits``, ``full (agnostic)``)."""
-    return str(policy).split(":")[0].split(" ")[0] == FULL
 
 
 # --- needle grids ----------------------------------------------------------------------------------------------------
@@ -59,11 +53,11 @@ def needle_cells(rows: pd.DataFrame, by: list[str]) -> pd.DataFrame:
 # --- score-vs-budget curves ------------------------------------------------------------------------------------------
 
 
-def curve_table(rows: pd.DataFrame, by: tuple[str, ...] = ("model", "policy", "budget"), average: bool = True):
+def curve_table(rows: pd.DataFrame, by: tuple[str, ...] = tuple(KEY), average: bool = True):
     """The curves' points: ``by`` (model first), task, n, score (× 100) with its 95% interval (ci_low, ci_high),
     one point per cell, in the rows' order; with ``average`` also task ``avg`` (mean over the model's tasks, only
-    where every task has the cell; resampled within tasks). Fold what a line stands for into ``policy`` first
-    (bits, decode budget: ``report.with_bits_in_policy``, ``with_decode_in_policy``)."""
+    where every task has the cell; resampled within tasks). ``policy`` is what a line stands for: give the rows'
+    ``series`` (the policy with its bits and decode budget, ``axes.order_axes``) as ``policy`` to draw those apart."""
     axes = list(by)
     points = []
     for _, per_model in rows.groupby("model", sort=False):
@@ -78,7 +72,12 @@ def curve_table(rows: pd.DataFrame, by: tuple[str, ...] = ("model", "policy", "b
                 mean = sum(s.mean() for s in by_task.values()) / len(by_task)
                 count = sum(int(s.count()) for s in by_task.values())
                 points.append([*key, "avg", count, mean * 100, low * 100, high * 100])
-    return pd.DataFrame(points, columns=[*axes, "task", "n", "score", "ci_low", "ci_high"])
+    table = pd.DataFrame(points, columns=[*axes, "task", "n", "score", "ci_low", "ci_high"])
+    # the axes keep their order (report.load_runs: ordered categoricals); ``avg`` after the tasks
+    orders = {c: rows[c].dtype for c in [*axes, "task"] if isinstance(rows[c].dtype, pd.CategoricalDtype)}
+    if "task" in orders:
+        orders["task"] = pd.CategoricalDtype([*orders["task"].categories, "avg"], ordered=True)
+    return table.astype(orders)
 
 
 # --- the full cache's reference line ---------------------------------------------------------------------------------
@@ -98,7 +97,7 @@ def full_reference(rows: pd.DataFrame, task: str, query_mode: str | None = None)
         if query_mode is not None:
             full = full[full["query_mode"] == query_mode]
     if "kv_bits" in full.columns and full["kv_bits"].nunique() > 1:
-        widest = min(full["kv_bits"].unique(), key=lambda bits: bits_sort_key(str(bits)))
+        widest = present(full["kv_bits"])[0]
         full = full[full["kv_bits"] == widest]
     tasks = list(rows["task"].unique()) if task == "avg" else [task]
     per_task = [full[full["task"] == t].drop_duplicates("sample_id")["score"] for t in tasks]

@@ -17,13 +17,14 @@ import math
 
 import pandas as pd
 
+from pkvbench.axes import ROW_AXES, present
 from pkvbench.budgets import MEMORY_PREFIX
 from pkvbench.paired import ALL_TASKS, pairwise
-from pkvbench.report import budget_sort_key, report_table, row_axes, stores_formats, task_order
+from pkvbench.report import report_table, row_axes, stores_formats
 from pkvbench.schema import AWARE
 
 TARGET = "target"  # the memory target a comparison is made at
-CELL = ["policy", "kv_bits", "budget"]
+CELL = [axis for axis in ROW_AXES if axis not in ("query_mode", "decode_budget")]  # a stored cell: policy, bits, budget
 
 
 def has_frontier(rows: pd.DataFrame) -> bool:
@@ -93,22 +94,26 @@ def target_groups(rows: pd.DataFrame) -> pd.DataFrame:
     rows = _with_bits(rows)
     if "memory_target" not in rows.columns:
         return rows.iloc[:0]
-    targets = [b for b in rows["budget"].unique() if str(b).startswith(MEMORY_PREFIX)]
+    targets = [b for b in present(rows["budget"]) if str(b).startswith(MEMORY_PREFIX)]
     sample = ["model", "task", "sample_id", *(["query_mode"] if "query_mode" in rows.columns else [])]
     parts = []
-    for target in sorted(targets, key=budget_sort_key):
+    for target in targets:
         own = rows[rows["budget"] == target]
         limit = own.groupby(sample)["memory_target"].min().rename("limit")
         parts.append(own)
         others = rows[~rows["budget"].str.startswith(MEMORY_PREFIX)]
-        for _, cell in others.groupby(["policy", "kv_bits", "budget"], sort=False):
+        for _, cell in others.groupby(CELL, sort=False):
             bound = cell.join(limit, on=sample)["limit"]
             if bound.notna().all() and (cell["kv_bytes"] <= bound).all():
                 parts.append(cell.assign(budget=target))
     if not parts:
         return rows.iloc[:0]
-    merged = pd.concat(parts, ignore_index=True)
-    labelled = merged.assign(policy=[_label(p, b) for p, b in zip(merged["policy"], merged["kv_bits"])])
+    merged = pd.concat(parts, ignore_index=True).astype({"budget": rows["budget"].dtype})
+    # each policy × bits a policy of its own, in the policies' order, then the widest first
+    cells = merged[["policy", "kv_bits"]].drop_duplicates().sort_values(["policy", "kv_bits"])
+    labels = [_label(p, b) for p, b in zip(merged["policy"], merged["kv_bits"])]
+    order = [_label(p, b) for p, b in cells.itertuples(index=False)]
+    labelled = merged.assign(policy=pd.Categorical(labels, categories=order, ordered=True))
     return labelled.drop(columns=[c for c in ("kv_bits", "kv_stored") if c in labelled.columns])
 
 
@@ -162,7 +167,7 @@ def frontier_markdown(rows: pd.DataFrame) -> str:
     from pkvbench.report import to_markdown
 
     table = points(rows)
-    tasks = task_order(rows["task"].unique())
+    tasks = present(rows["task"])
     lines = [
         "## Accuracy per byte",
         "",

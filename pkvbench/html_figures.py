@@ -14,25 +14,15 @@ from typing import Any
 import altair as alt
 import pandas as pd
 
-from pkvbench.budgets import ALL, MEMORY_PREFIX, Budget
-from pkvbench.figure_data import (
-    NEEDLE_COLOURS,
-    curve_table,
-    full_reference,
+from pkvbench.axes import (
+    LINE_KEY,
+    SERIES,
     is_full,
-    needle_cells,
-    needle_rows,
-    policy_colour,
+    present,
 )
-from pkvbench.report import (
-    budget_sort_key,
-    model_display_name,
-    policy_sort_key,
-    task_order,
-    with_bits_in_policy,
-    with_decode_in_policy,
-)
-from pkvbench.results import bits_sort_key
+from pkvbench.budgets import ALL, MEMORY_PREFIX, Budget
+from pkvbench.figure_data import NEEDLE_COLOURS, curve_table, full_reference, needle_cells, needle_rows, policy_colour
+from pkvbench.report import model_display_name
 from pkvbench.schema import DEFAULT_QUERY_MODE
 
 FULL_CACHE = "full cache"  # the reference line of the curves
@@ -77,8 +67,10 @@ def budget_axis(label: str) -> tuple[str, float]:
     return ("entries per head", value) if value >= 1 else ("fraction of the prompt", value)
 
 
-def _policy_scale(policies):
-    domain = sorted(dict.fromkeys(policies), key=policy_sort_key)
+def _policy_scale(policies: pd.Series, drawn=None):
+    """A colour per policy, in the axis's order (``policies``: an ordered categorical), of those ``drawn``."""
+    drawn = set(policies.astype(str) if drawn is None else drawn)
+    domain = [p for p in present(policies) if p in drawn]
     return alt.Scale(domain=domain, range=[policy_colour(i) for i in range(len(domain))])
 
 
@@ -90,33 +82,24 @@ def _mode_suffix(mode: str, several: bool) -> str:
     return f" · query-{mode}" if several else ""
 
 
-def budget_panels(budgets, modes, several: bool) -> tuple[list[str], list[str]]:
+def budget_panels(budgets: pd.Series, modes: pd.Series, several: bool) -> tuple[list[str], list[str]]:
     """Each point's panel label (``budget 64``, with the query mode when a run has several) and the labels in
-    budget order."""
-    pairs = list(zip(budgets, modes))
-    label = {pair: f"budget {pair[0]}{_mode_suffix(pair[1], several)}" for pair in pairs}
-    ordered = sorted(set(pairs), key=lambda pair: (budget_sort_key(pair[0]), pair[1]))
-    return [label[pair] for pair in pairs], [label[pair] for pair in ordered]
+    budget order (``budgets``, ``modes``: the axes' ordered categoricals)."""
+    pairs = pd.DataFrame({"budget": budgets.reset_index(drop=True), "mode": modes.reset_index(drop=True)})
+    labels = [f"budget {b}{_mode_suffix(m, several)}" for b, m in zip(pairs["budget"], pairs["mode"])]
+    ordered = pairs.assign(label=labels).sort_values(["budget", "mode"], kind="stable")["label"]
+    return labels, list(dict.fromkeys(ordered))
 
 
 def curve_points(rows: pd.DataFrame) -> pd.DataFrame:
     """The curves' points (``figure_data.curve_table``) as the page draws them: a line per policy with its bits and
     decode budget, per query mode, two decimals, in the report's order."""
-    folded = with_decode_in_policy(with_bits_in_policy(rows))
-    points = curve_table(folded, by=("model", "policy", "budget", "query_mode"), average=False)
+    points = curve_table(rows.assign(policy=rows[SERIES]), by=tuple(LINE_KEY), average=False)
     points[["score", "ci_low", "ci_high"]] = points[["score", "ci_low", "ci_high"]].round(2)
-    tasks, models = task_order(points["task"].unique()), list(dict.fromkeys(points["model"]))
-    order = sorted(
-        range(len(points)),
-        key=lambda i: (
-            models.index(points["model"].iat[i]),
-            tasks.index(points["task"].iat[i]),
-            policy_sort_key(points["policy"].iat[i]),
-            budget_sort_key(points["budget"].iat[i]),
-            str(points["query_mode"].iat[i]),
-        ),
-    )
-    return points.iloc[order].reset_index(drop=True)
+    models = {model: rank for rank, model in enumerate(dict.fromkeys(rows["model"]))}
+    ordered = points.assign(rank=points["model"].map(models))
+    ordered = ordered.sort_values(["rank", "task", *LINE_KEY[1:]], kind="stable")
+    return ordered.drop(columns="rank").reset_index(drop=True)
 
 
 def budget_curve_figures(points: pd.DataFrame, rows: pd.DataFrame) -> list[dict]:
@@ -148,7 +131,7 @@ def budget_curve_figures(points: pd.DataFrame, rows: pd.DataFrame) -> list[dict]
                 )
         if not panels:
             continue
-        chart = _curve_chart(points, list(panels), interval)
+        chart = _curve_chart(points, list(panels), interval, table[~table["policy"].map(is_full)])
         figures.append(
             _figure(
                 "curves",
@@ -169,9 +152,8 @@ def _point(row: dict, interval: bool) -> dict[str, Any]:
     return point
 
 
-def _curve_chart(points: list[dict], panels: list[str], interval: bool):
-    budgets = sorted({p["budget"] for p in points if "budget" in p}, key=budget_sort_key)
-    policies = [p["policy"] for p in points if p["series"] != FULL_CACHE]
+def _curve_chart(points: list[dict], panels: list[str], interval: bool, drawn: pd.DataFrame):
+    """``drawn``: the points' rows, whose axes give the order of the budgets and the policies' colours."""
     pick = alt.selection_point(fields=["policy"], bind="legend")
     base = alt.Chart(alt.Data(values=points))
     is_policy = f"datum.series !== '{FULL_CACHE}'"
@@ -183,9 +165,9 @@ def _curve_chart(points: list[dict], panels: list[str], interval: bool):
     ]
     if interval:
         tooltip += [alt.Tooltip("ci_low:Q", format=".2f"), alt.Tooltip("ci_high:Q", format=".2f")]
-    x = alt.X("budget:O", sort=budgets, title="KV budget", axis=alt.Axis(labelAngle=0))
+    x = alt.X("budget:O", sort=present(drawn["budget"]), title="KV budget", axis=alt.Axis(labelAngle=0))
     y = alt.Y("score:Q", scale=alt.Scale(domain=[0, 100]), title="score (× 100)")
-    colour = alt.Color("policy:N", scale=_policy_scale(policies), title="policy")
+    colour = alt.Color("policy:N", scale=_policy_scale(drawn["policy"]), title="policy")
     fade = alt.condition(pick, alt.value(1), alt.value(0.15))
     layers = [
         base.transform_filter(f"!({is_policy})")
@@ -239,8 +221,10 @@ def frontier_figures(points: pd.DataFrame) -> list[dict]:
         base = alt.Chart(alt.Data(values=records))
         x = alt.X("bytes:Q", scale=alt.Scale(type="log", nice=False, padding=16), title="KV cache bytes (log)")
         y = alt.Y("score:Q", scale=alt.Scale(domain=[0, 100]), title="score (× 100, mean over tasks)")
-        colour = alt.Color("policy:N", scale=_policy_scale(r["policy"] for r in records), title="policy")
-        dash = alt.StrokeDash("bits:N", sort=sorted({r["bits"] for r in records}, key=bits_sort_key), title="bits")
+        drawn = table[table["kv_bytes"].notna() & table["avg"].notna()]
+        colour = alt.Color("policy:N", scale=_policy_scale(drawn["policy"]), title="policy")
+        bits = [str(b) for b in present(drawn["kv_bits"])]
+        dash = alt.StrokeDash("bits:N", sort=bits, title="bits")
         tooltip = [
             "policy:N",
             "bits:N",
@@ -252,7 +236,7 @@ def frontier_figures(points: pd.DataFrame) -> list[dict]:
             alt.Tooltip("ci_high:Q", format=".2f"),
             "n:Q",
         ]
-        shape = alt.Shape("bits:N", sort=sorted({r["bits"] for r in records}, key=bits_sort_key), title="bits")
+        shape = alt.Shape("bits:N", sort=bits, title="bits")
         chart = alt.layer(
             base.mark_rule(strokeWidth=1, opacity=0.5).encode(x=x, y="ci_low:Q", y2="ci_high:Q", color=colour),
             base.mark_line().encode(x=x, y=y, color=colour, strokeDash=dash, detail="series:N", order="bytes:Q"),
@@ -286,7 +270,7 @@ def needle_heatmap_figures(rows: pd.DataFrame) -> list[dict]:
     several = grid["query_mode"].nunique() > 1
     figures = []
     for (model, task), per_task in grid.groupby(["model", "task"], sort=False):
-        cells = needle_cells(per_task, ["policy", "budget", "query_mode"])
+        cells = needle_cells(per_task, LINE_KEY[1:])
         cells["row"], row_order = budget_panels(cells["budget"], cells["query_mode"], several)
         cells["score"] = cells["score"].round(3)
         lengths, depths = sorted(cells["length"].unique()), sorted(cells["depth"].unique())
@@ -309,7 +293,7 @@ def needle_heatmap_figures(rows: pd.DataFrame) -> list[dict]:
         )
         chart = alt.layer(rect, text, width=max(120, 48 * len(lengths)), height=max(70, 24 * len(depths))).facet(
             row=alt.Row("row:N", sort=row_order, title=None),
-            column=alt.Column("policy:N", sort=sorted(cells["policy"].unique(), key=policy_sort_key), title=None),
+            column=alt.Column("policy:N", sort=present(cells["policy"]), title=None),
         )
         figures.append(
             _figure(
@@ -348,7 +332,7 @@ def layer_budget_figures(rows: pd.DataFrame) -> list[dict]:
     figures = []
     for model, per_model in kept.groupby("model", sort=False):
         points = []
-        for (policy, budget, mode), cell in per_model.groupby(["policy", "budget", "query_mode"], sort=False):
+        for (policy, budget, mode), cell in per_model.groupby(LINE_KEY[1:], sort=False):
             layers = pd.DataFrame(cell["kv_kept"].tolist())  # a column per layer (rows of one model: same count)
             for layer, mean in layers.mean().items():
                 points.append(
@@ -361,7 +345,10 @@ def layer_budget_figures(rows: pd.DataFrame) -> list[dict]:
                         "n": int(layers[layer].notna().sum()),
                     }
                 )
-        labels, panels = budget_panels([p["budget"] for p in points], [p["mode"] for p in points], several)
+        budgets = pd.Series([p["budget"] for p in points], dtype=per_model["budget"].dtype)
+        labels, panels = budget_panels(
+            budgets, pd.Series([p["mode"] for p in points], dtype=per_model["query_mode"].dtype), several
+        )
         for point, label in zip(points, labels):
             point["panel"] = label
         chart = (
@@ -370,7 +357,7 @@ def layer_budget_figures(rows: pd.DataFrame) -> list[dict]:
             .encode(
                 x=alt.X("layer:Q", title="layer (0 = bottom)", axis=alt.Axis(tickMinStep=1, format="d")),
                 y=alt.Y("kept:Q", title="entries kept per KV head"),
-                color=alt.Color("policy:N", scale=_policy_scale(p["policy"] for p in points), title="policy"),
+                color=alt.Color("policy:N", scale=_policy_scale(per_model["policy"]), title="policy"),
                 tooltip=["policy:N", "budget:N", "layer:Q", alt.Tooltip("kept:Q", format=".1f"), "n:Q"],
             )
             .facet(facet=alt.Facet("panel:N", sort=panels, title=None), columns=3)
@@ -409,13 +396,14 @@ def decode_memory_figures(rows: pd.DataFrame) -> list[dict]:
                 for i, (step, entries) in enumerate(row["kv_trace"])
             ]
         panels = sorted({p["panel"] for p in points}, key=lambda label: (len(label), label))
+        drawn = {p["policy"] for p in points}
         chart = (
             alt.Chart(alt.Data(values=points), width=300, height=170)
             .mark_line(point=alt.OverlayMarkDef(size=12, filled=True))
             .encode(
                 x=alt.X("token:Q", title="answer tokens written"),
                 y=alt.Y("entries:Q", title="cache entries (all layers and heads)"),
-                color=alt.Color("policy:N", scale=_policy_scale(p["policy"] for p in points), title="policy"),
+                color=alt.Color("policy:N", scale=_policy_scale(per_task["policy"], drawn), title="policy"),
                 order="order:Q",
                 tooltip=["policy:N", "panel:N", "token:Q", "entries:Q"],
             )

@@ -27,8 +27,9 @@ from altair.utils.html import vl_version_for_vl_convert
 
 from pkvbench import frontier
 from pkvbench._version import __version__
+from pkvbench.axes import LINE_KEY, ROW_AXES, SERIES, is_full, present
 from pkvbench.errors import PkvError
-from pkvbench.figure_data import full_reference, is_full
+from pkvbench.figure_data import full_reference
 from pkvbench.html_figures import (
     budget_curve_figures,
     curve_points,
@@ -41,17 +42,7 @@ from pkvbench.html_figures import (
     rounded,
 )
 from pkvbench.paper_compare import compare, load_reference
-from pkvbench.report import (
-    Runs,
-    budget_sort_key,
-    load_runs,
-    model_display_name,
-    policy_sort_key,
-    report_table,
-    task_order,
-    uneven_counts,
-    with_bits_in_policy,
-)
+from pkvbench.report import Runs, load_runs, model_display_name, report_table, uneven_counts
 from pkvbench.results import ROWS, RUN, read_run_record, summarize
 from pkvbench.schema import DEFAULT_QUERY_MODE, FIELDS, LOADED, SAMPLE, TEXT, fields_of
 
@@ -166,7 +157,7 @@ def page_data(runs: Runs) -> dict[str, Any]:
         if not compared.empty:
             tables["memory_diff"] = table_json(compared)
         figures += frontier_figures(points)
-    labelled = with_bits_in_policy(rows)
+    labelled = rows.assign(policy=rows[SERIES])  # a policy with its bits and decode budget: each line its own
     return {
         "title": page_title(rows),
         "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -186,15 +177,15 @@ def page_data(runs: Runs) -> dict[str, Any]:
 
 def page_title(rows: pd.DataFrame) -> str:
     models = ", ".join(model_display_name(m) for m in rows["model"].unique())
-    return f"pkvbench · {models} · {', '.join(task_order(rows['task'].unique()))}"
+    return f"pkvbench · {models} · {', '.join(present(rows['task']))}"
 
 
 def sort_ranks(rows: pd.DataFrame) -> dict[str, dict[str, int]]:
     """The report's order of policies, budgets and tasks, for the page's sortable tables (not alphabetical)."""
     return {
-        "policy": _ranks(sorted(rows["policy"].unique(), key=policy_sort_key)),
-        "budget": _ranks(sorted(rows["budget"].unique(), key=budget_sort_key)),
-        "task": _ranks(task_order(rows["task"].unique())),
+        "policy": _ranks(present(rows["policy"])),
+        "budget": _ranks(present(rows["budget"])),
+        "task": _ranks(present(rows["task"])),
     }
 
 
@@ -220,19 +211,10 @@ def summary_table(rows: pd.DataFrame) -> pd.DataFrame:
     full_scores = [references[key] for key in zip(table["model"], table["task"], modes)]
     full_scores = [round(reference[0], 2) if reference else float("nan") for reference in full_scores]
     table["vs full"] = (table["score"] - pd.Series(full_scores, index=table.index)).round(2)
-    tasks = task_order(table["task"].unique())
-    models = list(dict.fromkeys(table["model"]))
-    order = sorted(
-        range(len(table)),
-        key=lambda i: (
-            models.index(table["model"].iat[i]),
-            tasks.index(table["task"].iat[i]),
-            policy_sort_key(table["policy"].iat[i]),
-            budget_sort_key(table["budget"].iat[i]),
-            str(table["query_mode"].iat[i]) if "query_mode" in table.columns else "",
-        ),
-    )
-    return table.iloc[order].reset_index(drop=True)
+    axes = ["task", *(c for c in ROW_AXES if c in table.columns)]
+    models = {model: rank for rank, model in enumerate(dict.fromkeys(table["model"]))}
+    table = table.astype({c: rows[c].dtype for c in axes}).assign(rank=table["model"].map(models))
+    return table.sort_values(["rank", *axes], kind="stable").drop(columns="rank").reset_index(drop=True)
 
 
 def table_json(frame: pd.DataFrame) -> dict[str, list]:
@@ -336,16 +318,14 @@ def sample_view(rows: pd.DataFrame) -> dict[str, Any]:
 
     A sample's ``disagree`` says some policies of one model and query mode predicted different texts; ``lost`` that
     one scored below the full cache."""
-    rows = rows.assign(query_mode=query_modes(rows), budget=_budget_and_decode(rows))
-    configs = sorted(
-        set(zip(rows["model"], rows["policy"], rows["budget"], rows["query_mode"])),
-        key=lambda c: (c[0], policy_sort_key(c[1]), budget_sort_key(c[2].split(",")[0]), c[2], c[3]),
-    )
+    rows = rows.assign(query_mode=query_modes(rows))
+    key = LINE_KEY
+    configs = list(rows[key].drop_duplicates().sort_values(key, kind="stable").itertuples(index=False, name=None))
     config_index = {config: i for i, config in enumerate(configs)}
     by_sample: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in rows.to_dict("records"):
         by_sample[(row["task"], row["sample_id"])].append(row)
-    tasks = task_order(rows["task"].unique())
+    tasks = present(rows["task"])
     samples = []
     for task, sample_id in sorted(by_sample, key=lambda key: tasks.index(key[0])):  # stable: run order within a task
         members = by_sample[(task, sample_id)]
@@ -378,16 +358,6 @@ def sample_view(rows: pd.DataFrame) -> dict[str, Any]:
         "configs": [{"model": m, "policy": p, "budget": b, "mode": q} for m, p, b, q in configs],
         "samples": samples,
     }
-
-
-def _budget_and_decode(rows: pd.DataFrame) -> pd.Series:
-    """A configuration's budget as the sample view names it: with its decode budget where the row had one."""
-    if "decode_budget" not in rows.columns:
-        return rows["budget"]
-    return pd.Series(
-        [b if d == "none" else f"{b}, decode {d}" for b, d in zip(rows["budget"], rows["decode_budget"])],
-        index=rows.index,
-    )
 
 
 def sample_flags(members: list[dict]) -> dict[str, bool]:

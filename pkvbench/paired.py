@@ -15,8 +15,9 @@ import math
 
 import pandas as pd
 
+from pkvbench.axes import ROW_AXES
 from pkvbench.errors import PkvError
-from pkvbench.report import markdown_escape, policy_sort_key, row_axes, sort_rows, task_order
+from pkvbench.report import markdown_escape, row_axes
 from pkvbench.stats import ALPHA, holm, paired_difference, samples_needed
 
 ALL_TASKS = "all tasks"  # the group row: every task of the model, each weighted equally
@@ -39,8 +40,8 @@ COLUMNS = [
 ]
 
 
-def _pairs(policies: list[str], against: str | None) -> list[tuple[str, str]]:
-    ordered = sorted(policies, key=policy_sort_key)
+def _pairs(ordered: list[str], against: str | None) -> list[tuple[str, str]]:
+    """Pairs of ``ordered`` (policies in the axis's order)."""
     if against is not None:
         if against not in ordered:
             raise PkvError(f"--against {against}: no such policy in the rows ({', '.join(ordered)})")
@@ -61,12 +62,15 @@ def pairwise(rows: pd.DataFrame, policies: list[str] | None = None, against: str
     key = row_axes(rows)  # model, policy, budget (, query_mode)
     cell = [c for c in key if c != "policy"]
     sample = ["task", "sample_id"]
-    wide = rows.pivot_table(index=[*cell, *sample], columns="policy", values="score", aggfunc="first")
+    # samples by task name within a cell: the bootstrap resamples them in this order (the tasks' groups below)
+    by_name = rows.assign(task=rows["task"].astype(str))
+    wide = by_name.pivot_table(index=[*cell, *sample], columns="policy", values="score", aggfunc="first")
     out = []
     for where, block in wide.groupby(level=cell, sort=False):
         where = dict(zip(cell, where if isinstance(where, tuple) else (where,)))
         present = [p for p in block.columns if block[p].notna().any()]
-        tasks = task_order(block.index.get_level_values("task").unique())
+        found = set(block.index.get_level_values("task"))
+        tasks = [task for task in rows["task"].cat.categories if task in found]
         for first, second in _pairs(present, against):
             both = block[[first, second]].dropna()
             if both.empty:
@@ -103,10 +107,14 @@ def pairwise(rows: pd.DataFrame, policies: list[str] | None = None, against: str
     points = ["a", "b", "diff", "ci_low", "ci_high", "sd_diff"]
     table[points] = table[points].astype(float).round(2) + 0.0  # + 0.0: no "-0.00"
     table[["p", "p_holm"]] = table[["p", "p_holm"]].astype(float).round(4)
-    order = [c for c in ("model", "kv_bits", "budget", "query_mode", "decode_budget") if c in table.columns]
-    place = {task: i for i, task in enumerate(task_order(set(table["task"]) - {ALL_TASKS}))}
-    table["_task"] = [place.get(task, len(place)) for task in table["task"]]  # the group row after its tasks
-    return sort_rows(table, columns=[*order, "_task", "policy_a", "policy_b"]).drop(columns="_task")
+    order = [c for c in ("model", *ROW_AXES) if c != "policy" and c in table.columns]
+    tasks = pd.CategoricalDtype([*rows["task"].cat.categories, ALL_TASKS], ordered=True)  # the group after its tasks
+    policies = dict.fromkeys(("policy_a", "policy_b"), rows["policy"].dtype)
+    table = table.astype({**{c: rows[c].dtype for c in order if c != "model"}, "task": tasks, **policies})
+    by_name = lambda column: column.astype(str) if column.name in policies else column  # noqa: E731
+    return table.sort_values([*order, "task", "policy_a", "policy_b"], key=by_name, kind="stable").reset_index(
+        drop=True
+    )
 
 
 def _points(scores: pd.Series, strata) -> float:
@@ -141,11 +149,12 @@ def _entry(diff: float, low: float, high: float, mark: str) -> str:
 def matrix_markdown(comparisons: pd.DataFrame) -> str:
     """One matrix per model × budget (× query mode) × task: row policy minus column policy, ``+5.00 [1.2, 9.3]``,
     with ``*`` where the verdict is decided."""
-    cell = [c for c in ("model", "kv_bits", "budget", "query_mode", "task") if c in comparisons.columns]
+    cell = [c for c in ("model", *ROW_AXES, "task") if c != "policy" and c in comparisons.columns]
     blocks = []
     for where, block in comparisons.groupby(cell, sort=False):
         title = " · ".join(f"{k} {v}" for k, v in zip(cell, where))
-        policies = sorted(set(block["policy_a"]) | set(block["policy_b"]), key=policy_sort_key)
+        named = set(block["policy_a"]) | set(block["policy_b"])
+        policies = [p for p in block["policy_a"].cat.categories if p in named]
         grid = pd.DataFrame("", index=policies, columns=policies)
         for r in block.to_dict("records"):
             mark = " *" if r["verdict"] != "no decision" else ""

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from pkvbench.axes import KEY, present, task_order
 from pkvbench.config import option_text
 from pkvbench.errors import PkvError
-from pkvbench.report import KEY, Runs, budget_sort_key, model_display_name, policy_sort_key, task_order
+from pkvbench.report import Runs, model_display_name
 from pkvbench.stats import group_interval, mean_interval
 
 REFERENCE_PACKAGE = "pkvbench.reference_tables"  # the project's results/reference/, installed as package data
@@ -117,6 +118,9 @@ def compare(runs: Runs, reference: Reference, paper_model: str | None = None) ->
     return Comparison(table, statements(samples, reference, paper_model, table))
 
 
+FULL_BUDGET = "full"  # a full-cache row's budget in the comparison: the same at every budget
+
+
 # --- match: the run's samples in the paper's cells -------------------------------------------------------------------
 
 
@@ -125,13 +129,13 @@ def match(rows: pd.DataFrame, reference: Reference, paper_model: str | None) -> 
     ``paper_model`` and ``paper_policy`` (the policy's name without its options); a full-cache row's budget is
     ``full``, whatever budget it ran at. Refuses a run with nothing in common with the reference."""
     ref_tasks = set(reference.scores["task"])
-    common_tasks = task_order(t for t in rows["task"].unique() if t in ref_tasks)
+    common_tasks = [t for t in present(rows["task"]) if t in ref_tasks]
     if not common_tasks:
         others = [
             model_display_name(m) for m in rows["model"].unique() if m not in PAPER_MODELS and m not in reference.models
         ]
         raise PkvError(
-            f"nothing to compare: the run's tasks ({', '.join(task_order(rows['task'].unique()))}) are not in "
+            f"nothing to compare: the run's tasks ({', '.join(present(rows['task']))}) are not in "
             f"{reference.name} ({', '.join(task_order(ref_tasks))})"
             + (f"; and the run's model ({', '.join(others)}) is not the paper's" if others else "")
         )
@@ -149,9 +153,11 @@ def match(rows: pd.DataFrame, reference: Reference, paper_model: str | None) -> 
             f"(its budgets: {', '.join(sorted(ref_budgets - {'full'}, key=float))} entries, and full)"
         )
     # The full cache is the same at every budget: one full row per model, the budget column says "full".
-    full = rows["paper_policy"] == "full"
-    rows.loc[full, "budget"] = "full"
-    rows = rows.drop_duplicates(["model", "task", "sample_id", "policy", "budget"])
+    full = rows["paper_policy"] == FULL_BUDGET
+    budgets = pd.CategoricalDtype([FULL_BUDGET, *rows["budget"].cat.categories], ordered=True)
+    rows = rows.astype({"budget": budgets})  # the full cache's "budget" first, then the axis's order
+    rows.loc[full, "budget"] = FULL_BUDGET
+    rows = rows.drop_duplicates([*KEY, "task", "sample_id"])
     targets = {model: paired_model(model, reference, paper_model)[0] for model in rows["model"].unique()}
     return rows.assign(paper_model=rows["model"].map(targets))
 
@@ -174,7 +180,7 @@ def paired_model(model: str, reference: Reference, paper_model: str | None) -> t
 
 def _scores_by_cell(samples: pd.DataFrame) -> dict[tuple, pd.Series]:
     """policy × budget × task → the sample scores of one model's cell."""
-    return {key: cell["score"] for key, cell in samples.groupby(["policy", "budget", "task"], sort=False)}
+    return {key: cell["score"] for key, cell in samples.groupby([*KEY[1:], "task"], sort=False)}
 
 
 def paired_cells(samples: pd.DataFrame, reference: Reference) -> pd.DataFrame:
@@ -209,8 +215,8 @@ def comparison_rows(samples: pd.DataFrame, reference: Reference) -> pd.DataFrame
     out = []
     for model, per_model in samples.groupby("model", sort=False):
         scores = _scores_by_cell(per_model)
-        for (policy, budget), cell in paired_cells(per_model, reference).groupby(["policy", "budget"], sort=False):
-            cell = cell.set_index("task").reindex(task_order(cell["task"]))
+        for (policy, budget), cell in paired_cells(per_model, reference).groupby(KEY[1:], sort=False):
+            cell = cell.astype({"task": samples["task"].dtype}).sort_values("task", kind="stable").set_index("task")
             names = {
                 "model": model_display_name(model),
                 "paper_model": per_model["paper_model"].iloc[0],
@@ -244,18 +250,11 @@ def comparison_rows(samples: pd.DataFrame, reference: Reference) -> pd.DataFrame
     ]
     for column in ("measured", "ci_low", "ci_high", "paper", "delta"):
         table[column] = table[column].astype(float).round(2)
-    return _sort_comparison(table)[COMPARISON_COLUMNS]
-
-
-def _sort_comparison(table: pd.DataFrame) -> pd.DataFrame:
-    def key(i: int):
-        r = table.iloc[i]
-        budget = (-1, 0.0) if r["budget"] == "full" else budget_sort_key(r["budget"])
-        is_avg = str(r["task"]).startswith("average")
-        return (r["model"], budget, policy_sort_key(r["policy"]), is_avg)
-
-    order = sorted(range(len(table)), key=key)  # stable: tasks keep their order inside a cell
-    return table.iloc[order].reset_index(drop=True)
+    # by model, budget (the full cache's first), policy, the average after its tasks (which keep their order)
+    order = table.astype({"budget": samples["budget"].dtype, "policy": samples["policy"].dtype})
+    order = order.assign(is_avg=order["task"].str.startswith("average"))
+    order = order.sort_values(["model", "budget", "policy", "is_avg"], kind="stable")
+    return table.loc[order.index].reset_index(drop=True)[COMPARISON_COLUMNS]
 
 
 # --- statements: what to know before reading the deltas --------------------------------------------------------------

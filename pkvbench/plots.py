@@ -24,28 +24,12 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import LinearSegmentedColormap, Normalize
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
+from pkvbench.axes import AGNOSTIC_SUFFIX, SERIES, is_full, present, with_query_modes
 from pkvbench.errors import PkvError
-from pkvbench.figure_data import (
-    NEEDLE_COLOURS,
-    curve_table,
-    full_reference,
-    is_full,
-    needle_cells,
-    needle_rows,
-    policy_colour,
-)
+from pkvbench.figure_data import NEEDLE_COLOURS, curve_table, full_reference, needle_cells, needle_rows, policy_colour
 from pkvbench.io import atomic_write
 from pkvbench.outputs import Outputs
-from pkvbench.report import (
-    Runs,
-    budget_sort_key,
-    model_display_name,
-    policy_sort_key,
-    task_order,
-    with_bits_in_policy,
-    with_decode_in_policy,
-)
-from pkvbench.schema import AGNOSTIC
+from pkvbench.report import Runs, model_display_name
 
 NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", NEEDLE_COLOURS)
 DPI = 100
@@ -155,8 +139,7 @@ def _needle_heatmaps(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> lis
     paths: list[Path] = []
     for (task, model), per_model in rows.groupby(["task", "model"], sort=False):
         name = model_display_name(model)
-        policies = sorted(per_model["policy"].unique(), key=policy_sort_key)
-        budgets = sorted(per_model["budget"].unique(), key=budget_sort_key)
+        policies, budgets = present(per_model["policy"]), present(per_model["budget"])
         for policy in policies:
             for budget in budgets:
                 cell = per_model[(per_model["policy"] == policy) & (per_model["budget"] == budget)]
@@ -215,13 +198,11 @@ def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path, outputs: Outputs
 
 
 def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[Path]:
-    points = curve_table(with_decode_in_policy(rows))
+    points = curve_table(rows)
     paths = []
     for model, per_model in points.groupby("model", sort=False):
         name = model_display_name(model)
-        tasks = task_order(t for t in per_model["task"].unique() if t != "avg")
-        if (per_model["task"] == "avg").any():
-            tasks.append("avg")
+        tasks = present(per_model["task"])  # the average last
         budgets = per_model["budget"].unique()
         kinds = [
             k
@@ -229,7 +210,7 @@ def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[
             if any(pred(b) for b in budgets)
         ]
         # the full cache is the dashed reference line (in either query mode it decodes the same tokens)
-        policies = sorted((p for p in per_model["policy"].unique() if not is_full(p)), key=policy_sort_key)
+        policies = [p for p in present(per_model["policy"]) if not is_full(p)]
         colours = {p: policy_colour(i) for i, p in enumerate(policies)}
         panels = [(task, kind) for task in tasks for kind in kinds]  # a task's kinds side by side
         n_cols = min(len(panels), 4)
@@ -247,7 +228,7 @@ def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[
                 line = sub[sub["policy"] == policy].copy()
                 if line.empty:
                     continue
-                line["x"] = line["budget"].astype(float)
+                line["x"] = line["budget"].astype(str).astype(float)
                 line = line.sort_values("x")
                 style = ":" if policy.endswith(AGNOSTIC_SUFFIX) else "-"
                 (handle,) = ax.plot(
@@ -294,24 +275,14 @@ def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[
     return paths
 
 
-AGNOSTIC_SUFFIX = " (agnostic)"
-
-
-def with_query_modes(rows: pd.DataFrame) -> pd.DataFrame:
-    """Rows whose question came after compression drawn as a policy of their own, ``snapkv (agnostic)``: each
-    figure then shows both query modes side by side."""
-    if "query_mode" not in rows.columns or not (rows["query_mode"] == AGNOSTIC).any():
-        return rows
-    agnostic = rows["query_mode"] == AGNOSTIC
-    return rows.assign(policy=[p + AGNOSTIC_SUFFIX if a else p for p, a in zip(rows["policy"], agnostic)])
-
-
 def plot_runs(runs: Runs, out_dir: str | Path, outputs: Outputs | None = None) -> list[Path]:
     """Every figure of ``runs`` into ``out_dir``: all checked before the first is written."""
     rows = runs.rows[runs.rows["score"].notna()]
     if rows.empty:
         raise PkvError("no scored rows to plot")
-    rows = with_query_modes(with_bits_in_policy(rows))
+    # a line (and a heatmap) per policy × bits × decode budget × query mode
+    rows = with_query_modes(rows)
+    rows = rows.assign(policy=rows[SERIES])
     # score-vs-budget curves need budgets on a number line: entries and fractions of the prompt (the frontier of
     # memory budgets is the report's and the HTML page's)
     numbered = rows[rows["budget"].map(_plain_number)]

@@ -19,16 +19,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from pkvbench.axes import ROW_AXES, order_axes, present
 from pkvbench.budgets import budget_label
 from pkvbench.errors import PkvError
-from pkvbench.figure_data import is_full
 from pkvbench.lock import FolderLock
-from pkvbench.policies.registry import policy_order
 from pkvbench.results import (
     ROWS,
     RUN,
     bits_label,
-    bits_sort_key,
     decode_budget_label,
     missing_shards,
     read_rows,
@@ -36,37 +34,12 @@ from pkvbench.results import (
     stored_as,
     unique_rows,
 )
-from pkvbench.schema import AWARE, DEFAULT_QUERY_MODE, QUERY_MODES, REQUIRED, TABLE_KEY
+from pkvbench.schema import AWARE, DEFAULT_QUERY_MODE, REQUIRED, TABLE_KEY
 from pkvbench.stats import group_interval, mean_interval
 
-# LongBench v1's 21 tasks in the order of its own tables (the paper's 16 English tasks keep their Table 1 order).
-LONGBENCH_ORDER = (
-    "narrativeqa",
-    "qasper",
-    "multifieldqa_en",
-    "multifieldqa_zh",
-    "hotpotqa",
-    "2wikimqa",
-    "musique",
-    "dureader",
-    "gov_report",
-    "qmsum",
-    "multi_news",
-    "vcsum",
-    "trec",
-    "triviaqa",
-    "samsum",
-    "lsht",
-    "passage_count",
-    "passage_retrieval_en",
-    "passage_retrieval_zh",
-    "lcc",
-    "repobench-p",
-)
 # LongBench-E buckets of the sample's ``length`` field, as LongBench's own eval.py cuts them.
 LENGTH_BUCKETS = (("0-4k", 0, 4000), ("4-8k", 4000, 8000), ("8k+", 8000, math.inf))
 FORMATS = ("markdown", "csv", "latex")
-KEY = ["model", "policy", "budget"]
 
 
 # --- loading ---------------------------------------------------------------------------------------------------------
@@ -171,7 +144,7 @@ def load_runs(paths: list[str | os.PathLike], strict: bool = False) -> Runs:
     if across:
         notes.append(f"{across} rows found in more than one folder were counted once (first folder wins)")
     merged = merged[~duplicated].reset_index(drop=True)
-    return Runs(merged, folders, notes)
+    return Runs(order_axes(merged), folders, notes)
 
 
 def _disagreement(rows: pd.DataFrame, keys: list[str]) -> str | None:
@@ -190,17 +163,6 @@ def _disagreement(rows: pd.DataFrame, keys: list[str]) -> str | None:
     where = " and ".join(f"{row.folder} (score {row.score:g})" for row in versions.head(2).itertuples())
     label = " ".join(str(part) for part in first[1:5])
     return f"{int(differs.sum())} result(s) appear twice with another score or prediction, e.g. {label} in {where}"
-
-
-def with_decode_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
-    """``frame`` with each policy that cut its cache while decoding named with its decode budget (``snapkv (decode
-    64)``), for figures whose lines are policies over the prefill budget; the full cache, never cut, keeps its name."""
-    if "decode_budget" not in frame.columns:
-        return frame
-    labels = [
-        p if d == "none" or is_full(p) else f"{p} (decode {d})" for p, d in zip(frame["policy"], frame["decode_budget"])
-    ]
-    return frame.assign(policy=labels)
 
 
 def refuse_decode_budgets(rows: pd.DataFrame, what: str) -> None:
@@ -233,62 +195,6 @@ def _run_native_bits(folder: Path) -> int | None:
     return {"float32": 32, "bfloat16": 16, "float16": 16}.get(dtype)
 
 
-# --- ordering --------------------------------------------------------------------------------------------------------
-
-
-def budget_sort_key(label: str) -> tuple[int, float]:
-    """Token budgets first (ascending), then fractions kept (ascending), then kvpress compression ratios (the
-    fraction removed; largest first, so that the kept share ascends as in the others)."""
-    try:
-        if str(label).startswith("cr"):
-            return (2, -float(str(label)[2:]))
-        value = float(label)
-    except ValueError:  # not a budget: a row over all budgets (the gate's pooled rows)
-        return (3, 0.0)
-    return (0, value) if value >= 1 else (1, value)
-
-
-def policy_sort_key(label: str) -> tuple[int, str]:
-    order = policy_order()
-    name = label.split(":")[0].split(" ")[0]  # "snapkv (agnostic)" sorts with snapkv
-    return (order.index(name) if name in order else len(order), label)
-
-
-def query_mode_sort_key(mode: str) -> int:
-    """The paper's setting (question inside the compressed prompt) first."""
-    return QUERY_MODES.index(mode) if mode in QUERY_MODES else len(QUERY_MODES)
-
-
-def decode_budget_sort_key(label: str) -> tuple[int, int]:
-    """No cut while decoding first, then the decode budgets ascending."""
-    return (0, 0) if not str(label).isdigit() else (1, int(label))
-
-
-def task_order(tasks) -> list[str]:
-    def key(task: str) -> tuple[int, int, str]:
-        base = task[:-2] if task.endswith("_e") else task
-        if base in LONGBENCH_ORDER:
-            return (0, LONGBENCH_ORDER.index(base), task)
-        return (1, 0, task)
-
-    return sorted(dict.fromkeys(tasks), key=key)
-
-
-def sort_rows(frame: pd.DataFrame, columns=KEY) -> pd.DataFrame:
-    keys = {
-        "policy": policy_sort_key,
-        "budget": budget_sort_key,
-        "query_mode": query_mode_sort_key,
-        "kv_bits": bits_sort_key,
-        "decode_budget": decode_budget_sort_key,
-    }
-    order = sorted(
-        range(len(frame)),
-        key=lambda i: tuple(keys.get(c, lambda v: v)(frame.iloc[i][c]) for c in columns),
-    )
-    return frame.iloc[order].reset_index(drop=True)
-
-
 # --- the table -------------------------------------------------------------------------------------------------------
 
 
@@ -310,23 +216,17 @@ def stores_formats(rows: pd.DataFrame) -> bool:
     return "kv_stored" in rows.columns and bool((rows["kv_stored"] != "").any())
 
 
-def with_bits_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
-    """Where rows' caches were stored in several formats, each policy × bits as a policy of its own (``snapkv ·
-    4 bits``): for the figures and views that key on the policy alone."""
-    if "kv_bits" not in frame.columns or frame["kv_bits"].nunique() < 2:
-        return frame
-    return frame.assign(policy=[f"{p} · {b} bits" for p, b in zip(frame["policy"], frame["kv_bits"])])
-
-
 def row_axes(rows: pd.DataFrame) -> list[str]:
     """A table row's key: model × policy × budget; the bits its values were stored in when any row's were not the
     model's own (``kv_bits``); the query mode when any row's question came after compression (``agnostic``; a
     query-aware-only table, the paper's protocol, keeps the paper's shape); and the decode budget when any row cut
     its cache while decoding."""
-    agnostic = "query_mode" in rows.columns and (rows["query_mode"] != AWARE).any()
-    decoding = "decode_budget" in rows.columns and (rows["decode_budget"] != "none").any()
-    key = ["model", "policy", "kv_bits", "budget"] if stores_formats(rows) else list(KEY)
-    return [*key, *(["query_mode"] if agnostic else []), *(["decode_budget"] if decoding else [])]
+    shown = {
+        "kv_bits": stores_formats(rows),
+        "query_mode": "query_mode" in rows.columns and (rows["query_mode"] != AWARE).any(),
+        "decode_budget": "decode_budget" in rows.columns and (rows["decode_budget"] != "none").any(),
+    }
+    return ["model", *(axis for axis in ROW_AXES if shown.get(axis, True))]
 
 
 def interval_columns(column: str) -> tuple[str, str]:
@@ -341,8 +241,8 @@ def report_table(rows: pd.DataFrame, intervals: bool = False) -> pd.DataFrame:
     With ``intervals``, each score column is followed by ``<column> ci_low`` and ``<column> ci_high``: its 95%
     bootstrap interval over samples (``stats``); ``avg``'s resamples within each task."""
     key = row_axes(rows)
-    tasks = task_order(rows["task"].unique())
-    frame = rows.assign(column=rows["task"])
+    tasks = present(rows["task"])
+    frame = rows.assign(column=rows["task"].astype(str))
     bucket_columns = []
     if "length" in rows.columns:
         is_e = rows["task"].str.endswith("_e")
@@ -350,8 +250,8 @@ def report_table(rows: pd.DataFrame, intervals: bool = False) -> pd.DataFrame:
         buckets = buckets[buckets["bucket"].notna()]
         order = {name: i for i, (name, _, _) in enumerate(LENGTH_BUCKETS)}
         for task in tasks:
-            present = sorted(set(buckets.loc[buckets["task"] == task, "bucket"]), key=order.get)
-            bucket_columns += [f"{task} {b}" for b in present]
+            found = sorted(set(buckets.loc[buckets["task"] == task, "bucket"]), key=order.get)
+            bucket_columns += [f"{task} {b}" for b in found]
         named = [f"{task} {bucket}" for task, bucket in zip(buckets["task"], buckets["bucket"])]
         frame = pd.concat([frame, buckets.assign(column=named)])
     ordered = []
@@ -374,7 +274,7 @@ def report_table(rows: pd.DataFrame, intervals: bool = False) -> pd.DataFrame:
         numeric = [c for c in table.columns if c not in ("tasks", "n")]
     table = table.reset_index()
     table[numeric] = table[numeric].astype(float).round(2)
-    return sort_rows(table, columns=key)
+    return table.sort_values(key, kind="stable").reset_index(drop=True)  # the axes' order (load_runs)
 
 
 def _with_intervals(table: pd.DataFrame, scores, rows: pd.DataFrame, key: list[str], model_tasks) -> pd.DataFrame:

@@ -102,12 +102,6 @@ def bits_label(row: Row) -> str:
     return str(int(row["kv_bits"])) if _given(row.get("kv_bits")) else "native"
 
 
-def bits_sort_key(label: str) -> tuple[float, str]:
-    """Widest first: 32, 16, 8, 4, 2 (``native`` first of all: the model's own cache, width unknown)."""
-    head = str(label).split(" ")[0]
-    return (-float(head) if head.replace(".", "").isdigit() else -math.inf, str(label))
-
-
 def differing_keys(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(first) | set(second) if first.get(k) != second.get(k))
 
@@ -220,9 +214,9 @@ class ResultStore:
     """A result folder: a JSON record of the run (its options first), an append-only JSON-lines file of rows, and
     files made from the rows (``outputs``). ``key`` says which rows are the same; ``check`` refuses a malformed row.
 
-    A run goes ``claim`` (check and lock the folder) → ``record`` (the model has loaded: the record to write) →
-    ``append`` … (the first writes the record) → ``close`` (let go of the lock); ``with store.claim(options): …``
-    closes it.
+    A run goes ``claim`` (check and lock the folder) → ``record_with_first_row`` (the model has loaded: the record
+    to write) → ``append`` … (the first writes the record: ``record``) → ``close`` (let go of the lock);
+    ``with store.claim(options): …`` closes it.
     """
 
     def __init__(
@@ -338,18 +332,20 @@ class ResultStore:
             if entry.name not in (*own, LOCK_NAME) and not any(is_staging_file(entry.name, name) for name in own)
         ]
 
-    def record(self, run_info: dict[str, Any]) -> None:
-        """The run's record (its model has loaded), written with the first row or by ``write_summary``, whichever
-        comes first: a run refused or failed between the model load and its first row (a check that needs the model,
-        a first prefill out of memory) deletes nothing of a folder being replaced and leaves no record behind."""
+    def record_with_first_row(self, run_info: dict[str, Any]) -> None:
+        """``record`` the run (its model has loaded) with its first row, or at ``write_summary``, whichever comes
+        first: a run refused or failed between the model load and its first row (a check that needs the model, a
+        first prefill out of memory) deletes nothing of a folder being replaced and leaves no record behind."""
         self._record = run_info
 
     def _write_record(self) -> None:
-        """Write the pending record: the run has started. A folder being replaced loses its previous pkvbench
-        files now, not at ``claim`` or ``record``."""
-        if self._record is None:
-            return
-        run_info, self._record = self._record, None
+        if self._record is not None:
+            self.record(self._record)
+
+    def record(self, run_info: dict[str, Any]) -> None:
+        """Write the run's record: the run has started. A folder being replaced loses its previous pkvbench files
+        now, not at ``claim``."""
+        self._record = None
         if self._replacing:
             for path in self.own_paths:
                 remove_file(path)
@@ -370,7 +366,6 @@ class ResultStore:
         process writes (tests, tools). A run holds the lock from ``claim`` to ``close``."""
         with self.claim(run_info["options"], overwrite):
             self.record(run_info)
-            self._write_record()
 
     def discard(self) -> None:
         """Remove what this store wrote (a merge that failed part-way leaves no half a folder)."""

@@ -101,8 +101,9 @@ def fields_of(group: str) -> tuple[str, ...]:
 
 # How the cache was stored; part of the store's key only where it was not the model's own (``results.stored_as``).
 STORAGE = ("kv_native", "kv_bits", "kv_group", "kv_residual")
-# What report.load_runs adds to each row it reads: the folder it came from, and the storage as one label.
-LOADED = ("folder", "kv_stored")
+# What report.load_runs adds to each row it reads: the folder it came from, the storage as one label, and the
+# policy with its bits and decode budget as figures' lines name it (axes.SERIES).
+LOADED = ("folder", "kv_stored", "series")
 # A row's key across run folders (report.load_runs): the model, the store's key, the storage as its label.
 TABLE_KEY = ("model", *(name for name in fields_of(IDENTITY) if name not in ("model", *STORAGE)), "kv_stored")
 # A cell, wherever results are pooled (the gate's cells, the exports' folders, merges' summaries): a row's key less

@@ -7,34 +7,48 @@
 Nothing is downloaded: each model is built from its configuration (``configs/gpu/*.json``, written by hand from the
 published architectures) with random weights directly on the device, the prompts are random token ids and the
 tokenizer is a synthetic word-level one (ids only need to exist; a random model's text means nothing). What is
-measured is the engine's cost, which depends on the shapes, not on the weights:
+measured is the engine's cost, which depends on the shapes, not on the weights. In order:
 
+- exactness, on the tiny model on the same device: the full cache's tokens = the stock model's ``generate``, a
+  compressed cache's (StreamingLLM) = the stock model over the full cache with the dropped positions masked
+  (``pkvbench/engine/exactness.py``), batched = sequential decoding (FlexAttention for ragged rows on CUDA); in
+  float32 and bfloat16, a prefill recording H2O's statistics through the kernel's log-sum-exp leaves the model's
+  output bit for bit; H2O's sums from the log-sum-exp against the chunked float32 ones (and the entries kept at 128),
+  KVzip's fused pass against its unfused one; a decode step makes no host–device sync but reading its tokens;
+- per model, the device's copy bandwidth (the floor of every decode row: bytes a step reads — weights and the
+  cache's keys and values — divided by it);
 - statistics: a plain prefill vs a prefill recording each policy's statistics plus its selection at budget 128 (KVzip:
   its repeat passes), at each length (8k and 32k tokens);
 - grid: a 20-configuration grid (5 policies × 4 budgets) decoded from one prefill, one configuration at a time vs
-  batched, with the rows whose tokens differ;
-- decode per token at budget 128 vs the full cache, at the longest length;
-- peak GPU memory of each (``torch.cuda.max_memory_allocated``, reset before it);
-- exactness, on the tiny model in float32 on the same device: the full cache's tokens = the stock model's
-  ``generate``, a compressed cache's (StreamingLLM) = the stock model over the full cache with the dropped positions
-  masked (``pkvbench/engine/exactness.py``), batched = sequential decoding.
+  batched: the step of the batch against one row's step, the rows whose tokens differ (bfloat16; float32 too for the
+  first model), and the batched decoding run again with ``torch.cuda.set_sync_debug_mode("error")`` after its first
+  step;
+- decode per token at each length (and 128k for the 1B shape): the full cache, SnapKV at budget 128 and
+  AdaKV(SnapKV) at 128, each beside its floor;
+- peak GPU memory of each (``torch.cuda.max_memory_allocated``, reset before it).
 
-Writes ``OUT/bench_gpu.csv`` and ``OUT/bench_gpu.md``. A measurement that fails is a row saying why; the others run.
+kvpress, the peer, is not run here: its pins (transformers < 5.3) differ from the machine image's, and the device has
+no network (docs/benchmark.md). Writes ``OUT/bench_gpu.csv`` and ``OUT/bench_gpu.md``. A measurement that fails is a
+row saying why; the others run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import click
 import pandas as pd
 import torch
 
 from pkvbench.budgets import Budget
+from pkvbench.engine import attention
+from pkvbench.engine.decoding import plan_batches
 from pkvbench.engine.exactness import generate_reference, masked_reference
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import LoadedModel
@@ -55,6 +69,8 @@ STATISTICS = [
 ]
 GRID_POLICIES = ["full", "streamingllm", "h2o", "snapkv", "pyramidkv"]
 GRID_BUDGETS = [64, 128, 256, 512]
+DECODE_POLICIES = {"full": "full", "128": "snapkv", "adakv 128": "adakv(snapkv)"}
+LONGER = {"llama-3.2-1b": 131072}  # a decode length beyond the statistics' for a model whose cache fits it
 
 
 def synthetic_tokenizer(size: int = 1000):
@@ -136,17 +152,79 @@ def timed(device: str, fn):
     return result, time.perf_counter() - started
 
 
-def row(model, measure, context, baseline, ours, peak=None, note="", ratio=None):
+def row(model, measure, context, baseline, ours, peak=None, note="", ratio=None, floor=None):
+    """A table row; ``floor``: the hardware's floor for ``ours`` (bytes read ÷ copy bandwidth), beside its ratio."""
     return {
         "model": model,
         "measure": measure,
         "context": context,
         "baseline_s": None if baseline is None else round(baseline, 4),
-        "ours_s": None if ours is None else round(ours, 4),
+        "ours_s": None if ours is None else round(ours, 6),
         "ratio": ratio if ratio is not None else (round(baseline / ours, 2) if baseline and ours else None),
+        "floor_s": None if floor is None else round(floor, 6),
+        "vs_floor": round(ours / floor, 2) if floor and ours else None,
         "peak_gb": peak,
         "note": note,
     }
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second the device moves in a plain copy (each byte read and written: 2× the tensor), best of 5."""
+    elements = (2**30 if device == "cuda" else 2**25) // 2
+    source = torch.empty(elements, dtype=torch.bfloat16, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = min(timed(device, lambda: target.copy_(source))[1] for _ in range(5))
+    return 2 * source.nbytes / best
+
+
+def weight_bytes(model) -> int:
+    """What a decode step reads of the weights: all but the input embeddings' table (one row per token), which the
+    output layer reads whole where it is tied."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embeddings = model.get_input_embeddings().weight
+    tied = embeddings is model.get_output_embeddings().weight
+    return total if tied else total - embeddings.numel() * embeddings.element_size()
+
+
+def cache_bytes(kept, new_tokens: int) -> int:
+    """Keys and values a step of one row reads on average over ``new_tokens`` tokens: each head's entries, padding
+    not counted."""
+    total = 0
+    for index, keys in enumerate(kept.keys):
+        heads, stored, dim = keys.shape
+        entries = int(kept.lengths[index].sum()) if kept.lengths is not None else heads * stored
+        total += (entries + heads * new_tokens / 2) * 2 * dim * keys.element_size()
+    return int(total)
+
+
+@contextlib.contextmanager
+def no_sync(device: str):
+    """A host–device synchronisation is an error while active (``torch.cuda.set_sync_debug_mode``); on a CPU, any
+    tensor read back as a Python number is (what would be a sync on a GPU)."""
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return
+    names = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def refuse(name):
+        def read(self, *args, **kwargs):
+            raise RuntimeError(f"a decode step read a tensor back (Tensor.{name})")
+
+        return read
+
+    for name in names:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
 
 
 def statistics(engine: Engine, ids: torch.Tensor, repeats: int, policies: list[str]) -> list[dict]:
@@ -186,56 +264,91 @@ def grid_requests(engine: Engine, ids: torch.Tensor, new_tokens: int):
     return prefill, [engine.request(prefill, cache, new_tokens) for cache in caches]
 
 
-def grid(engine: Engine, ids: torch.Tensor, new_tokens: int) -> list[dict]:
-    """The 20-configuration grid's decoding from one prefill: one configuration at a time vs batched."""
+def grid(engine: Engine, ids: torch.Tensor, new_tokens: int, label: str = "") -> list[dict]:
+    """The 20-configuration grid's decoding from one prefill: one configuration at a time vs batched, a step of the
+    batch against one row's; then the batched decoding again with every sync after its first step an error."""
     device, name, length = engine.loaded.device, engine.loaded.name, ids.shape[1]
     _, requests = grid_requests(engine, ids, new_tokens)
-    engine.decode_many(requests[:2])  # warm-up
+    engine.decode_many(requests[:2], 1)  # warm-up: one row's kernels
+    if device == "cuda":
+        engine.decode_many(requests)  # warm-up: the batches' kernels (FlexAttention compiles per shape class)
     with Peak(device) as sequential_peak:
         sequential, sequential_s = timed(device, lambda: engine.decode_many(requests, 1))
     with Peak(device) as batched_peak:
         batched, batched_s = timed(device, lambda: engine.decode_many(requests))
     differ = sum(a.tokens != b.tokens for a, b in zip(sequential, batched))
-    batches = sorted({d.batch for d in batched}, reverse=True)
-    return [
+    batches = plan_batches(requests, None)
+    one_step = sequential_s / sum(len(d.tokens) for d in sequential)
+    batched_steps = sum(max(len(batched[i].tokens) for i in batch) for batch in batches)
+    rows = [
         row(
-            name,
+            name + label,
             "grid of 20 configurations: sequential vs batched decoding",
             length,
             sequential_s,
             batched_s,
             batched_peak.gb,
-            f"{new_tokens} new tokens each; {differ} rows differ; batch sizes {batches}; peak GB sequential "
-            f"{sequential_peak.gb}",
-        )
+            f"{new_tokens} new tokens each; {differ} rows differ; batch sizes {[len(b) for b in batches]}; peak GB "
+            f"sequential {sequential_peak.gb}",
+        ),
+        row(
+            name + label,
+            "grid: a batched step vs one row's step (goal ≤ 2)",
+            length,
+            one_step,
+            batched_s / batched_steps,
+            note=f"{batched_steps} batched steps, {sum(len(d.tokens) for d in sequential)} one-row steps",
+            ratio=round(batched_s / batched_steps / one_step, 2),
+        ),
     ]
+    if label:
+        return rows
+    guard, engine.decoder.step_guard = engine.decoder.step_guard, lambda: no_sync(device)
+    try:
+        engine.decode_many(requests)
+        verdict = "pass: no sync after the first step but the tokens' read"
+    except RuntimeError as exc:
+        verdict = f"FAIL: {str(exc).splitlines()[0][:200]}"
+    finally:
+        engine.decoder.step_guard = guard
+    flex = attention.FLEX_FAILURE
+    note = verdict + (f"; FlexAttention unavailable, masked instead: {flex}" if flex else "")
+    rows.append(row(name, "grid: batched decoding under set_sync_debug_mode('error')", length, None, None, note=note))
+    return rows
 
 
-def decode_per_token(engine: Engine, ids: torch.Tensor, new_tokens: int) -> list[dict]:
+def decode_per_token(engine: Engine, ids: torch.Tensor, new_tokens: int, bandwidth: float) -> list[dict]:
+    """Seconds per token of one row: the full cache, SnapKV and AdaKV(SnapKV) at budget 128, each beside its floor
+    (the weights and the row's keys and values read once per step at the measured copy bandwidth)."""
     device, name, length = engine.loaded.device, engine.loaded.name, ids.shape[1]
-    policy = parse_policy("snapkv")
-    prefill = engine.prefill(ids, [policy])
-    per_token, peaks = {}, {}
-    for label, chosen in (("full", parse_policy("full")), ("128", policy)):
-        cache = engine.compress(prefill, chosen, Budget(128))
+    policies = {label: parse_policy(spec) for label, spec in DECODE_POLICIES.items()}
+    prefill = engine.prefill(ids, list(policies.values()))
+    weights = weight_bytes(engine.model)
+    rows, seconds = [], {}
+    for label, policy in policies.items():
+        cache = engine.compress(prefill, policy, Budget(128))
         engine.decode(prefill, cache, 2)  # warm-up
         with Peak(device) as peak:
-            decoded, seconds = min(
+            decoded, best = min(
                 (timed(device, lambda: engine.decode(prefill, cache, new_tokens)) for _ in range(2)),
                 key=lambda pair: pair[1],
             )
-        per_token[label], peaks[label] = seconds / max(1, len(decoded.tokens) - 1), peak.gb
-    return [
-        row(
-            name,
-            "decode per token: full cache vs budget 128 (SnapKV)",
-            length,
-            per_token["full"],
-            per_token["128"],
-            peaks["128"],
-            f"s per token over {new_tokens} tokens; peak GB full {peaks['full']}",
+        seconds[label] = best / max(1, len(decoded.tokens) - 1)
+        floor = (weights + cache_bytes(cache.kept, new_tokens)) / bandwidth
+        rows.append(
+            row(
+                name,
+                f"decode per token: {label} ({policy.label})",
+                length,
+                None if label == "full" else seconds["full"],
+                seconds[label],
+                peak.gb,
+                f"s per token over {new_tokens} tokens; vs_floor = ours ÷ floor",
+                ratio=None if label == "full" else round(seconds[label] / seconds["full"], 3),
+                floor=floor,
+            )
         )
-    ]
+    return rows
 
 
 def exactness(device: str, length: int, new_tokens: int) -> list[dict]:
@@ -260,18 +373,94 @@ def exactness(device: str, length: int, new_tokens: int) -> list[dict]:
     one_by_one = engine.decode_many(requests, 1)
     batched = engine.decode_many(requests)
     checks["batched = sequential, 20 configurations"] = all(a.tokens == b.tokens for a, b in zip(one_by_one, batched))
-    return [
+    rows = [
+        row("tiny (float32)", f"exactness: {check}", length, None, None, note="pass" if passed else "FAIL", ratio="")
+        for check, passed in checks.items()
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        tiny = engine if dtype == torch.float32 else Engine(build_model(CONFIGS / "tiny.json", device, dtype))
+        rows += statistics_exactness(tiny, ids, dtype)
+    return rows
+
+
+def statistics_exactness(engine: Engine, ids: torch.Tensor, dtype: torch.dtype) -> list[dict]:
+    """The statistics' fused routes in ``dtype``: the prefill's output untouched by H2O's log-sum-exp route; H2O's
+    sums against the chunked float32 ones; KVzip's fused pass against its unfused one (the entries kept at 32)."""
+    label, length = f"tiny ({str(dtype).removeprefix('torch.')})", ids.shape[1]
+    h2o = parse_policy("h2o")
+    plain, recorded = engine.prefill(ids, []), engine.prefill(ids, [h2o])
+    same = torch.equal(plain.last_logits, recorded.last_logits) and all(
+        torch.equal(a, b) for a, b in zip(plain.keys, recorded.keys)
+    )
+    difference = (plain.last_logits.float() - recorded.last_logits.float()).abs().max().item()
+    rows = [
         row(
-            "tiny (float32)",
-            f"exactness: {check}",
+            label,
+            "exactness: a prefill recording H2O (kernel log-sum-exp) = a plain prefill, bit for bit",
             length,
             None,
             None,
-            note="pass" if passed else "FAIL",
+            note="pass" if same else f"FAIL: logits differ by up to {difference:.3g}",
             ratio="",
         )
-        for check, passed in checks.items()
     ]
+    queries = {}
+    recorder = attention.StatsRecorder(h2o.needs)
+    original = recorder.observe
+
+    def observe(layer_idx, query, key, scaling, logsumexp=None):
+        queries[layer_idx] = (query[0], key[0], scaling, logsumexp)
+        return original(layer_idx, query, key, scaling, logsumexp=logsumexp)
+
+    recorder.observe = observe
+    with torch.inference_mode():
+        engine.recorded_forward(ids, recorder)
+    worst, overlap = 0.0, []
+    for layer_idx, (query, key, scaling, _) in queries.items():
+        fused = recorder.layers[length, layer_idx].accumulated
+        chunked = attention.accumulated_attention(query.float(), key.float(), scaling)
+        worst = max(worst, ((fused - chunked).abs() / chunked.clamp(min=1e-6)).max().item())
+        overlap.append(top_overlap(fused, chunked, 32))
+    fused_route = all(lse is not None for *_, lse in queries.values())
+    rows.append(
+        row(
+            label,
+            "exactness: H2O's sums from the kernel's log-sum-exp vs chunked float32",
+            length,
+            None,
+            None,
+            note=f"{'fused' if fused_route else 'NOT fused (chunked)'}; largest relative difference {worst:.2g}; "
+            f"top-32 entries shared {min(overlap):.3f}",
+            ratio="",
+        )
+    )
+    layers = [SimpleNamespace(keys=k, values=v) for k, v in zip(plain.keys, plain.values)]
+    prompt = ids[0].tolist()
+    fused = engine.reconstruction_scores(layers, prompt, 64, fused=True)
+    unfused = engine.reconstruction_scores(layers, prompt, 64, fused=False)
+    finite = [(a.nan_to_num(posinf=0.0), b.nan_to_num(posinf=0.0)) for a, b in zip(fused, unfused)]
+    worst = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item() for a, b in finite)
+    rows.append(
+        row(
+            label,
+            "exactness: KVzip's fused pass vs its unfused one",
+            length,
+            None,
+            None,
+            note=f"largest difference {worst:.2g} of the layer's largest score; top-32 entries shared "
+            f"{min(top_overlap(a, b, 32) for a, b in finite):.3f}",
+            ratio="",
+        )
+    )
+    return rows
+
+
+def top_overlap(scores: torch.Tensor, reference: torch.Tensor, k: int) -> float:
+    """The share of each head's top-k entries of ``reference`` that ``scores`` keeps too (the worst head)."""
+    k = min(k, scores.shape[-1])
+    ours, theirs = scores.topk(k, dim=-1).indices, reference.topk(k, dim=-1).indices
+    shared = (ours[..., :, None] == theirs[..., None, :]).any(-1).float().mean(-1)
+    return shared.min().item()
 
 
 def guarded(rows: list[dict], model: str, what: str, context, fn) -> None:
@@ -292,12 +481,18 @@ def measure_model(
     new_tokens: int,
     repeats: int,
     policies: list[str],
+    float32_grid: bool,
+    longer: bool,
 ) -> list[dict]:
     """Every measurement of one model shape (the grid unless ``grid_length`` is 0)."""
     loaded = build_model(CONFIGS / f"{name}.json", device, dtype)
     engine = Engine(loaded)
     vocab = loaded.config.vocab_size
-    rows = [row(name, "model built with random weights", None, None, loaded.load_s, ratio="")]
+    bandwidth = copy_bandwidth(device)
+    rows = [
+        row(name, "model built with random weights", None, None, loaded.load_s, ratio=""),
+        row(name, "device copy bandwidth (GB/s)", None, None, None, note=f"{bandwidth / 1e9:.0f} GB/s", ratio=""),
+    ]
     engine.prefill(random_prompt(256, vocab), [])  # the first call's kernel choices are not measured
     for length in lengths:
         ids = random_prompt(length, vocab).to(device)
@@ -305,40 +500,86 @@ def measure_model(
     if grid_length:
         ids = random_prompt(grid_length, vocab).to(device)
         guarded(rows, name, "grid", grid_length, lambda: grid(engine, ids, new_tokens))
-    longest = random_prompt(max(lengths), vocab).to(device)
-    guarded(rows, name, "decode per token", max(lengths), lambda: decode_per_token(engine, longest, 2 * new_tokens))
+    decode_lengths = [*lengths, *([LONGER[name]] if longer and name in LONGER else [])]
+    if name == "tiny":
+        decode_lengths = lengths[-1:]  # the code path once (the test suite runs it)
+    for length in decode_lengths:
+        ids = random_prompt(length, vocab).to(device)
+        guarded(
+            rows,
+            name,
+            "decode per token",
+            length,
+            lambda ids=ids: decode_per_token(engine, ids, new_tokens, bandwidth),
+        )
+    if grid_length and float32_grid and dtype != torch.float32:
+        del engine, loaded
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        engine = Engine(build_model(CONFIGS / f"{name}.json", device, torch.float32))
+        ids = random_prompt(grid_length, vocab).to(device)
+        guarded(rows, name, "grid (float32)", grid_length, lambda: grid(engine, ids, new_tokens, " (float32)"))
     return rows
 
 
 @click.command()
 @click.option("--tiny", is_flag=True, help="The tiny model on CPU with short prompts: the code path in seconds.")
 @click.option("--models", default="llama-3.2-1b,llama-3.1-8b", show_default=True, help="Configurations in configs/gpu.")
-@click.option("--lengths", default="8192,32768", show_default=True, help="Prompt lengths for the statistics.")
+@click.option("--lengths", default="8192,32768", show_default=True, help="Prompt lengths: statistics and decoding.")
 @click.option(
     "--statistics", default=",".join(STATISTICS), show_default=True, help="Policies whose statistics are timed."
 )
 @click.option("--grid-length", default=8192, show_default=True, help="Prompt length of the decoding grid (0: none).")
 @click.option("--new-tokens", default=32, show_default=True, help="Tokens each grid configuration decodes.")
 @click.option("--repeats", default=2, show_default=True, help="Timings are the best of this many.")
+@click.option(
+    "--float32-grid/--no-float32-grid", default=True, show_default=True, help="The first model's grid in float32 too."
+)
+@click.option(
+    "--longer/--no-longer", default=True, show_default=True, help="Decode per token at 128k for the 1B shape."
+)
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("--out", default="results/bench/gpu", show_default=True, type=click.Path(file_okay=False))
-def main(tiny, models, lengths, statistics, grid_length, new_tokens, repeats, device, out):
+def main(tiny, models, lengths, statistics, grid_length, new_tokens, repeats, float32_grid, longer, device, out):
     if device == "auto":
         device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
     if tiny:
-        models, lengths, grid_length, new_tokens, repeats = "tiny", "256,512", 256, 8, 1
+        models, lengths, grid_length, new_tokens, repeats, longer = "tiny", "256,512", 256, 8, 1, False
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     lengths = [int(x) for x in str(lengths).split(",")]
     started = time.perf_counter()
     rows: list[dict] = []
     guarded(rows, "tiny (float32)", "exactness", 256, lambda: exactness(device, 256, 16))
     write_tables(rows, out, tiny, device, dtype, started)
-    for name in models.split(","):
-        rows += measure_model(name, device, dtype, lengths, grid_length, new_tokens, repeats, statistics.split(","))
+    for number, name in enumerate(models.split(",")):
+        rows += measure_model(
+            name,
+            device,
+            dtype,
+            lengths,
+            grid_length,
+            new_tokens,
+            repeats,
+            statistics.split(","),
+            float32_grid and number == 0,
+            longer,
+        )
         # after every model: a run stopped by a time limit keeps the tables of the models it finished
         write_tables(rows, out, tiny, device, dtype, started)
         if device == "cuda":
             torch.cuda.empty_cache()  # the next model's peak memory starts from its own
+    rows.append(
+        row(
+            "kvpress",
+            "peer: kvpress's pipeline on the grid's cells",
+            grid_length,
+            None,
+            None,
+            note="skipped: kvpress pins transformers < 5.3 and the device has no network (docs/benchmark.md)",
+            ratio="",
+        )
+    )
+    write_tables(rows, out, tiny, device, dtype, started)
     print((Path(out) / "bench_gpu.md").read_text())
 
 

@@ -5,6 +5,10 @@
 #     bash scripts/bench_gpu.sh                  # both shapes, 8k and 32k tokens; results/bench/gpu/bench_gpu.{csv,md}
 #     bash scripts/bench_gpu.sh --models llama-3.2-1b --lengths 8192     # a quicker look
 #
+# Sized for under 8 minutes on one H100 or H200, unattended: exactness on the device first, then per model the
+# statistics, the grid (with its step under torch.cuda.set_sync_debug_mode("error")) and decode per token beside the
+# floor; the tables are rewritten after every model, so a run cut short keeps what it finished.
+#
 # It runs under .venv's Python if there is one, else python3 (a machine image with torch and transformers, where
 # pkvbench runs from this checkout). OUT (if set) is where the tables go; a copy of the log goes beside them.
 set -euo pipefail

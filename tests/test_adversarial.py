@@ -356,6 +356,8 @@ class Case:
 
 RUN = "run --policy full,snapkv --budget 64 --lengths 500 --depths 0,50 --quiet"
 NEEDLE = "run --policy full --budget 64 --lengths 400 --depths 50 --max-new-tokens 4 --quiet"
+# a config's run, refused for its lengths unless refused before for what the case puts in the config
+CONFIGURED = "run --config {tmp}/config.yaml --lengths 10000000"
 CASES = [
     # 1-3: nothing pkvbench did not create is ever deleted or overwritten
     Case("merge-into-an-existing-folder", "merge {tmp}/a {tmp}/b --out {tmp}/existing", 2, "is not empty",
@@ -691,10 +693,12 @@ CASES = [
     Case("overwrite-with-a-seed-beyond-64-bits", "run --policy random:seed=99999999999999999999999 --lengths 400 "
          "--depths 50 --quiet --out {tmp}/run --overwrite", 2,
          "random: option seed 99999999999999999999999: must be at most 9223372036854775807", run_folder),
-    # N9. a policy's integer options in 64 bits (and the random policy's seed where its generator takes it)
-    Case("policy-arg-beyond-64-bits", "run --policy snapkv --policy-arg window=99999999999999999999 --out {tmp}/o", 2,
+    # N9. a policy's integer options in 64 bits (and the random policy's seed where its generator takes it; each case
+    # refused for its lengths next)
+    Case("policy-arg-beyond-64-bits", "run --policy snapkv --policy-arg window=99999999999999999999 --lengths 10000000 "
+         "--out {tmp}/o", 2,
          "snapkv: option window 99999999999999999999: must be at most 9223372036854775807"),
-    Case("random-seed-beyond-the-generator", "run --policy random:seed=4294967296 --out {tmp}/o", 2,
+    Case("random-seed-beyond-the-generator", "run --policy random:seed=4294967296 --lengths 10000000 --out {tmp}/o", 2,
          "random: seed must be at most 4294967295"),
     # N11. options that only shape another are refused alone (--lengths 10000000 would be refused next: on a
     # pkvbench that accepts them, the case fails fast)
@@ -706,29 +710,33 @@ CASES = [
          "--decode-interval only sets the cuts while decoding, which this run has none of"),
     Case("decode-buffer-with-no-cut", "run --decode-budget none --decode-buffer 2 --lengths 10000000 --out {tmp}/o",
          2, "--decode-buffer only sets the cuts while decoding"),
-    Case("kv-group-in-a-config-without-kv-bits", "run --config {tmp}/config.yaml --lengths 10000000 --out {tmp}/o", 2,
+    Case("kv-group-in-a-config-without-kv-bits", f"{CONFIGURED} --out {{tmp}}/o", 2,
          "--kv-group and --kv-residual only set KIVI's formats", config("kv-group: 16\nkv-residual: 4\n")),
-    # N11. one number parser: 1_6 and full-width digits are no numbers, on the command line as in a config
-    Case("kv-bits-with-an-underscore", "run --kv-bits 1_6 --out {tmp}/o", 2, "--kv-bits 1_6: expected an integer"),
-    Case("kv-bits-in-full-width-digits", "run --kv-bits \uff11\uff16 --out {tmp}/o", 2,
+    # N11. one number parser: 1_6 and full-width digits are no numbers, on the command line as in a config (and
+    # --lengths 10000000 next, as above)
+    Case("kv-bits-with-an-underscore", "run --kv-bits 1_6 --lengths 10000000 --out {tmp}/o", 2,
+         "--kv-bits 1_6: expected an integer"),
+    Case("kv-bits-in-full-width-digits", "run --kv-bits \uff11\uff16 --lengths 10000000 --out {tmp}/o", 2,
          "--kv-bits \uff11\uff16: expected an integer"),
-    Case("kv-bits-with-an-underscore-in-a-config", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+    Case("kv-bits-with-an-underscore-in-a-config", f"{CONFIGURED} --out {{tmp}}/o", 2,
          "--kv-bits 1_6: expected an integer", config("kv-bits: 1_6\n")),
-    Case("kv-bits-in-full-width-digits-in-a-config", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+    Case("kv-bits-in-full-width-digits-in-a-config", f"{CONFIGURED} --out {{tmp}}/o", 2,
          "--kv-bits \uff11\uff16: expected an integer", config("kv-bits: \uff11\uff16\n")),
-    Case("kv-group-with-an-underscore", "run --kv-bits 4 --kv-group 1_6 --out {tmp}/o", 2,
+    Case("kv-group-with-an-underscore", "run --kv-bits 4 --kv-group 1_6 --lengths 10000000 --out {tmp}/o", 2,
          "--kv-group 1_6: expected an integer"),
-    Case("budget-with-an-underscore", "run --budget 1_28 --out {tmp}/o", 2, "budget '1_28' is not a number"),
-    Case("decode-budget-with-an-underscore", "run --policy snapkv --decode-budget 6_4 --out {tmp}/o", 2,
+    Case("budget-with-an-underscore", "run --budget 1_28 --lengths 10000000 --out {tmp}/o", 2,
+         "budget '1_28' is not a number"),
+    Case("decode-budget-with-an-underscore",
+         "run --policy snapkv --decode-budget 6_4 --lengths 10000000 --out {tmp}/o", 2,
          "--decode-budget '6_4': give entries per KV head"),
-    Case("a-hexadecimal-seed-in-a-config", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+    Case("a-hexadecimal-seed-in-a-config", f"{CONFIGURED} --out {{tmp}}/o", 2,
          "--seed 0x10: expected an integer", config("seed: 0x10\n")),
     # N8. aliases expanding past a limit, and a value echoed in a message cut to a short excerpt
-    Case("config-alias-bomb", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+    Case("config-alias-bomb", f"{CONFIGURED} --out {{tmp}}/o", 2,
          "its aliases (*name) expand to more than 10000 values", config(ALIAS_BOMB)),
-    Case("config-alias-inside-itself", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+    Case("config-alias-inside-itself", f"{CONFIGURED} --out {{tmp}}/o", 2,
          "an alias refers to the value that holds it", config("policy: &p [*p]\n")),
-    Case("config-value-of-a-megabyte", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
+    Case("config-value-of-a-megabyte", f"{CONFIGURED} --out {{tmp}}/o", 2,
          f"--seed {'x' * 59}…: expected an integer", config(f"seed: {'x' * 1_000_000}\n")),
     Case("config-list-of-lists", "run --config {tmp}/config.yaml --out {tmp}/o", 2,
          "config key 'policy': list items must be single values, got [['snapkv', 'snapkv', 'snapkv', 'snapkv', ...]",

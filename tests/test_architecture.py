@@ -124,7 +124,7 @@ def test_the_api_is_documented_and_light_to_import():
         "import pydoc; print(pydoc.render_doc(pkvbench.evaluate, renderer=pydoc.plaintext)); print(pkvbench.RunConfig.__doc__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "evaluate(config: 'RunConfig'" in out and "samples.jsonl" in out
+    assert "evaluate(config: 'RunConfig" in out and "samples.jsonl" in out
     assert "Everything a run is" in out
 
 

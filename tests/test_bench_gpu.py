@@ -24,12 +24,20 @@ def test_tiny_gpu_benchmark_runs_every_measurement_and_the_exactness_checks_pass
     assert (tmp_path / "bench_gpu.md").read_text().startswith("`scripts/bench_gpu.py --tiny` on ")
     assert not table.note.fillna("").str.startswith("failed").any(), table.note.tolist()
     exactness = table[table.measure.str.startswith("exactness")]
-    assert len(exactness) == 3 and (exactness.note == "pass").all()
+    assert len(exactness) == 9, exactness.measure.tolist()
+    compared = exactness.measure.str.contains("vs")  # the statistics' fused routes against their references
+    assert (exactness[~compared].note == "pass").all(), exactness.note.tolist()
+    assert exactness[compared].note.str.endswith("entries shared 1.000").all(), exactness.note.tolist()
+    h2o = exactness[exactness.measure.str.contains("H2O's sums")].set_index("model").note
+    assert h2o["tiny (float32)"].startswith("fused")  # bfloat16 on a CPU takes the chunked route by design
     statistics = table[table.measure.str.startswith("prefill + statistics")]
     assert len(statistics) == 2 * len(bench_gpu.STATISTICS) and (statistics.ours_s > 0).all()
     grid = table[table.measure.str.startswith("grid of 20")].iloc[0]
     assert "0 rows differ" in grid.note
-    assert table.measure.str.startswith("decode per token").sum() == 1
+    sync = table[table.measure.str.contains("set_sync_debug_mode")].note
+    assert len(sync) == 1 and sync.iloc[0].startswith("pass"), sync.tolist()
+    decode = table[table.measure.str.startswith("decode per token")]
+    assert len(decode) == 3 and (decode.floor_s > 0).all() and (decode.vs_floor > 0).all()
 
 
 def test_the_full_size_configurations_have_the_published_parameter_counts():

@@ -1,18 +1,27 @@
 """Decoding: greedy choice, ragged caches and their masks, batch planning, and batched == one at a time."""
 
+import contextlib
+import importlib.util
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 
-from pkvbench.engine.cache import RaggedLayer
-from pkvbench.engine.decoding import DecodeRequest, KeptEntries, greedy, plan_batches
+from pkvbench.budgets import Budget
+from pkvbench.engine import attention
+from pkvbench.engine.cache import RaggedCache, RaggedLayer
+from pkvbench.engine.decoding import DecodeRequest, KeptEntries, greedy_rows, plan_batches
+from pkvbench.policies import parse_policy
 
 
 def test_barred_tokens_are_never_chosen_and_logits_stay_untouched():
-    logits = torch.tensor([0.0, 5.0, 1.0, 4.0])
-    assert greedy(logits, []) == 1
-    assert greedy(logits, [1]) == 3
-    assert greedy(logits, [1, 3]) == 2
-    assert logits.tolist() == [0.0, 5.0, 1.0, 4.0]
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0]] * 3)
+    barred = torch.zeros(3, 4, dtype=torch.bool)
+    barred[1, 1] = barred[2, 1] = barred[2, 3] = True
+    assert greedy_rows(logits, None).tolist() == [1, 1, 1]
+    assert greedy_rows(logits, barred).tolist() == [1, 3, 2]
+    assert logits[0].tolist() == [0.0, 5.0, 1.0, 4.0]
 
 
 def ragged(lengths, dim=2, room=4, kv_heads=None):
@@ -153,3 +162,164 @@ def test_batched_decoding_gives_the_tokens_of_one_at_a_time(engine, loaded):
         assert [a.memory for a in alone] == [b.memory for b in together]  # the same cuts and cache sizes
     assert batched_rows > len(samples) * 10
     assert differ == 0
+
+
+def flex_and_masked(layer, query):
+    """The layer's attention for ``query`` through FlexAttention (eager) and through sdpa with its boolean mask."""
+    keys, values = layer.stores
+    group = query.shape[1] // keys.shape[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        flex = attention._flex_kernel(False)(
+            query, keys, values, block_mask=layer.block_mask(query.shape[1]), enable_gqa=group > 1
+        )
+    mask = layer.attention_mask()
+    mask = mask.repeat_interleave(query.shape[1] // mask.shape[1], dim=1)
+    masked = torch.nn.functional.scaled_dot_product_attention(
+        query, layer.keys.repeat_interleave(group, 1), layer.values.repeat_interleave(group, 1), attn_mask=mask
+    )
+    return flex, masked
+
+
+@pytest.mark.parametrize("new", [1, 3])
+def test_flex_attentions_block_mask_sees_what_the_boolean_mask_sees(new):
+    """Rows and heads of different lengths across FlexAttention's blocks of 128 (whole, partly and not read), grouped
+    query heads, and fed tokens causal among themselves: the same output as sdpa with the layer's mask."""
+    torch.manual_seed(0)
+    lengths = torch.tensor([[300, 130], [5, 256], [128, 127]])
+    layer = RaggedLayer(torch.randn(3, 2, 300, 8), torch.randn(3, 2, 300, 8), lengths, room=40, kv_heads=2)
+    layer.update(torch.randn(3, 2, new, 8), torch.randn(3, 2, new, 8))
+    flex, masked = flex_and_masked(layer, torch.randn(3, 4, new, 8))
+    torch.testing.assert_close(flex, masked, rtol=1e-5, atol=1e-6)
+
+
+def tiny_engine():
+    """A 2-layer random Llama in float32 on the CPU (``scripts/bench_gpu.py``'s, built from configs/gpu/tiny.json)."""
+    from pkvbench.engine.generation import Engine
+
+    script = Path(__file__).parents[1] / "scripts" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", script)
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    return Engine(bench_gpu.build_model(bench_gpu.CONFIGS / "tiny.json", "cpu", torch.float32)), bench_gpu
+
+
+@pytest.fixture(scope="module")
+def tiny_grid():
+    """A grid on the tiny model: uniform, per-layer (PyramidKV) and per-head (AdaKV) budgets, and the full cache;
+    rows with a minimum length and a stop string; query-agnostic rows that feed a question first."""
+    engine, bench_gpu = tiny_engine()
+    ids = bench_gpu.random_prompt(300, engine.loaded.config.vocab_size, seed=3)
+    policies = [parse_policy(p) for p in ("full", "snapkv", "pyramidkv", "adakv(snapkv)", "streamingllm")]
+    prefill = engine.prefill(ids, policies)
+    requests = [
+        engine.request(prefill, engine.compress(prefill, p, Budget(b)), 6, stop_strings=("w7",), min_new_tokens=2)
+        for p in policies
+        for b in (32, 150)
+    ]
+    question = list(range(10, 15))
+    requests += [
+        engine.request(prefill, engine.compress(prefill, p, Budget(48)), 6, question=question) for p in policies
+    ]
+    return engine, requests
+
+
+HOST_READS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy")
+
+
+class NoHostReads:
+    """Any tensor read back as a Python number (a host–device sync on a GPU) fails while active, except inside
+    ``kernel`` (torch's own eager FlexAttention on a CPU reads its scale; on a GPU it is a compiled kernel, which
+    ``scripts/bench_gpu.py`` checks under ``torch.cuda.set_sync_debug_mode``)."""
+
+    def __init__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+        self.entered = 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self.entered += 1
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, self.refuse(name))
+        try:
+            yield
+        finally:
+            self.restore()
+
+    def restore(self):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+    @staticmethod
+    def refuse(name):
+        def read(self, *args, **kwargs):
+            raise AssertionError(f"a decode step read a tensor back: Tensor.{name}")
+
+        return read
+
+    def kernel(self, flex):
+        def unguarded(*args, **kwargs):
+            refused = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+            self.restore()
+            try:
+                return flex(*args, **kwargs)
+            finally:
+                for name, method in refused.items():
+                    setattr(torch.Tensor, name, method)
+
+        return unguarded
+
+
+def test_a_decode_step_reads_back_nothing_but_its_tokens_and_rows_get_their_tokens_alone(tiny_grid, monkeypatch):
+    """Every step after the first — the choice of tokens, rows leaving the batch, the model's forward with every
+    layer's update and attention — converts no tensor to a Python number (on a GPU: no sync but the tokens'), through
+    masks and through FlexAttention (eager on a CPU); and in float32 each row's tokens are those it decodes alone."""
+    engine, requests = tiny_grid
+    guard = NoHostReads()
+    monkeypatch.setattr(engine.decoder, "step_guard", guard)
+    flex, flex_calls = attention._flex_kernel(False), []
+    monkeypatch.setattr(attention, "_flex_kernel", lambda compiled: flex_calls.append(1) or guard.kernel(flex))
+    alone = [engine.decoder.decode_batch([r])[0].tokens for r in requests]
+    with attention.ragged_kernel("masked"):
+        masked = engine.decode_many(requests)
+    with attention.ragged_kernel("flex"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        flexed = engine.decode_many(requests)
+    assert guard.entered > 40 and max(d.batch for d in masked) >= 4 and flex_calls
+    assert len({tuple(t) for t in alone}) > 3  # rows differ among themselves
+    assert [d.tokens for d in masked] == alone and [d.tokens for d in flexed] == alone
+
+
+def test_a_step_builds_each_mask_once_for_layers_of_the_same_lengths():
+    lengths = torch.tensor([[3, 3], [1, 1]])
+    layers = [RaggedLayer(torch.zeros(2, 2, 3, 2), torch.zeros(2, 2, 3, 2), lengths, 4, 2) for _ in range(3)]
+    cache = RaggedCache(layers)
+    new = torch.zeros((2, 2, 1, 2))
+    masks = []
+    for index in range(3):
+        cache.update(new, new, index)
+        masks.append(cache.layers[index].attention_mask())
+    assert masks[0] is masks[1] is masks[2]
+    cache.update(new, new, 0)  # the next step: lengths moved on, a new mask
+    assert cache.layers[0].attention_mask() is not masks[0] and cache.layers[0].attention_mask().shape[-1] == 5
+
+
+def test_flex_attention_is_left_to_layer_kinds_that_mask_more_and_to_calls_with_extras():
+    """FlexAttention's block mask encodes the lengths only: a layer kind with its own mask (a sliding window) and a
+    call with arguments it does not honour (soft-capping) take the model's kernel with the layer's mask."""
+
+    class Windowed(RaggedLayer):
+        def attention_mask(self):
+            return super().attention_mask()
+
+    lengths, query = torch.tensor([[3, 3], [1, 1]]), torch.zeros(2, 4, 1, 2)
+    plain, windowed = (
+        kind(torch.zeros(2, 2, 3, 2), torch.zeros(2, 2, 3, 2), lengths, 4, 2) for kind in (RaggedLayer, Windowed)
+    )
+    with attention.ragged_kernel("flex"):
+        assert attention._flex_applies("sdpa", plain, query, {"scaling": 0.5, "dropout": 0.0})
+        assert not attention._flex_applies("sdpa", windowed, query, {"scaling": 0.5})
+        assert not attention._flex_applies("sdpa", plain, query, {"softcap": 30.0})
+        assert not attention._flex_applies("eager", plain, query, {})
+    with attention.ragged_kernel("masked"):
+        assert not attention._flex_applies("sdpa", plain, query, {})

@@ -58,24 +58,27 @@ def test_export_writes_kvpress_folders(tmp_path, capsys):
 
 
 def test_ranking_averages_task_means_per_ratio_and_ranks_against_the_full_cache(tmp_path):
+    from pkvbench.axes import order_axes
     from pkvbench.export import leaderboard_ranking
 
-    rows = pd.DataFrame(
-        [
-            # tova: niah 1.0 and 0.0 at cr0.5 (mean 0.5), vt 1.0 → 75.0 at cr0.5; 0.0 everywhere at cr0.75 → avg 37.5
-            row("niah_single_1", "len4000_0", "tova", "cr0.5", "agnostic", 1.0),
-            row("niah_single_1", "len4000_1", "tova", "cr0.5", "agnostic", 0.0),
-            row("vt", "len4000_0", "tova", "cr0.5", "agnostic", 1.0),
-            row("niah_single_1", "len4000_0", "tova", "cr0.75", "agnostic", 0.0),
-            row("vt", "len4000_0", "tova", "cr0.75", "agnostic", 0.0),
-            # knorm: 1.0 everywhere → avg 100, rank 1 above tova
-            *(
-                row(t, "len4000_0", "knorm", b, "agnostic", 1.0)
-                for t in ("niah_single_1", "vt")
-                for b in ("cr0.5", "cr0.75")
-            ),
-            row("niah_single_1", "len4000_0", "full", "cr0.5", "agnostic", 1.0, kept=4000),
-        ]
+    rows = order_axes(
+        pd.DataFrame(
+            [
+                # tova: niah 1.0 and 0.0 at cr0.5 (mean 0.5), vt 1.0 → 75.0 at cr0.5; 0.0 everywhere at cr0.75 → avg 37.5
+                row("niah_single_1", "len4000_0", "tova", "cr0.5", "agnostic", 1.0),
+                row("niah_single_1", "len4000_1", "tova", "cr0.5", "agnostic", 0.0),
+                row("vt", "len4000_0", "tova", "cr0.5", "agnostic", 1.0),
+                row("niah_single_1", "len4000_0", "tova", "cr0.75", "agnostic", 0.0),
+                row("vt", "len4000_0", "tova", "cr0.75", "agnostic", 0.0),
+                # knorm: 1.0 everywhere → avg 100, rank 1 above tova
+                *(
+                    row(t, "len4000_0", "knorm", b, "agnostic", 1.0)
+                    for t in ("niah_single_1", "vt")
+                    for b in ("cr0.5", "cr0.75")
+                ),
+                row("niah_single_1", "len4000_0", "full", "cr0.5", "agnostic", 1.0, kept=4000),
+            ]
+        )
     )
     table = leaderboard_ranking(rows).set_index("policy")
     assert list(table.index) == ["full", "knorm", "tova"]

@@ -6,12 +6,13 @@ import sys
 import pandas as pd
 import pytest
 
+from pkvbench.axes import order_axes
 from pkvbench.figure_data import full_reference, needle_cells
 
 
 def rows(*records):
     columns = ["model", "task", "policy", "budget", "kv_bits", "query_mode", "sample_id", "score"]
-    return pd.DataFrame([dict(zip(columns, r)) for r in records])
+    return order_axes(pd.DataFrame([dict(zip(columns, r)) for r in records]))  # as report.load_runs gives them
 
 
 def test_the_full_reference_counts_each_sample_once_and_is_the_widest_cache():

@@ -169,7 +169,6 @@ def test_a_resume_under_other_versions_is_refused_or_noted_and_the_record_keeps_
         assert store.notes == [f"{tmp_path / 'run'}: resumed under python 3.11 → 3.12, commit aaaaaaaaaa → bbbbbbbbbb "
                                "(rows so far from the first)"]  # fmt: skip
         store.record({"options": OPTIONS, **later})
-        store.write_summary()  # the record is written with the run's first row or its summary (issue 40, N14)
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["versions"]["python"] == "3.11" and record["started"] == "then"  # the first session's
     assert record["resumed"] == [{"versions": later["versions"], "commit": "b" * 40, "started": "now"}]

@@ -98,7 +98,11 @@ def test_the_store_key_is_the_identity_but_the_model():
 
 
 def test_the_pages_lists_come_from_the_schema():
-    configuration = (set(schema.FIELDS) - {"context_tokens", *schema.fields_of(schema.TEXT)}) | {"folder", "kv_stored"}
+    configuration = (set(schema.FIELDS) - {"context_tokens", *schema.fields_of(schema.TEXT)}) | {
+        "folder",
+        "kv_stored",
+        "series",
+    }
     assert configuration == CONFIG_FIELDS
     # the sample view shows the sample's own fields: the schema's sample group and the task's columns
     row = built_row(runner.Cell(SNAPKV, Budget(64)))

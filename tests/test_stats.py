@@ -72,6 +72,25 @@ def test_accumulated_attention_when_the_log_sum_exps_spread_too_wide_for_value_w
     assert not torch.allclose(forced, expected, rtol=1e-5, atol=1e-4)
 
 
+def test_accumulated_attention_in_sixteen_bits_reads_the_kernels_float32_log_sum_exp():
+    """The GPU's route (a bfloat16 model, the flash kernel): the same sums, within the kernel's float32 accumulation,
+    from bfloat16 queries and keys — run here through the CPU's flash kernel in bfloat16, the math the CUDA kernel
+    is handed (``scripts/bench_gpu.py``'s exactness block runs it on the device); even where the lse spread wide."""
+    from pkvbench.engine import attention
+
+    gen = torch.Generator().manual_seed(5)
+    query, key = (torch.randn(h, 300, 64, generator=gen).bfloat16() for h in (6, 2))
+    query[:, 150:] *= 20
+    kernel = attention.flash_kernel(torch.device("cpu"), torch.bfloat16)
+    _, logsumexp = kernel(
+        query[None], key.repeat_interleave(3, 0)[None], key.repeat_interleave(3, 0)[None], True, 0.125
+    )
+    sums = attention.accumulated_from_logsumexp(query, key, logsumexp[0], 0.125, kernel=kernel)
+    expected = naive_attention(query.float(), key.float(), 0.125).sum(dim=1)
+    assert sums.dtype == torch.float32
+    torch.testing.assert_close(sums, expected, rtol=2e-3, atol=1e-4)
+
+
 def test_bidirectional_sums_leave_only_the_window_block_causal():
     from pkvbench.engine.attention import bidirectional_attention_sums
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
+import warnings
 from collections.abc import Iterator
 from typing import Protocol
 
 import torch
 
+from pkvbench.engine.cache import FLEX_BLOCK, RaggedLayer
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs
 
@@ -320,17 +323,98 @@ class _OneSetPerQueryHead:
         return getattr(self._module, name)
 
 
+# How a decode step attends over rows or heads of different lengths, per device type: "flex" (FlexAttention over
+# the whole store with a block mask from the lengths: the padding's blocks are skipped, no mask tensor is formed;
+# compiled on CUDA) or "masked" (the model's kernel with a boolean mask). A batch whose rows and heads all hold the
+# same count takes neither: the model's kernel with no mask (sdpa's flash kernel on a GPU).
+RAGGED_KERNELS = {"cuda": "flex"}
+_RAGGED_KERNEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("pkvbench_ragged_kernel", default=None)
+# Why compiled FlexAttention could not run in this process (it then masks, as on a CPU); None while it can.
+FLEX_FAILURE: str | None = None
+# Keyword arguments of a decoding attention call that FlexAttention's path honours (the values it can take below).
+_FLEX_KWARGS = {"dropout", "scaling", "position_ids", "is_causal", "output_attentions", "use_cache", "cache_position"}
+
+
+@contextlib.contextmanager
+def ragged_kernel(name: str) -> Iterator[None]:
+    """Decode ragged batches with ``name`` ("flex" or "masked") on every device while active (tests run FlexAttention
+    eagerly on a CPU this way)."""
+    token = _RAGGED_KERNEL.set(name)
+    try:
+        yield
+    finally:
+        _RAGGED_KERNEL.reset(token)
+
+
+def _ragged_kernel_for(device: torch.device) -> str:
+    chosen = _RAGGED_KERNEL.get() or RAGGED_KERNELS.get(device.type, "masked")
+    return "masked" if chosen == "flex" and device.type == "cuda" and FLEX_FAILURE else chosen
+
+
+@functools.cache
+def _flex_kernel(compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # dynamic: one compilation serves every batch size and store length (each costs seconds), not one per shape
+    return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
+
+
+def _flex_decoding(layer, module, query: torch.Tensor, kwargs: dict):
+    """FlexAttention of the step's queries over the layer's whole store, its block mask built from the lengths
+    (``RaggedLayer.block_mask``); the output in transformers' kernels' layout ``[batch, new, Hq, d]``."""
+    global FLEX_FAILURE
+    keys, values = layer.stores
+    compiled = query.device.type == "cuda"
+    try:
+        output = _flex_kernel(compiled)(
+            query,
+            keys,
+            values,
+            block_mask=layer.block_mask(query.shape[1]),
+            scale=kwargs.get("scaling", module.scaling),
+            enable_gqa=query.shape[1] != keys.shape[1],
+        )
+    except Exception as exc:  # no compiler for this device (no triton): mask as on a CPU, and say so once
+        if not compiled:
+            raise
+        FLEX_FAILURE = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        warnings.warn(f"FlexAttention unavailable, decoding ragged batches with masks: {FLEX_FAILURE}", stacklevel=2)
+        return None
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _flex_applies(base: str, layer, query: torch.Tensor, kwargs: dict) -> bool:
+    """FlexAttention computes what the model's sdpa call would (no soft-capping, window, sinks or other extras), for
+    a layer whose mask is the lengths' alone (a kind that masks more, a sliding window, overrides ``attention_mask``
+    and is left to it), over at most one block of new tokens."""
+    return (
+        base == "sdpa"
+        and getattr(type(layer), "attention_mask", None) is RaggedLayer.attention_mask
+        and query.shape[2] <= FLEX_BLOCK
+        and not kwargs.get("dropout", 0.0)
+        and not set(kwargs) - _FLEX_KWARGS
+        and _ragged_kernel_for(query.device) == "flex"
+    )
+
+
 def _decoding_attention(kernel, base: str, layer, module, query, key, value, **kwargs):
     """Attention of new tokens over a ``RaggedLayer``: each row and head sees its own entries and nothing else. A
-    layer that records for cuts while the answer is written (``shrinking.ShrinkingLayer``) sees the new queries."""
+    layer that records for cuts while the answer is written (``shrinking.ShrinkingLayer``) sees the new queries.
+
+    Rows and heads of one length, one new token: the model's kernel with no mask (flash on a GPU). Otherwise
+    FlexAttention or a mask (``RAGGED_KERNELS``). Nothing here reads a tensor back to the host."""
     observe = getattr(layer, "observe", None)
     if observe is not None:
         observe(query, kwargs.get("scaling", module.scaling))
-    mask = layer.attention_mask()
     groups = getattr(module, "num_key_value_groups", 1)
     if key.shape[1] == query.shape[1] and groups > 1:
         module = _OneSetPerQueryHead(module)
-    elif mask is not None and mask.shape[1] > 1 and groups > 1:
+    if not getattr(layer, "uniform", False) and _flex_applies(base, layer, query, kwargs):
+        output = _flex_decoding(layer, module, query, kwargs)
+        if output is not None:
+            return output
+    mask = layer.attention_mask()
+    if mask is not None and mask.shape[1] > 1 and groups > 1 and key.shape[1] != query.shape[1]:
         mask = mask.repeat_interleave(groups, dim=1)  # per KV head → per query head, in repeat_kv's order
     if mask is not None and base not in MASKED_KERNELS:
         raise PkvError(
@@ -350,16 +434,45 @@ def _decoding_attention(kernel, base: str, layer, module, query, key, value, **k
 _PLAIN_PREFILL_KWARGS = {"dropout", "scaling", "position_ids", "is_causal", "output_attentions", "use_cache"}
 
 
+def flash_kernel(device: torch.device, dtype: torch.dtype):
+    """PyTorch's fused attention kernel that returns each query's log-sum-exp on this device for this dtype, as
+    ``kernel(query, key, value, causal, scale) -> (output [B, H, n, d], log-sum-exp [B, H, n] float32)`` (keys and
+    values with the queries' heads), or None where there is none: the flash kernel for CPUs; on CUDA the flash kernel
+    in 16 bits and the memory-efficient one in float32 (which pads its log-sum-exps to 32 queries). Blocks of queries
+    and keys, never a T×T matrix."""
+    aten = torch.ops.aten
+    if device.type == "cpu" and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return lambda q, k, v, causal, scale: aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )[:2]
+    if device.type != "cuda":
+        return None
+    if dtype in (torch.float16, torch.bfloat16):
+        return lambda q, k, v, causal, scale: aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )[:2]
+
+    def efficient(q, k, v, causal, scale):
+        output, logsumexp = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[
+            :2
+        ]
+        return output, logsumexp[..., : q.shape[2]]
+
+    return efficient
+
+
 def _attention_with_logsumexp(base: str, module, query, key, value, attention_mask, kwargs):
     """The prefill's attention output as the model's sdpa kernel computes it, with each query's log-sum-exp, when
-    that is to be had for free: sdpa on CPU in float32, causal with no mask, runs PyTorch's flash kernel, which returns
-    both (the same output, bit for bit: ``tests/test_engine.py``). Else None."""
-    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    that is to be had for free: sdpa, causal with no mask, on a CPU in float32 (PyTorch's flash kernel for CPUs: the
+    same output, bit for bit, ``tests/test_engine.py``) or on CUDA (the flash kernel in 16 bits, as sdpa picks it;
+    ``scripts/bench_gpu.py`` checks the output against sdpa's on the device). Else None."""
+    kernel = flash_kernel(query.device, query.dtype)
     if (
-        flash is None
+        kernel is None
         or base != "sdpa"
-        or query.device.type != "cpu"
-        or query.dtype != torch.float32
+        or (query.device.type == "cpu" and query.dtype != torch.float32)
+        or query.shape[-1] % 8
+        or query.shape[-1] > 256
         or attention_mask is not None
         or query.shape[2] != key.shape[2]
         or kwargs.get("dropout", 0.0)
@@ -369,7 +482,7 @@ def _attention_with_logsumexp(base: str, module, query, key, value, attention_ma
         return None
     group = query.shape[1] // key.shape[1]
     keys, values = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-    output, logsumexp = flash(query, keys, values, 0.0, True, scale=kwargs.get("scaling", module.scaling))[:2]
+    output, logsumexp = kernel(query, keys, values, True, kwargs.get("scaling", module.scaling))
     return output.transpose(1, 2).contiguous(), logsumexp
 
 
@@ -378,9 +491,10 @@ WEIGHT_RANGE = 60.0
 
 
 def accumulated_from_logsumexp(
-    query: torch.Tensor, key: torch.Tensor, logsumexp: torch.Tensor, scaling: float
+    query: torch.Tensor, key: torch.Tensor, logsumexp: torch.Tensor, scaling: float, kernel=None
 ) -> torch.Tensor:
-    """``accumulated_attention`` given each query's log-sum-exp ``[Hq, T]``, in one fused kernel call.
+    """``accumulated_attention`` given each query's log-sum-exp ``[Hq, T]``, in one fused kernel call
+    (``flash_kernel``'s, or ``kernel``).
 
     Position j's sum over queries r ≥ j of exp(q_r·k_j·s − lse_r) is a kernel call with the roles swapped: "query"
     k_j over "keys" q_r·s, causal once both sequences are reversed. The kernel normalises by its own log-sum-exp L_j
@@ -388,34 +502,52 @@ def accumulated_from_logsumexp(
     the head's smallest lse (weights ≤ 1). This keeps the head size the model's (the kernel wants Q, K and V of one
     size): 10% faster at 4000 tokens than carrying −lse_r as an extra key dimension, which is kept for a call where
     any head's log-sum-exps spread wider than ``WEIGHT_RANGE`` (its weights would underflow). PyTorch's flash kernel
-    works in blocks, without the T×T matrix.
+    works in blocks, without the T×T matrix. In 16 bits (a GPU's model) the sums come from the kernel's float32
+    log-sum-exp instead (``_accumulated_in_sixteen_bits``): a 16-bit output would round them to 3 digits.
     """
     heads, length, dim = query.shape
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    keys = key.float().repeat_interleave(heads // key.shape[0], dim=0)
+    kernel = kernel or flash_kernel(query.device, query.dtype)
+    keys = key.repeat_interleave(heads // key.shape[0], dim=0)
+    if query.dtype != torch.float32:
+        return _accumulated_in_sixteen_bits(query, keys, logsumexp, scaling, kernel)
     logsumexp = logsumexp.float()
     smallest = logsumexp.amin(dim=1, keepdim=True)
     if (logsumexp.amax(dim=1, keepdim=True) - smallest).max() > WEIGHT_RANGE:
-        return _accumulated_with_bias_dimension(query, keys, logsumexp, scaling)
+        return _accumulated_with_bias_dimension(query, keys, logsumexp, scaling, kernel)
     weights = torch.zeros(heads, length, dim, device=query.device)
     weights[..., 0] = (smallest - logsumexp).exp()
-    output, normaliser = flash(
-        keys.flip(1)[None], (query.float() * scaling).flip(1)[None], weights.flip(1)[None], 0.0, True, scale=1.0
-    )[:2]
+    output, normaliser = kernel(keys.flip(1)[None], (query * scaling).flip(1)[None], weights.flip(1)[None], True, 1.0)
     return (output[0, ..., 0].log() + normaliser[0] - smallest).exp().flip(1)
 
 
-def _accumulated_with_bias_dimension(query, keys, logsumexp, scaling) -> torch.Tensor:
+def _accumulated_with_bias_dimension(query, keys, logsumexp, scaling, kernel) -> torch.Tensor:
     """The same sums with −lse_r as an extra dimension of the "keys" ([k_j, 1]·[q_r·s, −lse_r]): exact for any spread
     of the log-sum-exps, at a head size padded from d + 1 to a multiple of 8."""
     heads, length, dim = query.shape
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     pad = (-(dim + 1)) % 8  # the kernel runs fastest on head sizes in multiples of 8
     extra = torch.zeros(heads, length, pad, device=query.device)
     as_queries = torch.cat([keys, torch.ones(heads, length, 1, device=query.device), extra], dim=-1).flip(1)
-    as_keys = torch.cat([query.float() * scaling, -logsumexp[..., None], extra], dim=-1).flip(1)
-    sums = flash(as_queries[None], as_keys[None], torch.zeros_like(as_keys)[None], 0.0, True, scale=1.0)[1]
+    as_keys = torch.cat([query * scaling, -logsumexp[..., None], extra], dim=-1).flip(1)
+    sums = kernel(as_queries[None], as_keys[None], torch.zeros_like(as_keys)[None], True, 1.0)[1]
     return sums[0].flip(1).exp()
+
+
+def _accumulated_in_sixteen_bits(query, keys, logsumexp, scaling, kernel) -> torch.Tensor:
+    """The sums for 16-bit queries and keys as the kernel's own float32 log-sum-exp over [k_j, 1, 1]·[q_r, h_r, l_r]
+    at scale s, where h_r + l_r = −lse_r / s split over two 16-bit numbers (a high part and the rest, 16 significant
+    bits together): no product is rounded beyond the model's own q and k, no weight underflows, and the output (in 16
+    bits) is not read. Head size d + 2, padded to a multiple of 8."""
+    heads, length, dim = query.shape
+    shift = -logsumexp.float() / scaling
+    high = shift.to(query.dtype)
+    low = (shift - high.float()).to(query.dtype)
+    pad = (-(dim + 2)) % 8
+    extra = query.new_zeros(heads, length, pad)
+    ones = query.new_ones(heads, length, 2)
+    as_queries = torch.cat([keys.to(query.dtype), ones, extra], dim=-1).flip(1)
+    as_keys = torch.cat([query, high[..., None], low[..., None], extra], dim=-1).flip(1)
+    sums = kernel(as_queries[None], as_keys[None], torch.zeros_like(as_keys)[None], True, scaling)[1]
+    return sums[0].float().flip(1).exp()
 
 
 def _recording_attention(base: str):

@@ -10,12 +10,39 @@ The store has room for the answer's tokens from the start (transformers' ``Dynam
 step, copying the whole layer each time: O(T) per token). A layer may hold one set of entries per *query* head
 (the reference protocol's ``gqa=query``); it then repeats each new token's key and value to every query head of its
 group, as the reference code's ``repeat_kv`` does before its cache.
+
+No host–device synchronisation while a batch decodes: the lengths are planned (each step adds the same number of
+tokens to every row; rows leave the batch by index; cuts set a row's count), so the layer keeps a host copy
+(``host_lengths``, numpy) beside the device tensor (``lengths``) and decides everything that needs a number — the
+columns attention reads, whether a mask is needed, when to grow — from the host copy. A GPU then runs a whole decode
+step ahead of the host; the only read back is the step's chosen tokens (``decoding.BatchDecoder``).
+
+The contract a layer kind keeps for the decoder and the attention wrapper (``attention._decoding_attention``):
+``update`` (write the step's keys and values, return what attention reads), ``attention_mask`` (None where every
+row and head sees every column), ``uniform`` (all rows and heads hold the same count: no mask at all, not even a
+causal one for one new token), ``block_mask`` (FlexAttention's, optional), ``held``, ``select_rows`` (a device
+index and, to stay without a sync, the same rows on the host), ``lengths``. Masks and index tensors depend only on
+the lengths, so they are built once per step and shared by every layer whose lengths are the same (``step_memo``,
+which ``RaggedCache`` clears when a step begins at layer 0).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+# FlexAttention's block of keys: a block past a row's length is skipped, one holding its end is masked inside.
+FLEX_BLOCK = 128
+
+
+def host_copy(lengths: torch.Tensor | np.ndarray | Sequence) -> np.ndarray:
+    """A host (numpy, int64) copy of lengths: one read back, where a batch is built, never while it decodes."""
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.detach().to("cpu").numpy()
+    return np.array(lengths, dtype=np.int64)
 
 
 class RaggedLayer(DynamicLayer):
@@ -30,16 +57,27 @@ class RaggedLayer(DynamicLayer):
         self._value_store = values.new_zeros((batch, heads, stored + room, values.shape[-1]))
         self._key_store[:, :, :stored] = keys
         self._value_store[:, :, :stored] = values
-        self.lengths = lengths.to(device=keys.device, dtype=torch.long).clone()
+        self.host_lengths = host_copy(lengths).reshape(batch, heads)
+        self.lengths = torch.tensor(self.host_lengths, device=keys.device)
         self._new = 0  # tokens written by the last update (the queries of the coming attention)
+        self.step_memo: dict = {}  # masks and indices of this step, shared with layers of the same lengths
+        self.memo_shared = False  # True: a RaggedCache clears the memo when a step begins; else each update does
         self._expose()
 
     @property
     def heads(self) -> int:
         return self._key_store.shape[1]
 
+    @property
+    def uniform(self) -> bool:
+        """Every row and head holds the same number of entries, and they fill the columns attention reads."""
+        return bool((self.host_lengths == self.host_lengths.flat[0]).all())
+
+    def _longest(self) -> int:
+        return int(self.host_lengths.max()) if self.host_lengths.size else 0
+
     def _expose(self) -> None:
-        longest = int(self.lengths.max())
+        longest = self._longest()
         self.keys = self._key_store[:, :, :longest]
         self.values = self._value_store[:, :, :longest]
 
@@ -50,17 +88,37 @@ class RaggedLayer(DynamicLayer):
         self._key_store = torch.nn.functional.pad(self._key_store, pad)
         self._value_store = torch.nn.functional.pad(self._value_store, pad)
 
+    def _memo(self, kind: str, build, *extra):
+        """``build()`` once per step for every layer whose lengths are these (the key holds them all)."""
+        key = (kind, self.host_lengths.shape, self.host_lengths.tobytes(), self._new, *extra)
+        if key not in self.step_memo:
+            self.step_memo[key] = build()
+        return self.step_memo[key]
+
+    def _columns(self, new: int) -> torch.Tensor:
+        """``[batch, heads, new]``: where each row and head writes its new tokens (right after its entries)."""
+        return self.lengths[:, :, None] + torch.arange(new, device=self.lengths.device)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.memo_shared:
+            self.step_memo.clear()
         if self.group > 1:  # one set per query head: every query head of a group gets the new entry
             key_states = key_states.repeat_interleave(self.group, dim=1)
             value_states = value_states.repeat_interleave(self.group, dim=1)
         new = key_states.shape[2]
-        columns = self.lengths[:, :, None] + torch.arange(new, device=self.lengths.device)  # [batch, heads, new]
-        if int(columns.max()) >= self._key_store.shape[2]:
-            self._grow(int(columns.max()) + 1)
-        self._key_store.scatter_(2, columns[..., None].expand(-1, -1, -1, key_states.shape[-1]), key_states)
-        self._value_store.scatter_(2, columns[..., None].expand(-1, -1, -1, value_states.shape[-1]), value_states)
+        if self._longest() + new > self._key_store.shape[2]:
+            self._grow(self._longest() + new)
+        if self.uniform:  # one slice for the whole batch, no index
+            start = int(self.host_lengths.flat[0])
+            self._key_store[:, :, start : start + new] = key_states
+            self._value_store[:, :, start : start + new] = value_states
+        else:
+            self._new = new  # the memo's key: the columns of these lengths for this many tokens
+            columns = self._memo("columns", lambda: self._columns(new))[..., None]
+            self._key_store.scatter_(2, columns.expand(-1, -1, -1, key_states.shape[-1]), key_states)
+            self._value_store.scatter_(2, columns.expand(-1, -1, -1, value_states.shape[-1]), value_states)
         self.lengths += new
+        self.host_lengths += new
         self._new = new
         self._expose()
         return self.keys, self.values
@@ -68,34 +126,93 @@ class RaggedLayer(DynamicLayer):
     def attention_mask(self) -> torch.Tensor | None:
         """Which stored columns each of the last update's queries may see: ``[batch, 1 or heads, new, columns]``,
         or None when every row and head sees all columns (one query, no padding)."""
-        visible = self.lengths - self._new  # entries each row and head had before the new tokens
-        if self._new == 1 and bool((self.lengths == self.keys.shape[2]).all()):
+        if self._new == 1 and self.uniform:
             return None
-        if bool((self.lengths == self.lengths[:, :1]).all()):
-            visible = visible[:, :1]  # the same for every head: one mask row serves them all
+        return self._memo("mask", self._build_mask, self.keys.shape[2])
+
+    def _build_mask(self) -> torch.Tensor:
+        per_head = not bool((self.host_lengths == self.host_lengths[:, :1]).all())
+        lengths = self.lengths if per_head else self.lengths[:, :1]  # the same for every head: one mask row
+        visible = lengths - self._new  # entries each row and head had before the new tokens
         query = torch.arange(self._new, device=visible.device)
         limit = visible[:, :, None] + query + 1  # query i sees the row's entries and the new tokens up to itself
         return torch.arange(self.keys.shape[2], device=visible.device) < limit[..., None]
 
+    def block_mask(self, query_heads: int):
+        """FlexAttention's ``BlockMask`` over the whole store (its shape fixed while the batch lasts, so a compiled
+        kernel is reused): per row and query head, the blocks of ``FLEX_BLOCK`` columns wholly before its entries'
+        end (no mask inside), the one holding it (masked), none past it; the last update's queries causal among
+        themselves. Built from the device lengths, no read back."""
+        capacity = self._key_store.shape[2]
+        return self._memo("block", lambda: self._build_block_mask(query_heads), query_heads, capacity)
+
+    def _build_block_mask(self, query_heads: int):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        new, columns = self._new, self._key_store.shape[2]
+        lengths = self.lengths.repeat_interleave(query_heads // self.heads, dim=1)  # [batch, query heads]
+        blocks = -(-columns // FLEX_BLOCK)
+        before = lengths - new  # what every new token sees
+        full = torch.div(before + 1, FLEX_BLOCK, rounding_mode="floor").to(torch.int32)  # blocks no query masks
+        touched = torch.div(lengths + FLEX_BLOCK - 1, FLEX_BLOCK, rounding_mode="floor").to(torch.int32)
+        order = torch.arange(blocks, device=lengths.device, dtype=torch.int32)
+        full_indices = order.expand(*lengths.shape, 1, blocks).contiguous()
+        partial_indices = (full[..., None, None] + order).clamp(max=blocks - 1).to(torch.int32).contiguous()
+        ends = before.clone()  # captured by the mask function (a snapshot: the layer's lengths grow in place)
+
+        def visible(batch, head, query, column):
+            return column <= ends[batch, head] + query
+
+        return BlockMask.from_kv_blocks(
+            (touched - full)[..., None].contiguous(),
+            partial_indices,
+            full[..., None].contiguous(),
+            full_indices,
+            BLOCK_SIZE=FLEX_BLOCK,
+            mask_mod=visible,
+            seq_lengths=(new, columns),
+        )
+
+    @property
+    def stores(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value stores, room included (what ``block_mask`` masks)."""
+        return self._key_store, self._value_store
+
     def held(self, row: int) -> tuple[int, int]:
         """Row ``row``'s entries (summed over heads) and the bytes of its keys and values, each head padded to the
         row's fullest as a row alone would store them."""
-        lengths = self.lengths[row]
+        lengths = self.host_lengths[row]
         width = self._key_store.shape[-1] + self._value_store.shape[-1]
         return int(lengths.sum()), len(lengths) * int(lengths.max()) * width * self._key_store.element_size()
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these batch rows (finished rows leave the batch)."""
+    def set_row_length(self, row: int, count: int) -> None:
+        """Row ``row`` now holds ``count`` entries in every head (a cut while decoding)."""
+        self.lengths[row] = count
+        self.host_lengths[row] = count
+        self._expose()
+
+    def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int] | None = None) -> None:
+        """Keep only these batch rows (finished rows leave the batch); ``host_rows``: the same on the host (else
+        read back from ``rows``)."""
         self._key_store = self._key_store[rows]
         self._value_store = self._value_store[rows]
         self.lengths = self.lengths[rows]
+        self.host_lengths = self.host_lengths[host_copy(rows if host_rows is None else host_rows)]
         self._expose()
 
     def get_seq_length(self) -> int:
-        return int(self.lengths.max())
+        return self._longest()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return int(self.lengths.max()), 0
+        return self._longest(), 0
+
+
+def device_rows(rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    """An index of batch rows on ``device`` without waiting for it: through pinned memory on a GPU."""
+    index = torch.tensor(list(rows), dtype=torch.long)
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 class RaggedCache(Cache):
@@ -103,7 +220,22 @@ class RaggedCache(Cache):
 
     def __init__(self, layers: list[RaggedLayer]):
         super().__init__(layers=layers)
+        self.step_memo: dict = {}
+        for layer in layers:
+            if hasattr(layer, "step_memo"):
+                layer.step_memo, layer.memo_shared = self.step_memo, True
 
-    def select_rows(self, rows: torch.Tensor) -> None:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:  # a new step: the last one's masks are stale
+            self.step_memo.clear()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def select_rows(self, rows: torch.Tensor | Sequence[int]) -> None:
+        """Keep only these batch rows: a device index, or host row numbers (no read back)."""
+        if isinstance(rows, torch.Tensor):
+            for layer in self.layers:
+                layer.select_rows(rows)
+            return
+        index = device_rows(rows, self.layers[0].lengths.device)
         for layer in self.layers:
-            layer.select_rows(rows)
+            layer.select_rows(index, host_rows=rows)

@@ -17,6 +17,7 @@ first rule (padding at most half the kept entries) did, cost more steps than its
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import torch
 from pkvbench.engine import shrinking
 from pkvbench.engine.architecture import FULL
 from pkvbench.engine.attention import decoding
-from pkvbench.engine.cache import RaggedCache
+from pkvbench.engine.cache import RaggedCache, device_rows
 from pkvbench.engine.layers import build_cache
 from pkvbench.engine.quantized import StoredEntries
 
@@ -158,6 +159,9 @@ class BatchDecoder:
         self.query_heads = query_heads or kv_heads
         self.layer_kinds = layer_kinds  # each layer's attention kind (architecture.FULL, SLIDING); None: all full
         self.windows = windows  # each layer's sliding window (None: full attention)
+        # Entered around every decode step after the first (its choice, row selection and forward): a check that
+        # a step never waits for the device (``scripts/bench_gpu.py``: ``torch.cuda.set_sync_debug_mode``).
+        self.step_guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def decode(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:
         results: list[Decoded | None] = [None] * len(requests)
@@ -186,7 +190,12 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def decode_batch(self, requests: list[DecodeRequest]) -> list[Decoded]:
-        """Decode requests that share their heads, feed and position, as one batch."""
+        """Decode requests that share their heads, feed and position, as one batch.
+
+        One read back per step, the chosen tokens: the choice (barred tokens masked while a row is short of its
+        minimum) runs on the device for the whole batch, the next step's input is the chosen tokens' tensor itself,
+        and the cache decides from its host copy of the lengths (``cache.RaggedLayer``). Every step after the first
+        runs inside ``step_guard()`` (``scripts/bench_gpu.py`` makes a sync there an error)."""
         started = time.perf_counter()
         feed = requests[0].feed
         cache = self._cache(requests, room=self._room(requests))
@@ -210,10 +219,19 @@ class BatchDecoder:
             else:
                 logits = torch.stack([r.first_logits for r in requests])
             tracker.start(fed=bool(feed))
+            barred = self._barred_rows(requests, logits.shape[-1])
             live = rows
+            guard = contextlib.nullcontext
             while live:
-                for row, row_logits in zip(live, logits):
-                    row.tokens.append(self._next_token(row, row_logits))
+                with guard():
+                    chosen = greedy_rows(logits, barred)
+                for row, token in zip(live, chosen.tolist()):  # the step's one read back
+                    row.tokens.append(token)
+                if barred is not None:  # rows past their minimum may choose any token from now on
+                    for batch_row, row in enumerate(live):
+                        if len(row.tokens) == row.request.min_new_tokens:
+                            barred[batch_row] = False
+                    barred = barred if any(len(r.tokens) < r.request.min_new_tokens for r in live) else None
                 finished = [self._finished(row) for row in live]
                 if any(finished):
                     now = time.perf_counter()
@@ -224,14 +242,19 @@ class BatchDecoder:
                     keep = [i for i, done in enumerate(finished) if not done]
                     if not keep:
                         break
-                    cache.select_rows(torch.tensor(keep, device=self.device))
+                    with guard():
+                        index = device_rows(keep, self.device)
+                        cache.select_rows(keep)
+                        chosen = chosen[index]
+                        barred = None if barred is None else barred[index]
                     tracker.select_rows(keep)
                     live = [live[i] for i in keep]
                 next_position = position + len(live[0].tokens) - 1
                 tracker.before_forward([len(row.tokens) for row in live], next_position)
-                step = torch.tensor([[row.tokens[-1]] for row in live], device=self.device)
-                steps = torch.full((len(live), 1), next_position, device=self.device)
-                logits = self.forward(step, cache, steps)
+                with guard():
+                    steps = torch.full((len(live), 1), next_position, device=self.device)
+                    logits = self.forward(chosen[:, None], cache, steps)
+                guard = self.step_guard  # the first forward may compile kernels and read back; no later one
         self.sync()
         return [
             Decoded(
@@ -245,20 +268,24 @@ class BatchDecoder:
             for row in rows
         ]
 
+    def _barred_rows(self, requests: list[DecodeRequest], vocab: int) -> torch.Tensor | None:
+        """``[batch, vocab]``: the tokens each row may not choose before its ``min_new_tokens`` — the end tokens and
+        its stop strings' last tokens (transformers' ``min_length``, which LongBench's samsum uses so that an answer
+        never starts with its stop newline); None when no row has a minimum."""
+        if not any(r.min_new_tokens for r in requests):
+            return None
+        barred = torch.zeros((len(requests), vocab), dtype=torch.bool)
+        for row, request in enumerate(requests):
+            if request.min_new_tokens:
+                barred[row, self.barred(request.stop_strings)] = True
+        return barred.to(self.device)
+
     def _hit_limit(self, row: _Row) -> bool:
         """Whether the answer stopped at its token limit rather than by an end token or a stop string."""
         request = row.request
         if len(row.tokens) < request.max_new_tokens or row.tokens[-1] in self.stop_ids:
             return False
         return not (request.stop_strings and any(s in self.tokenizer.decode(row.tokens) for s in request.stop_strings))
-
-    def _next_token(self, row: _Row, logits: torch.Tensor) -> int:
-        """Greedy; for the first ``min_new_tokens`` tokens the end tokens and the stop strings' last tokens cannot be
-        chosen (transformers' ``min_length``, which LongBench's samsum uses so that an answer never starts with its
-        stop newline)."""
-        request = row.request
-        barred = self.barred(request.stop_strings) if len(row.tokens) < request.min_new_tokens else []
-        return greedy(logits, barred)
 
     def barred(self, stop_strings: tuple[str, ...]) -> list[int]:
         last_tokens = {self.tokenizer.encode(s, add_special_tokens=False)[-1] for s in stop_strings}
@@ -269,6 +296,14 @@ class BatchDecoder:
         if len(row.tokens) >= request.max_new_tokens or row.tokens[-1] in self.stop_ids:
             return True
         return bool(request.stop_strings) and any(s in self.tokenizer.decode(row.tokens) for s in request.stop_strings)
+
+
+def greedy_rows(logits: torch.Tensor, barred: torch.Tensor | None) -> torch.Tensor:
+    """``[batch]``: each row's greedy token on the device, ``barred`` ``[batch, vocab]`` tokens excluded (the first
+    maximum on ties, as ``greedy``)."""
+    if barred is not None:
+        logits = logits.masked_fill(barred, float("-inf"))
+    return logits.argmax(dim=-1)
 
 
 def greedy(logits: torch.Tensor, barred: list[int]) -> int:

@@ -47,7 +47,7 @@ class DecodingLayer(Protocol):
     def held(self, row: int) -> tuple[int, int]:
         """Row ``row``'s entries (over heads) and the bytes of its keys and values, as a row alone stores them."""
 
-    def select_rows(self, rows: torch.Tensor) -> None:
+    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
         """Keep only these batch rows."""
 
     def get_seq_length(self) -> int: ...
@@ -79,8 +79,8 @@ class SlidingQuantizedLayer(QuantizedLayer):
         positions = row_positions([row.residual_positions for row in rows], keys.shape[1], keys.shape[2], keys.device)
         return SlidingLayer(keys, values, lengths, room, kv_heads, positions, self._start, window=self.window)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        super().select_rows(rows)
+    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+        super().select_rows(rows, host_rows)
         if self.width:
             self.packed_positions = self.packed_positions[rows]
 

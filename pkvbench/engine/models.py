@@ -428,9 +428,9 @@ def _config_file(model: str) -> Path | None:
 
 
 def model_shape(model: str, bits: int) -> ModelShape | None:
-    """The cache's shape of ``model`` computing in ``bits`` (its dtype's width), read from its ``config.json`` (a GGUF model's
-    float copy's, made by then: building the samples loaded its tokenizer), not its weights; None when no config can
-    be read here (the model load then reports what is wrong)."""
+    """The cache's shape of ``model`` computing in ``bits`` (its dtype's width), read from its ``config.json`` (a
+    GGUF model's float copy's, made by then: building the samples loaded its tokenizer), not its weights; None when
+    no config can be read here (the model load then reports what is wrong)."""
     from transformers import AutoConfig
 
     try:

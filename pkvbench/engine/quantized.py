@@ -246,11 +246,11 @@ class QuantizedLayer(CacheLayerMixin):
         entries, stored = self.residual.held(row)
         return entries + int(self.quantized[row].sum()), stored + int(self.packed_bytes[row])
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.packed_bytes = self.packed_bytes[rows.cpu()]
+    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+        self.packed_bytes = self.packed_bytes[rows.cpu() if host_rows is None else list(host_rows)]
         self.quantized = self.quantized[rows]
         self.packed = [tensor[rows] for tensor in self.packed]
-        self.residual.select_rows(rows)
+        self.residual.select_rows(rows, host_rows)
 
     def get_seq_length(self) -> int:
         return self.width + self.residual.get_seq_length()

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from pkvbench.engine.attention import flash_kernel
+
 FIRST_REQUEST = "\n\nRepeat the previous context exactly."
 LATER_REQUEST = "\n\nRepeat the part of the previous context exactly, starting with"
 OVERLAP = 8  # tokens of the previous chunk quoted in a later chunk's request
@@ -25,22 +27,26 @@ SINK = 4
 ROWS_PER_BLOCK = 512  # queries whose attention is materialised at once (memory), on the unfused path
 # Bytes of query-by-chunk logits formed at once on the fused path: a block that stays in a core's L2 cache (1 MiB
 # ran 1.8x faster than 4 MiB at 2000 tokens on our CPUs, 2 MiB of L2 per core; 256 KiB and less were slower again).
+# A GPU needs blocks that fill it: 1 MiB would be hundreds of launches per layer.
 BLOCK_BYTES = 2**20
+BLOCK_BYTES_GPU = 256 * 2**20
 
 
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scaling: float):
-    """PyTorch's fused CPU attention: (output ``[1, H, n, d]``, each query's log-sum-exp ``[1, H, n]``)."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return flash(query, key, value, 0.0, causal, scale=scaling)[:2]
+    """The device's fused attention (``attention.flash_kernel``): (output ``[1, H, n, d]``, each query's log-sum-exp
+    ``[1, H, n]``)."""
+    return flash_kernel(query.device, query.dtype)(query, key, value, causal, scaling)
 
 
 def fusable(query: torch.Tensor) -> bool:
-    """Whether the fused path applies: PyTorch's flash kernel for CPUs, float32, one sequence."""
+    """Whether the fused path applies: one sequence, a fused kernel with log-sum-exps for the device and dtype
+    (``attention.flash_kernel``), in float32 on a CPU, a head size the GPU kernels take."""
     return (
-        hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-        and query.device.type == "cpu"
-        and query.dtype == torch.float32
-        and query.shape[0] == 1
+        query.shape[0] == 1
+        and flash_kernel(query.device, query.dtype) is not None
+        and (query.device.type != "cpu" or query.dtype == torch.float32)
+        and query.shape[-1] % 8 == 0
+        and query.shape[-1] <= 256
     )
 
 
@@ -90,12 +96,14 @@ class ReconstructionRecorder:
             if any(b > a for a, b in columns)
         ]
         total = torch.stack([lse for _, lse in calls]).logsumexp(dim=0)  # [1, Hq, n]: over every key
-        output = torch.zeros_like(calls[0][0])
+        output = torch.zeros_like(calls[0][0], dtype=torch.float32)  # merged in float32, whatever the model's dtype
         for part_output, part_lse in calls:  # each call's output weighted by its share of the softmax
             output.addcmul_(part_output, (part_lse - total).exp_()[..., None])
         scored = torch.logaddexp(calls[0][1], calls[1][1])[0]  # [Hq, n]: the sinks, the chunk, the pass's own tokens
-        self.scores[layer_idx] = self._chunk_scores(query[0], key[0, :, self.start : self.end], scored, scaling)
-        return output.transpose(1, 2).contiguous()
+        self.scores[layer_idx] = self._chunk_scores(
+            query[0].float(), key[0, :, self.start : self.end].float(), scored, scaling
+        )
+        return output.to(query.dtype).transpose(1, 2).contiguous()
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         q, k = query[0].float(), key[0].float()  # [Hq, n, d], [Hkv, length + n, d]
@@ -131,7 +139,8 @@ class ReconstructionRecorder:
         rows = query.reshape(kv_heads, group, new, dim).transpose(1, 2).reshape(kv_heads, new * group, dim)
         shift = (-logsumexp).reshape(kv_heads, group, new).transpose(1, 2).reshape(kv_heads, new * group, 1)
         transposed = keys.transpose(1, 2)
-        step = max(1, BLOCK_BYTES // (4 * query_heads * count)) * group
+        block_bytes = BLOCK_BYTES if query.device.type == "cpu" else BLOCK_BYTES_GPU
+        step = max(1, block_bytes // (4 * query_heads * count)) * group
         best = torch.full((kv_heads, count), float("-inf"), device=query.device)
         for first in range(0, new * group, step):
             block = torch.baddbmm(

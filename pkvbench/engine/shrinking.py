@@ -172,8 +172,8 @@ class ShrinkingLayer(PositionedLayer):
                 logits = logits.masked_fill(~mask, float("-inf"))
             self._accumulated[:, :, : keys.shape[2]] += logits.softmax(dim=-1).sum(dim=2)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        super().select_rows(rows)
+    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+        super().select_rows(rows, host_rows)
         if self._queries is not None:
             self._queries = self._queries[rows]
             self.query_counts = self.query_counts[rows]
@@ -214,8 +214,7 @@ class ShrinkingLayer(PositionedLayer):
             by_query_head = columns.repeat_interleave(self._accumulated.shape[1] // self.heads, dim=0)
             self._accumulated[row, :, :kept] = self._accumulated[row].gather(1, by_query_head)
             self._accumulated[row, :, kept:] = 0.0  # the columns new tokens will take start from nothing
-        self.lengths[row] = kept
-        self._expose()
+        self.set_row_length(row, kept)
 
 
 @dataclass

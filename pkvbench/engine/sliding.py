@@ -63,8 +63,8 @@ class PositionedLayer(RaggedLayer):
         self.next_position += new
         return out
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        super().select_rows(rows)
+    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+        super().select_rows(rows, host_rows)
         self._positions = self._positions[rows]
 
     @property

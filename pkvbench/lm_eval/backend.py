@@ -22,6 +22,17 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf backend's
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's hf backend's, for a model that declares no window
 
 
+def lm_eval_device(model_args: dict[str, Any]) -> dict[str, Any]:
+    """lm-eval's command line passes ``device=cuda:0`` unless told otherwise; its hf backend then takes CUDA where
+    there is one, else the CPU. The same here (pkvbench's devices have no index)."""
+    device = model_args.get("device")
+    if isinstance(device, str) and device.startswith("cuda:"):
+        import torch
+
+        return {**model_args, "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    return model_args
+
+
 @register_model("pkvbench")
 class PkvbenchLM(TemplateLM):
     """lm-eval's view of one configuration of a ``Grid``. ``lm_eval --model pkvbench`` passes model args (``model``
@@ -31,7 +42,7 @@ class PkvbenchLM(TemplateLM):
     def __init__(self, grid: Grid | None = None, configuration: int = 0, **model_args: Any):
         super().__init__()
         if grid is None:
-            spec = GridSpec.parse(model_args)
+            spec = GridSpec.parse(lm_eval_device(model_args))
             if len(spec.cells) > 1:
                 raise PkvError(
                     f"the model args name a grid of {len(spec.cells)} configurations; lm-eval evaluates one model per "

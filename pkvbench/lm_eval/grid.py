@@ -17,6 +17,7 @@ rules as ``pkvbench run``'s options (``api``), and a generation request runs as 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any
 
 from pkvbench import api
 from pkvbench.budgets import parse_decode_budgets
-from pkvbench.engine.models import DEFAULT_MODEL
+from pkvbench.engine.models import DEFAULT_MODEL, check_model_name
 from pkvbench.errors import PkvError
 from pkvbench.policies.spec import parse_policies
 from pkvbench.results import row_key
@@ -59,7 +60,10 @@ PLAIN_ARGS = {
 # engine batches a request's configurations itself.
 IGNORED_ARGS = ("batch_size", "max_batch_size")
 OWN_ARGS = ("question_split", "max_length")
-STAND_IN = ("task_version", "task_hash")  # what a generation's row records of the stand-in task it ran under
+# What a generation runs as in runner.run_sample (lm-eval scores the answer: the metric is a placeholder), and what its
+# row records of it that is not an lm-eval task's.
+STAND_IN_TASK = TaskSpec("lm-eval", "an lm-eval request", "lm-eval", "string_match_part", 0, False, {})
+STAND_IN = ("task_version", "task_hash")
 
 
 def grid_values(value: Any) -> list[str]:
@@ -106,6 +110,7 @@ class GridSpec:
                     raise PkvError(f"model arg {name}={'+'.join(values)} names {twice[0]} twice; give each value once")
                 fields[field_name] = values
         config = api.checked(api.RunConfig(**fields))
+        check_model_name(config.model)
         policies = parse_policies(config.policies, config.policy_args, config.protocol)
         decode_budgets = parse_decode_budgets(config.decode_budgets)
         api.check_decoding(policies, decode_budgets, config.decode_interval, config.decode_buffer)
@@ -205,16 +210,7 @@ class Grid:
                 "choose text that starts every request's question"
             )
         sample = Sample.one_question("0", list(request.context), cut, [])
-        task = TaskSpec(
-            name="lm-eval",
-            description="an lm-eval request",
-            generator="lm-eval",
-            metric="string_match_part",  # a placeholder: lm-eval scores the answer
-            max_new_tokens=request.max_gen_toks,
-            chat_template=False,
-            config={},
-            stop_strings=request.until,
-        )
+        task = dataclasses.replace(STAND_IN_TASK, max_new_tokens=request.max_gen_toks, stop_strings=request.until)
         cells = self.spec.cells
         check_memory(self.engine, [(task, sample, cells)])
         rows = {row_key(row): row for row in run_sample(self.engine, task, sample, cells, self.spec.settings)}
@@ -279,10 +275,16 @@ class Grid:
         }
 
 
+def cell_key(cell_or_row: Cell | dict) -> tuple:
+    """What tells a configuration's rows from another's: a row's key without its task and document."""
+    row = cell_or_row if isinstance(cell_or_row, dict) else row_identity(STAND_IN_TASK, "", cell_or_row)
+    return row_key(row)[2:]
+
+
 def result_row(spec: GridSpec, engine_name: str, cell: Cell, task: str, doc_id: Any, values: dict) -> dict:
     """A line of pkvbench's samples.jsonl for one lm-eval document under one cell: identity, configuration and
     ``values`` (score, pred, answers and what was measured), ordered by the schema."""
-    identity = row_identity(TaskSpec(task, "", "lm-eval", "", 0, False, {}), str(doc_id), cell)
+    identity = {**row_identity(STAND_IN_TASK, str(doc_id), cell), "task": task}
     own = {"model": engine_name, "protocol": spec.settings.protocol, "policy_options": cell.policy.options}
     # a generation's row comes from runner.run_sample, made for a stand-in task: its identity and task fields go
     return arrange({**identity, **own, **{k: v for k, v in values.items() if k not in (*identity, *STAND_IN)}})

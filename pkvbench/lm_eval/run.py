@@ -5,7 +5,8 @@ the first computes every request under every configuration, the others find thei
 configuration gets lm-eval's own output (``OUT/lm_eval/<configuration>/<model>/results_*.json`` and
 ``samples_<task>_*.jsonl``, as ``lm_eval --output_path OUT/lm_eval/<configuration> --log_samples`` writes them), and
 pkvbench's ``samples.jsonl`` gets a row per document and configuration (lm-eval's per-document score), so that
-``pkvbench report / diff / check`` read the run.
+``pkvbench report / diff / check`` read the run. Each configuration's rows are written last, once its lm-eval files
+are: rerunning an interrupted run into its folder skips the configurations it finished.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from pkvbench.errors import PkvError, first_line
 from pkvbench.lm_eval import require_lm_eval
-from pkvbench.lm_eval.grid import Grid, GridSpec, result_row
+from pkvbench.lm_eval.grid import Grid, GridSpec, cell_key, result_row
 from pkvbench.results import ResultStore
 
 LM_EVAL_FOLDER = "lm_eval"  # under --out: one folder per configuration
@@ -34,6 +35,7 @@ class GridRun:
     results: dict[str, dict] = field(default_factory=dict)  # configuration → lm-eval's results (samples left out)
     seconds: dict[str, float] = field(default_factory=dict)
     rows: int = 0
+    resumed: list[str] = field(default_factory=list)  # configurations found done in the folder, not run again
     notes: list[str] = field(default_factory=list)
     summary: Any = None
 
@@ -105,15 +107,14 @@ def evaluate_grid(
     }
     store = ResultStore(run.out)
     with store.claim(options, overwrite, session=api.session(spec.config.model)):
-        if store.rows():
-            raise PkvError(
-                f"{run.out} holds the rows of this lm-eval run already (an lm-eval run is not resumed); use another "
-                "--out, or --overwrite to run it afresh"
-            )
+        done = {cell_key(row) for row in store.rows()}  # configurations a run into this folder finished
         grid = grid or Grid(spec)
         engine = grid.engine
         store.record({"options": options, "model": engine.loaded.describe(), **provenance(0)})
         for index, (label, cell) in enumerate(zip(grid.labels, spec.cells)):
+            if cell_key(cell) in done:
+                run.resumed.append(label)
+                continue
             started = time.perf_counter()
             view = PkvbenchLM(grid=grid, configuration=index)
             tracker = EvaluationTracker(output_path=str(run.out / LM_EVAL_FOLDER / label))
@@ -134,12 +135,12 @@ def evaluate_grid(
                 result_row(spec, engine.loaded.name, cell, *document)
                 for document in documents(samples, view.answered, run.notes)
             ]
-            store.extend(rows)
-            run.rows += len(rows)
             tracker.save_results_aggregated(results=results, samples=samples)
             for task_name in results["configs"]:
                 tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
             run.results[label] = results
+            store.extend(rows)  # last, in one write: a configuration with rows is done, and a rerun skips it
+            run.rows += len(rows)
         run.summary = store.write_summary()
     run.notes = list(dict.fromkeys(run.notes))
     return run
