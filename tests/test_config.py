@@ -84,19 +84,24 @@ class Captured(Exception):
     pass
 
 
-def invoke(args) -> RunConfig:
-    """Run `pkvbench run` up to the point where it would start working, and return the ``RunConfig`` it built."""
+def invoke_run(args):
+    """Run `pkvbench run` up to the point where it would start working, and return the run it resolved (once)."""
     from pkvbench import api, cli
 
     seen = []
 
-    def capture(config, **_):
-        seen.append(config)
+    def capture(run, **_):
+        seen.append(run)
         raise Captured
 
     with mock.patch.object(api, "evaluate", capture), pytest.raises(Captured):
         cli.cli.main(args=["run", *args], prog_name="pkvbench", standalone_mode=False)
     return seen[0]
+
+
+def invoke(args) -> RunConfig:
+    """The ``RunConfig`` `pkvbench run` built from ``args`` (checked: lists as lists)."""
+    return invoke_run(args).config
 
 
 def test_flags_override_the_file(tmp_path):
@@ -121,7 +126,7 @@ def test_a_file_s_task_settings_reach_the_run_as_written(tmp_path):
     assert config.task_args == {"stop_strings": ["\n", "a,b"], "chat_template": False}
     assert config.policy_args == {"window": 8}
     overridden = invoke(["--config", str(path), "--task-arg", "chat_template=true"])
-    assert overridden.task_args == ("chat_template=true",)
+    assert list(overridden.task_args) == ["chat_template=true"]
 
 
 def test_unknown_key_through_the_cli_is_one_line(tmp_path, capsys):
@@ -178,10 +183,9 @@ def test_paper_needle_is_the_needle_scripts_setting():
 
 def test_smoke_config_parses_as_a_real_run(tmp_path):
     """Every value of the smoke config passes the run command's own checks (policies, budgets, lists)."""
-    loaded = invoke(["--config", str(CONFIGS / "smoke.yaml")])
-    assert loaded.model == "smollm2-135m"
-    assert loaded.tasks == ["needle", "niah_single_1", "niah_single_2", "niah_multivalue"]
-    run = resolve(loaded)
+    run = invoke_run(["--config", str(CONFIGS / "smoke.yaml")])
+    assert run.config.model == "smollm2-135m"
+    assert run.config.tasks == ["needle", "niah_single_1", "niah_single_2", "niah_multivalue"]
     assert [str(b) for b in run.budgets] == ["64", "0.12", "0.25"]
     assert [p.label for p in run.policies][-2:] == ["tova", "adakv(snapkv)"]
     assert len(run.options.lengths) * len(run.options.depths) == run.options.limit == 5
@@ -192,9 +196,8 @@ def test_leaderboard_runs_each_policy_as_kvpress_s_press():
     ``pkvbench export --format kvpress`` gives them)."""
     from pkvbench.export import kvpress_name
 
-    loaded = invoke(["--config", str(CONFIGS / "leaderboard.yaml")])
-    assert loaded.protocol == "kvpress"
-    run = resolve(loaded)
+    run = invoke_run(["--config", str(CONFIGS / "leaderboard.yaml")])
+    assert run.config.protocol == "kvpress"
     assert [kvpress_name(p.label) for p in run.policies] == [
         "no_press",
         "random",
