@@ -81,7 +81,7 @@ def top_ops(prof, n: int = 8) -> list[tuple[str, float, int]]:
 @torch.inference_mode()
 def step_seconds(engine: Engine, requests, steps: int = 8) -> float:
     """Median seconds of one decode step of these requests as one batch (cache built beforehand, not counted)."""
-    cache = engine.decoder._cache(requests, room=steps + 2)
+    cache = engine.decoder.cache_for(requests, room=steps + 2)
     position = requests[0].position
     token = torch.full((len(requests), 1), 100)
     times = []
@@ -97,7 +97,7 @@ def step_seconds(engine: Engine, requests, steps: int = 8) -> float:
 
 @torch.inference_mode()
 def profile_step(engine: Engine, requests) -> tuple[dict, list]:
-    cache = engine.decoder._cache(requests, room=8)
+    cache = engine.decoder.cache_for(requests, room=8)
     position = requests[0].position
     token = torch.full((len(requests), 1), 100)
     with decoding(cache):

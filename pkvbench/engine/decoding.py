@@ -170,7 +170,7 @@ class BatchDecoder:
                 results[index] = decoded
         return results
 
-    def _cache(self, requests: list[DecodeRequest], room: int) -> RaggedCache:
+    def cache_for(self, requests: list[DecodeRequest], room: int) -> RaggedCache:
         """Per layer the class of its attention kind and the rows' storage (``layers.LAYER_KINDS``)."""
         kinds = self.layer_kinds or [FULL] * len(requests[0].kept.heads)
         windows = self.windows or [None] * len(kinds)
@@ -198,7 +198,7 @@ class BatchDecoder:
         runs inside ``step_guard()`` (``scripts/bench_gpu.py`` makes a sync there an error)."""
         started = time.perf_counter()
         feed = requests[0].feed
-        cache = self._cache(requests, room=self._room(requests))
+        cache = self.cache_for(requests, room=self._room(requests))
         tracker = shrinking.MemoryTracker(
             cache,
             [r.schedule for r in requests],

@@ -196,14 +196,19 @@ class Engine:
 
     def _forward(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor) -> torch.Tensor:
         """The model on ``input_ids`` ``[batch, n]``; the logits after each row's last token, ``[batch, vocab]``."""
+        return self.logits(input_ids, cache, position_ids, keep=1)[:, -1]
+
+    def logits(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor, keep: int) -> torch.Tensor:
+        """The model on ``input_ids`` ``[batch, n]``; the logits after each row's last ``keep`` tokens,
+        ``[batch, keep, vocab]``."""
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             use_cache=cache is not None,
-            logits_to_keep=1,
+            logits_to_keep=keep,
             **{self._cache_arg: cache},
         )
-        return out.logits[:, -1]
+        return out.logits[:, -keep:]
 
     @torch.inference_mode()
     def prefill(

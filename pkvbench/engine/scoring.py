@@ -40,18 +40,12 @@ def score_many(engine, caches: list, position: int, feed: tuple[int, ...], targe
 @torch.inference_mode()
 def _score_batch(engine, requests: list[DecodeRequest], targets: tuple[int, ...]) -> list[Scored]:
     feed, position = requests[0].feed, requests[0].position
-    cache = engine.decoder._cache(requests, room=len(feed))
+    cache = engine.decoder.cache_for(requests, room=len(feed))
     ids = torch.tensor([feed] * len(requests), device=engine.device)
     positions = torch.arange(position, position + len(feed), device=engine.device).expand(len(requests), -1)
     with decoding(cache):
-        out = engine.model(
-            input_ids=ids,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=len(targets),
-            **{engine._cache_arg: cache},
-        )
-    logprobs = torch.log_softmax(out.logits[:, -len(targets) :].float(), dim=-1)  # [batch, targets, vocab]
+        logits = engine.logits(ids, cache, positions, keep=len(targets))
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [batch, targets, vocab]
     wanted = torch.tensor(targets, device=engine.device)
     picked = logprobs.gather(2, wanted.expand(len(requests), -1)[..., None])[..., 0]
     greedy = (logprobs.argmax(dim=-1) == wanted).all(dim=1)
