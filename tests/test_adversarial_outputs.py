@@ -9,7 +9,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pkvbench.cli import main
 from pkvbench.errors import PkvError
 from pkvbench.fingerprints import fingerprint
 from pkvbench.metrics import final_number
@@ -17,6 +16,7 @@ from pkvbench.report import to_latex, to_markdown
 from pkvbench.results import ResultStore
 from pkvbench.tasks.base import Sample, TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
+from tests.test_cli import pkvbench_in_process
 
 RUNS = Path(__file__).parent / "fixtures" / "runs"
 
@@ -85,13 +85,6 @@ def test_latex_writes_a_backslash_as_one_and_markdown_keeps_a_pipe_inside_its_ce
     assert all(line.replace("\\|", "").count("|") == 4 for line in markdown)  # 3 cells in every line
 
 
-def _main(capsys, *args):
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    out = capsys.readouterr()
-    return exit_info.value.code, out.out, out.err
-
-
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -104,7 +97,7 @@ def test_report_html_refuses_its_own_path_twice_and_table_options_it_would_ignor
     """N7: the page was written, then overwritten by the Markdown table, exit 0; --view and --format were ignored."""
     html = tmp_path / "page.html"
     args = [a.replace("{html}", str(html)) for a in extra]
-    code, _, err = _main(capsys, "report", str(RUNS / "needle_a"), "--html", str(html), *args)
+    code, _, err = pkvbench_in_process(capsys, "report", str(RUNS / "needle_a"), "--html", str(html), *args)
     assert code == 2 and re.search(message, err) and len(err.strip().splitlines()) == 1
     assert not html.exists()  # nothing written
 
@@ -126,7 +119,9 @@ def stored(bits, **row):
 def test_export_of_rows_without_the_fields_the_schema_does_not_require(tmp_path, capsys):
     """N10: rows without budget_tokens or context_tokens (or pred, answers) were a KeyError in export."""
     rows = [{"sample_id": f"s{i}", "score": i / 2, "budget": budget} for i in range(2) for budget in (64, 0.25)]
-    code, _, err = _main(capsys, "export", make_run(tmp_path / "run", rows), "--out", str(tmp_path / "out"))
+    code, _, err = pkvbench_in_process(
+        capsys, "export", make_run(tmp_path / "run", rows), "--out", str(tmp_path / "out")
+    )
     assert code in (0, None), err
     folders = sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir())
     assert folders == ["needle__data__SmolLM2-135M-Instruct__pkvbench_snapkv__0.75__query_aware",
@@ -139,7 +134,9 @@ def test_export_keeps_storage_formats_in_folders_of_their_own(tmp_path, capsys):
     """N3: a --kv-bits 16,4 run's two formats were written into one kvpress folder (n doubled)."""
     common = {"budget_tokens": 64, "context_tokens": 256}
     rows = [stored(bits, sample_id=f"s{i}", score=float(bits == 16), **common) for bits in (16, 4) for i in range(2)]
-    code, _, err = _main(capsys, "export", make_run(tmp_path / "run", rows), "--out", str(tmp_path / "out"))
+    code, _, err = pkvbench_in_process(
+        capsys, "export", make_run(tmp_path / "run", rows), "--out", str(tmp_path / "out")
+    )
     assert code in (0, None), err
     folders = sorted(p for p in (tmp_path / "out").iterdir() if p.is_dir())
     assert [p.name.split("__")[3] for p in folders] == ["pkvbench_snapkv-kv16", "pkvbench_snapkv-kv4"]
@@ -161,7 +158,7 @@ def test_check_refuses_a_baseline_whose_samples_file_names_samples_the_run_does_
     comparison matched nothing, and a run whose every kept set changed passed, printing "paired tests on"."""
     rows = [_fingerprinted(i, sample_id=f"s{i}", score=1.0, pred="a") for i in range(3)]
     baseline = tmp_path / "base.csv"
-    code, _, err = _main(
+    code, _, err = pkvbench_in_process(
         capsys, "check", "--baseline", str(baseline), "--results", make_run(tmp_path / "b", rows), "--update"
     )
     assert code in (0, None), err
@@ -171,7 +168,7 @@ def test_check_refuses_a_baseline_whose_samples_file_names_samples_the_run_does_
     changed = make_run(
         tmp_path / "r", [_fingerprinted(100 + i, sample_id=f"s{i}", score=1.0, pred="a") for i in range(3)]
     )
-    code, out, err = _main(capsys, "check", "--baseline", str(baseline), "--results", changed)
+    code, out, err = pkvbench_in_process(capsys, "check", "--baseline", str(baseline), "--results", changed)
     assert code == 2 and len(err.strip().splitlines()) == 1, out + err
     assert re.search(
         r"base.samples.csv, row 1 \(needle snapkv 64 aware x0\): the run's cell has 3 samples, as the baseline's, but not this one \(3 of 3 differ\)",
@@ -179,7 +176,7 @@ def test_check_refuses_a_baseline_whose_samples_file_names_samples_the_run_does_
     )
     # and with the true samples file, the same run fails on its kept sets, saying how many it compared
     samples.write_text(true)
-    code, _, err = _main(capsys, "check", "--baseline", str(baseline), "--results", changed)
+    code, _, err = pkvbench_in_process(capsys, "check", "--baseline", str(baseline), "--results", changed)
     assert code == 1 and "kept sets of 3 samples in 1 cells (3 a cell): 1 CHANGED" in err
     assert "paired tests on 3 samples in 1 cells (3 a cell)" in err
 
@@ -191,12 +188,12 @@ def test_check_keeps_storage_formats_and_decode_budgets_apart(tmp_path, capsys):
     rows += [{"sample_id": f"s{i}", "score": 0.5, "decode_budget": 32} for i in range(2)]  # the model's own cache
     run = make_run(tmp_path / "run", rows)
     baseline = tmp_path / "base.csv"
-    code, _, err = _main(capsys, "check", "--baseline", str(baseline), "--results", run, "--update")
+    code, _, err = pkvbench_in_process(capsys, "check", "--baseline", str(baseline), "--results", run, "--update")
     assert code in (0, None), err
     cells = pd.read_csv(baseline, keep_default_na=False)
     assert sorted(zip(cells["kv_stored"].astype(str), cells["decode_budget"].astype(str), cells["n"])) == [
         ("", "32", 2), ("16", "none", 2), ("4", "none", 2)]  # fmt: skip
-    code, out, err = _main(capsys, "check", "--baseline", str(baseline), "--results", run)
+    code, out, err = pkvbench_in_process(capsys, "check", "--baseline", str(baseline), "--results", run)
     assert code in (0, None) and out.startswith("check passed: 3 cells (3 ok)"), out + err
 
 
@@ -205,8 +202,8 @@ def test_a_baseline_of_one_format_does_not_pass_rows_of_another(tmp_path, capsys
     four = make_run(tmp_path / "four", [stored(4, sample_id=f"s{i}", score=1.0) for i in range(2)])
     sixteen = make_run(tmp_path / "sixteen", [stored(16, sample_id=f"s{i}", score=1.0) for i in range(2)])
     baseline = str(tmp_path / "base.csv")
-    assert _main(capsys, "check", "--baseline", baseline, "--results", four, "--update")[0] in (0, None)
-    code, _, err = _main(capsys, "check", "--baseline", baseline, "--results", sixteen)
+    assert pkvbench_in_process(capsys, "check", "--baseline", baseline, "--results", four, "--update")[0] in (0, None)
+    code, _, err = pkvbench_in_process(capsys, "check", "--baseline", baseline, "--results", sixteen)
     assert code == 1 and "1 missing" in err and "1 new" in err
 
 
@@ -216,7 +213,7 @@ def test_an_old_baseline_without_the_format_columns_reads_as_the_models_own_cach
     baseline.write_text(
         "model,task,policy,budget,n,score,ci_low,ci_high\nsmollm2-135m,needle,snapkv,64,2,100,100,100\n"
     )
-    code, out, err = _main(capsys, "check", "--baseline", str(baseline), "--results", run)
+    code, out, err = pkvbench_in_process(capsys, "check", "--baseline", str(baseline), "--results", run)
     assert code in (0, None) and out.startswith("check passed: 1 cells (1 ok)"), out + err
 
 
@@ -224,7 +221,7 @@ def test_merge_refuses_shards_of_two_splits(tmp_path, capsys):
     """N6: ``1/2`` merged with ``3/3`` was accepted."""
     first = make_run(tmp_path / "a", [{"sample_id": "s0", "score": 1.0}], {"shard": "1/2"})
     other = make_run(tmp_path / "b", [{"sample_id": "s2", "score": 1.0}], {"shard": "3/3"})
-    code, _, err = _main(capsys, "merge", first, other, "--out", str(tmp_path / "m"))
+    code, _, err = pkvbench_in_process(capsys, "merge", first, other, "--out", str(tmp_path / "m"))
     assert code == 2 and "is a shard of a split into 3" in err and "merge the shards of one split" in err
     assert not (tmp_path / "m").exists()
 
@@ -232,18 +229,18 @@ def test_merge_refuses_shards_of_two_splits(tmp_path, capsys):
 def test_a_merge_of_one_shard_of_two_says_and_records_that_it_is_not_the_whole_run(tmp_path, capsys):
     """N6: a merge of one shard of two looked like a complete run."""
     first = make_run(tmp_path / "a", [{"sample_id": "s0", "score": 1.0}], {"shard": "1/2"})
-    code, _, err = _main(capsys, "merge", first, "--out", str(tmp_path / "m"))
+    code, _, err = pkvbench_in_process(capsys, "merge", first, "--out", str(tmp_path / "m"))
     assert code in (0, None) and "shards 2/2 are missing: " in err
     assert json.loads((tmp_path / "m" / "run.json").read_text())["shards"] == {
         "count": 2,
         "merged": [1],
         "missing": [2],
     }
-    code, _, err = _main(capsys, "report", str(tmp_path / "m"))
+    code, _, err = pkvbench_in_process(capsys, "report", str(tmp_path / "m"))
     assert code in (0, None) and "a merge without shards 2/2: not the whole run" in err
     # the other shard merged in: whole
     second = make_run(tmp_path / "b", [{"sample_id": "s1", "score": 1.0}], {"shard": "2/2"})
-    code, _, err = _main(capsys, "merge", str(tmp_path / "m"), second, "--out", str(tmp_path / "whole"))
+    code, _, err = pkvbench_in_process(capsys, "merge", str(tmp_path / "m"), second, "--out", str(tmp_path / "whole"))
     assert code in (0, None) and "missing" not in err
     assert json.loads((tmp_path / "whole" / "run.json").read_text())["shards"]["missing"] == []
 
@@ -253,6 +250,6 @@ def test_a_file_whose_record_cannot_be_written_is_refused_before_it_is_written(t
     refused pkvbench's own report."""
     (tmp_path / ".pkvbench-outputs.json").mkdir()
     table = tmp_path / "table.md"
-    code, _, err = _main(capsys, "report", str(RUNS / "needle_a"), "--out", str(table))
+    code, _, err = pkvbench_in_process(capsys, "report", str(RUNS / "needle_a"), "--out", str(table))
     assert code == 2 and ".pkvbench-outputs.json is not a file" in err and len(err.strip().splitlines()) == 1
     assert not table.exists()
