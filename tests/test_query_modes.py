@@ -104,7 +104,7 @@ def test_the_full_cache_answers_the_same_with_the_question_before_or_after(engin
 
 
 @pytest.mark.model
-def test_the_question_is_never_evicted(engine, needle):
+def test_the_question_is_never_evicted(engine, needle, monkeypatch):
     from pkvbench.engine.cache import RaggedCache
     from pkvbench.engine.decoding import BatchDecoder
 
@@ -114,18 +114,16 @@ def test_the_question_is_never_evicted(engine, needle):
     cache = engine.compress(prefill, parse_policy("snapkv"), Budget(32), context_len)
     assert cache.plan.context_len == context_len and cache.kept_per_layer == [32] * 30
     seen = []
-    original = BatchDecoder._cache
+    original = BatchDecoder.cache_for
 
     def spy(self, requests, room):
         ragged = original(self, requests, room)
         seen.append(ragged)
         return ragged
 
-    BatchDecoder._cache = spy
-    try:
-        engine.decoder.decode_batch([engine.request(prefill, cache, 1, question=question)])
-    finally:
-        BatchDecoder._cache = original
+    monkeypatch.setattr(BatchDecoder, "cache_for", spy)
+    engine.decoder.decode_batch([engine.request(prefill, cache, 1, question=question)])
+    monkeypatch.undo()
     ragged: RaggedCache = seen[0]
     # After the question was fed: the 32 kept context entries and every question token, in every layer and head.
     assert {int(n) for layer in ragged.layers for n in layer.lengths.flatten()} == {32 + len(question)}
