@@ -114,9 +114,11 @@ class FunnelRecorder:
     layers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     needed = True
 
-    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    def observe(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None = None
+    ) -> None:
         q, k = query[0], key[0]  # batch of one
-        probs = window_attention_probs(q, k, scaling, self.window)
+        probs = window_attention_probs(q, k, scaling, self.window, softcap)
         length, rows = k.shape[1], probs.shape[1]
         visible = torch.arange(length - rows + 1, length + 1)
         self.layers[layer_idx] = attention_statistics(probs, visible, self.sink, self.top_k)

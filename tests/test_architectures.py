@@ -65,6 +65,26 @@ ROWS = [
     Row(
         "qwen2-mixed", "qwen2", {"sliding_window": 128, "use_sliding_window": True, "max_window_layers": 1}, length=120
     ),
+    # Gemma: layer 0 local (kept whole, window 64: prompt 60 + 24 new tokens cross it), layer 1 global; the module's
+    # scale 1/sqrt(query_pre_attn_scalar), not 1/sqrt(head_dim). Gemma 2 soft-caps its logits (a cap low enough
+    # that they bend: the statistics must cap them as the eager kernel does); Gemma 3 rotates its local layer at
+    # another base than its global one (the un-rotation must take each layer's own).
+    Row(
+        "gemma2",
+        "gemma2",
+        {"sliding_window": 64, "attn_logit_softcapping": 0.1, "query_pre_attn_scalar": 8},
+        length=60,
+    ),
+    Row(
+        "gemma3_text",
+        "gemma3_text",
+        {
+            "sliding_window": 64,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 8,
+        },
+        length=60,
+    ),
 ]
 
 
@@ -144,8 +164,8 @@ def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(fam
     engine.recorded_forward(ids, recorder)
     with stock_attention(engine.model, "eager"), torch.inference_mode():
         weights = engine.model(ids, output_attentions=True).attentions
-    cos, sin = engine.rope(0, row.length)
     for layer, attention in enumerate(weights):
+        cos, sin = engine.rope(0, row.length, layer)  # each layer's own (Gemma 3's local and global differ)
         stats = recorder.layers[row.length, layer]
         torch.testing.assert_close(stats.window_scores[8], attention[0, :, -8:].sum(1), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(stats.accumulated, attention[0].sum(1), atol=1e-4, rtol=1e-4)
@@ -257,7 +277,7 @@ def test_a_statistic_beyond_the_machines_memory_is_one_line_naming_the_length():
     "config,reason",
     [
         ({"model_type": "deepseek_v3"}, "'deepseek_v3' model, not supported: MLA caches a compressed latent"),
-        ({"model_type": "gemma2"}, "not supported: soft-capped attention logits"),
+        ({"model_type": "deepseek_v2"}, "'deepseek_v2' model, not supported: MLA caches a compressed latent"),
         ({"model_type": "falcon"}, "'falcon' model; supported architectures: llama, mistral, qwen2, qwen3"),
         (
             {"model_type": "llama", "num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"]},

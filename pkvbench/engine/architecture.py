@@ -14,6 +14,7 @@ sees positions p − window + 1 … p). How the engine treats them:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from pkvbench.errors import PkvError
@@ -56,14 +57,12 @@ FAMILIES: dict[str, Family] = {
     "starcoder2": Family("projection biases; an optional sliding window", "as mistral where it slides"),
     "granite": Family("attention, residual and logit multipliers", "the module's own scaling"),
     "gemma2": Family(
-        "soft-capped attention logits; local and global layers",
-        "",
-        refused="soft-capped attention logits are not yet what the statistics score",
+        "soft-capped attention logits (attn_logit_softcapping); query_pre_attn_scalar; local and global layers",
+        "statistics soft-cap the logits as the model does; the eager kernel (sdpa cannot soft-cap); local layers kept whole",
     ),
     "gemma3_text": Family(
-        "per-layer RoPE (local and global); local and global layers",
-        "",
-        refused="per-layer RoPE (local and global layers) is not yet read by the engine",
+        "per-layer RoPE (local layers at rope_local_base_freq); q/k norms; local and global layers",
+        "each layer's own RoPE (un-rotation, decode-time rotation); local layers kept whole",
     ),
     "gpt_oss": Family(
         "attention sinks in the softmax; half-width interleaved RoPE; local and global layers",
@@ -110,6 +109,7 @@ class Architecture:
     family: str  # config.model_type
     layer_kinds: tuple[str, ...]  # per layer: FULL or SLIDING (or a kind pkvbench refuses, e.g. linear attention)
     sliding_window: int | None  # the window of the sliding layers
+    softcap: float | None = None  # attn_logit_softcapping (Gemma 2): logits become softcap·tanh(logits / softcap)
 
     @classmethod
     def of(cls, config) -> Architecture:
@@ -123,7 +123,8 @@ class Architecture:
         kinds = tuple(kinds)
         if SLIDING not in kinds:
             window = None
-        return cls(getattr(config, "model_type", "") or "", kinds, window)
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        return cls(getattr(config, "model_type", "") or "", kinds, window, softcap)
 
     @property
     def num_layers(self) -> int:
@@ -176,3 +177,19 @@ class Architecture:
         """The longest prompt the engine prefills exactly: a compressed sliding layer's statistics assume every
         query sees the whole prompt, so a model whose every layer slides takes prompts up to its window."""
         return self.sliding_window if self.every_layer_slides else None
+
+    # --- soft-capped logits and per-layer RoPE (Gemma 2, Gemma 3) ---------------------------------------------
+
+    def attention_kernel(self, requested: str) -> str:
+        """The kernel the model runs on: transformers' sdpa cannot soft-cap logits (it refuses Gemma 2), so a
+        soft-capped model takes the eager kernel, which caps them as the model was trained to."""
+        return "eager" if self.softcap is not None and requested == "sdpa" else requested
+
+    def rope(self, model, layer: int, like, positions) -> tuple:
+        """The RoPE cos and sin layer ``layer`` rotates its queries and keys at ``positions`` ``[1, n]`` with (``like``:
+        a tensor of the dtype and device wanted): the model's one rotary embedding, or, where the model calls it per
+        layer type (Gemma 3: the local layers at ``rope_local_base_freq``), the layer's own."""
+        rotary = self.rotary(model)
+        if "layer_type" in inspect.signature(rotary.forward).parameters:
+            return rotary(like, positions, layer_type=self.layer_kinds[layer])
+        return rotary(like, positions)

@@ -31,7 +31,8 @@ class Recorder(Protocol):
     needed: bool
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
-        """Called by every attention call of a recorded forward (prefill or not), with post-RoPE queries and keys."""
+        """Called by every attention call of a recorded forward (prefill or not), with post-RoPE queries and keys;
+        a soft-capped model's calls also pass ``softcap`` (``soft_cap_``)."""
 
 
 _ACTIVE_RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("pkvbench_recorder", default=None)
@@ -52,16 +53,29 @@ def chunk_bytes_for(device: torch.device) -> int:
     return ACCUMULATE_CHUNK_BYTES if device.type == "cpu" else ACCUMULATE_CHUNK_BYTES_GPU
 
 
-def window_attention_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int) -> torch.Tensor:
+def soft_cap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Scaled attention logits soft-capped in place as the model does before its softmax (Gemma 2's
+    ``attn_logit_softcapping``): softcap · tanh(logits / softcap), in its eager kernel's order. No cap: as they are.
+    Every statistic that forms logits passes them through here."""
+    if softcap is not None:
+        logits.div_(softcap).tanh_().mul_(softcap)
+    return logits
+
+
+def window_attention_probs(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int, softcap: float | None = None
+) -> torch.Tensor:
     """``[Hq, rows, T]``: the causal softmax attention of the last ``rows`` queries over all T keys.
 
     ``query`` is ``[Hq, T, D]`` and ``key`` ``[Hkv, T, D]``, both post-RoPE; query heads share their KV head (GQA).
     """
     length = query.shape[1]
-    return last_queries_attention(query[:, length - min(rows, length) :], key, scaling)
+    return last_queries_attention(query[:, length - min(rows, length) :], key, scaling, softcap)
 
 
-def last_queries_attention(last: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+def last_queries_attention(
+    last: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None = None
+) -> torch.Tensor:
     """``[Hq, r, n]``: the softmax attention of ``last`` ``[Hq, r, D]``, the queries of the tokens of the last r of
     the n entries ``key`` ``[Hkv, n, D]``, over all n, causal among the last r (a prompt's end, or while the answer is
     written a cache's newest entries)."""
@@ -69,28 +83,29 @@ def last_queries_attention(last: torch.Tensor, key: torch.Tensor, scaling: float
     num_kv_heads, length = key.shape[0], key.shape[1]
     grouped = last.float().reshape(num_kv_heads, num_query_heads // num_kv_heads * rows, dim)
     logits = torch.bmm(grouped, key.float().transpose(1, 2)).mul_(scaling).view(num_query_heads, rows, length)
+    soft_cap_(logits, softcap)
     query_pos = torch.arange(length - rows, length, device=last.device)[:, None]
     logits.masked_fill_(torch.arange(length, device=last.device)[None, :] > query_pos, float("-inf"))
     return logits.softmax(dim=-1)
 
 
 def last_queries_sums(
-    last: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int]
+    last: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int], softcap: float | None = None
 ) -> dict[int, torch.Tensor]:
     """``window_attention_sums`` from the last queries themselves (``last_queries_attention``)."""
-    from_end = last_queries_attention(last, key, scaling).flip(1).cumsum(dim=1)
+    from_end = last_queries_attention(last, key, scaling, softcap).flip(1).cumsum(dim=1)
     rows = from_end.shape[1]
     return {w: from_end[:, min(w, rows) - 1] for w in windows}
 
 
 def window_attention_sums(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int]
+    query: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int], softcap: float | None = None
 ) -> dict[int, torch.Tensor]:
     """For each w in ``windows``: ``[Hq, T]`` sums over the last w queries of their causal softmax attention.
 
     One softmax over the largest window's queries serves every smaller window.
     """
-    probs = window_attention_probs(query, key, scaling, max(windows))
+    probs = window_attention_probs(query, key, scaling, max(windows), softcap)
     rows = probs.shape[1]
     # Cumulative sums from the last query backwards: entry r holds the sum over the last r+1 queries.
     from_end = probs.flip(1).cumsum(dim=1)
@@ -98,7 +113,7 @@ def window_attention_sums(
 
 
 def accumulated_attention(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, chunk_bytes: int | None = None
+    query: torch.Tensor, key: torch.Tensor, scaling: float, chunk_bytes: int | None = None, softcap: float | None = None
 ) -> torch.Tensor:
     """``[Hq, T]``: for each key position, the sum over all T queries of their causal softmax attention to it.
 
@@ -116,6 +131,7 @@ def accumulated_attention(
         end = min(length, start + rows_per_chunk)
         chunk = grouped_query[:, :, start:end].reshape(num_kv_heads, group * (end - start), dim)
         logits = torch.bmm(chunk, keys[:, :end].transpose(1, 2)).mul_(scaling).view(num_query_heads, end - start, end)
+        soft_cap_(logits, softcap)
         query_pos = torch.arange(start, end, device=query.device)[:, None]
         logits.masked_fill_(torch.arange(end, device=query.device)[None, :] > query_pos, float("-inf"))
         totals[:, :end] += logits.softmax(dim=-1).sum(dim=1)
@@ -123,7 +139,12 @@ def accumulated_attention(
 
 
 def bidirectional_attention_sums(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, window: int, chunk_bytes: int | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    window: int,
+    chunk_bytes: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``[Hq, T]``: for each key position, the sum over all T queries of their softmax attention to it, where only
     the last ``window`` queries are causally masked (over the last ``window`` keys) and every earlier query sees all
@@ -141,6 +162,7 @@ def bidirectional_attention_sums(
         end = min(length, start + rows_per_chunk)
         chunk = grouped_query[:, :, start:end].reshape(num_kv_heads, group * (end - start), dim)
         logits = torch.bmm(chunk, keys).mul_(scaling).view(num_query_heads, end - start, length)
+        soft_cap_(logits, softcap)
         query_pos = torch.arange(start, end, device=query.device)[:, None]
         key_pos = torch.arange(length, device=query.device)[None, :]
         logits.masked_fill_((query_pos >= masked_from) & (key_pos > query_pos), float("-inf"))
@@ -205,7 +227,8 @@ def rotate_moments(
 class StatsRecorder:
     """Collects ``LayerStats`` for every layer during one prefill: of the whole prompt, or of its first c tokens for
     each c in ``cuts`` (the prompt is causal: the first c queries and keys are those of a prefill of c tokens).
-    ``rope(start, count)`` gives the model's RoPE cos and sin ``[count, d]`` of positions start… (query statistics)."""
+    ``rope(start, count, layer)`` gives the layer's RoPE cos and sin ``[count, d]`` of positions start… (query
+    statistics)."""
 
     def __init__(self, needs: Needs, cuts: tuple[int, ...] = (), rope=None):
         self.windows = set(needs.windows)
@@ -230,26 +253,28 @@ class StatsRecorder:
         )
 
     @staticmethod
-    def _accumulated(q, k, scaling, logsumexp, cut) -> torch.Tensor:
-        if logsumexp is not None:  # the first `cut` queries' log-sum-exps over their (causal) keys are those of a cut
+    def _accumulated(q, k, scaling, logsumexp, cut, softcap) -> torch.Tensor:
+        # The first `cut` queries' log-sum-exps over their (causal) keys are those of a cut. The fused kernel that
+        # gives them cannot soft-cap (the wrapper never asks it for a soft-capped call).
+        if logsumexp is not None and softcap is None:
             return accumulated_from_logsumexp(q, k, logsumexp[0, :, :cut], scaling)
-        return accumulated_attention(q, k, scaling)
+        return accumulated_attention(q, k, scaling, softcap=softcap)
 
-    def _query_stats(self, q: torch.Tensor) -> dict:
+    def _query_stats(self, q: torch.Tensor, layer: int) -> dict:
         cut = q.shape[1]
         if not self.query_stats:
             return {}
-        cos, sin = self.rope(0, cut)
+        cos, sin = self.rope(0, cut, layer)
         out = {}
         for sink, future in self.query_stats:
-            future_cos, future_sin = self.rope(cut, future)
+            future_cos, future_sin = self.rope(cut, future, layer)
             out[sink, future] = future_query_statistics(q, cos, sin, min(sink, cut - 1), future_cos, future_sin)
         return out
 
-    def _query_moments(self, q: torch.Tensor) -> dict:
+    def _query_moments(self, q: torch.Tensor, layer: int) -> dict:
         if not self.query_moments:
             return {}
-        cos, sin = self.rope(0, q.shape[1])
+        cos, sin = self.rope(0, q.shape[1], layer)
         return {sink: query_moments(q, cos, sin, min(sink, q.shape[1] - 1)) for sink in self.query_moments}
 
     @property
@@ -264,6 +289,7 @@ class StatsRecorder:
         key: torch.Tensor,
         scaling: float,
         logsumexp: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> None:
         if query.shape[2] != key.shape[2]:
             return  # not a prefill of the whole prompt
@@ -273,12 +299,14 @@ class StatsRecorder:
             self.layers[cut, layer_idx] = LayerStats(
                 context_len=cut,
                 num_kv_heads=k.shape[0],
-                window_scores=window_attention_sums(q, k, scaling, self.windows) if self.windows else {},
-                accumulated=self._accumulated(q, k, scaling, logsumexp, cut) if self.accumulated else None,
-                bidirectional={w: bidirectional_attention_sums(q, k, scaling, w) for w in self.bidirectional},
-                query_stats=self._query_stats(q),
+                window_scores=window_attention_sums(q, k, scaling, self.windows, softcap) if self.windows else {},
+                accumulated=self._accumulated(q, k, scaling, logsumexp, cut, softcap) if self.accumulated else None,
+                bidirectional={
+                    w: bidirectional_attention_sums(q, k, scaling, w, softcap=softcap) for w in self.bidirectional
+                },
+                query_stats=self._query_stats(q, layer_idx),
                 recent_queries=q[:, max(cut - self.queries, 0) :].float().clone() if self.queries else None,
-                query_moments=self._query_moments(q),
+                query_moments=self._query_moments(q, layer_idx),
             )
 
 
@@ -405,7 +433,7 @@ def _decoding_attention(kernel, base: str, layer, module, query, key, value, **k
     FlexAttention or a mask (``RAGGED_KERNELS``). Nothing here reads a tensor back to the host."""
     observe = getattr(layer, "observe", None)
     if observe is not None:
-        observe(query, kwargs.get("scaling", module.scaling))
+        observe(query, kwargs.get("scaling", module.scaling), kwargs.get("softcap"))
     groups = getattr(module, "num_key_value_groups", 1)
     if key.shape[1] == query.shape[1] and groups > 1:
         module = _OneSetPerQueryHead(module)
@@ -477,6 +505,7 @@ def _attention_with_logsumexp(base: str, module, query, key, value, attention_ma
         or query.shape[2] != key.shape[2]
         or kwargs.get("dropout", 0.0)
         or kwargs.get("is_causal", True) is False
+        or kwargs.get("softcap") is not None  # the fused kernel cannot soft-cap logits
         or set(kwargs) - _PLAIN_PREFILL_KWARGS
     ):
         return None
@@ -561,8 +590,10 @@ def _recording_attention(base: str):
         recorder = _ACTIVE_RECORDER.get()
         if recorder is not None and recorder.needed:
             scaling = kwargs.get("scaling", module.scaling)
+            # The model's own soft-capping of the logits (Gemma 2), passed on only where it caps.
+            capped = {"softcap": kwargs["softcap"]} if kwargs.get("softcap") is not None else {}
             attend = getattr(recorder, "attend", None)  # a recorder that computes the attention itself (KVzip's)
-            if attend is not None and base in MASKED_KERNELS and not set(kwargs) - _PLAIN_PREFILL_KWARGS:
+            if attend is not None and base in MASKED_KERNELS and not capped and not set(kwargs) - _PLAIN_PREFILL_KWARGS:
                 output = attend(module.layer_idx, query, key, value, scaling)
                 if output is not None:
                     return output, None
@@ -572,7 +603,7 @@ def _recording_attention(base: str):
                     output, logsumexp = fused
                     recorder.observe(module.layer_idx, query, key, scaling, logsumexp=logsumexp)
                     return output, None
-            recorder.observe(module.layer_idx, query, key, scaling)
+            recorder.observe(module.layer_idx, query, key, scaling, **capped)
         return kernel(module, query, key, value, attention_mask, **kwargs)
 
     return attention

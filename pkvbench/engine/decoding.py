@@ -145,6 +145,7 @@ class BatchDecoder:
         rope: Callable | None = None,
         scaling: float = 1.0,
         query_heads: int | None = None,
+        softcap: float | None = None,
         layer_kinds: list[str] | None = None,
         windows: list[int | None] | None = None,
     ):
@@ -154,8 +155,11 @@ class BatchDecoder:
         self.kv_heads = kv_heads
         self.device = device
         self.sync = sync
-        self.rope = rope  # RoPE's cos, sin of positions (start, count): Expected Attention's cuts while decoding
+        self.rope = (
+            rope  # RoPE's cos, sin of positions (start, count) of a layer: Expected Attention's cuts while decoding
+        )
         self.scaling = scaling  # the model's attention scale (the cuts' attention statistics)
+        self.softcap = softcap  # the model's soft-capping of attention logits (Gemma 2), None where it has none
         self.query_heads = query_heads or kv_heads
         self.layer_kinds = layer_kinds  # each layer's attention kind (architecture.FULL, SLIDING); None: all full
         self.windows = windows  # each layer's sliding window (None: full attention)
@@ -206,6 +210,7 @@ class BatchDecoder:
             self.scaling,
             self.query_heads,
             self.rope,
+            self.softcap,
         )
         rows = [_Row(request, index) for index, request in enumerate(requests)]
         position = requests[0].position

@@ -17,10 +17,13 @@ import torch
 
 
 @contextlib.contextmanager
-def stock_attention(model, name: str = "sdpa"):
-    """Temporarily run ``model`` on a stock transformers kernel (no pkvbench wrapper)."""
+def stock_attention(model, name: str | None = None):
+    """Temporarily run ``model`` on a stock transformers kernel (no pkvbench wrapper): ``name``, or the one the
+    wrapper wraps (sdpa; eager for a soft-capped model, ``Architecture.attention_kernel``)."""
+    from pkvbench.engine.attention import PREFIX
+
     ours = model.config._attn_implementation
-    model.set_attn_implementation(name)
+    model.set_attn_implementation(name or ours.removeprefix(PREFIX))
     try:
         yield
     finally:
@@ -67,7 +70,7 @@ def masked_reference(
             position = length + len(tokens) - 1
             step = model(
                 input_ids=torch.tensor([[tokens[-1]]], device=device),
-                attention_mask=_masks_by_kind(model.config, mask.bool(), position, kept_whole)
+                attention_mask=_masks_by_kind(model.config, mask.bool(), position, kept_whole, model.dtype)
                 if kept_whole
                 else mask[None],
                 position_ids=torch.tensor([[position]], device=device),
@@ -78,9 +81,12 @@ def masked_reference(
     return tokens
 
 
-def _masks_by_kind(config, visible: torch.Tensor, position: int, kept_whole: tuple[str, ...]) -> dict:
+def _masks_by_kind(
+    config, visible: torch.Tensor, position: int, kept_whole: tuple[str, ...], dtype: torch.dtype
+) -> dict:
     """The one query's 4-D masks ``[1, 1, 1, position + 1]`` per layer kind: what it may see of the cache's entries
-    (at positions 0 … position), a sliding kind within its window."""
+    (at positions 0 … position), a sliding kind within its window; boolean, or added to the logits in ``dtype``
+    where the model runs the eager kernel (Gemma 2)."""
     from pkvbench.engine.architecture import SLIDING, Architecture
 
     architecture = Architecture.of(config)
@@ -91,4 +97,9 @@ def _masks_by_kind(config, visible: torch.Tensor, position: int, kept_whole: tup
         if kind == SLIDING:
             seen = seen & (entries > position - architecture.sliding_window)
         masks[kind] = seen[None, None, None]
+    if config._attn_implementation == "eager":  # the eager kernel adds its masks to the logits
+        return {
+            kind: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+            for kind, m in masks.items()
+        }
     return masks

@@ -159,6 +159,7 @@ class Engine:
             self._sync,
             rope=self.rope,
             scaling=self.architecture.scalings(self.model)[0],
+            softcap=self.architecture.softcap,
             query_heads=loaded.num_query_heads,
             layer_kinds=list(self.architecture.layer_kinds),
             windows=self.architecture.windows,
@@ -180,10 +181,11 @@ class Engine:
         float16 (of the 16-bit formats, the one with the finer steps)."""
         return self.model.dtype if self.model.dtype.itemsize == 2 else torch.float16
 
-    def rope(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's RoPE cos and sin ``[count, head_dim]`` (float32) at positions start, start + 1, …"""
+    def rope(self, start: int, count: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s RoPE cos and sin ``[count, head_dim]`` (float32) at positions start, start + 1, …
+        (``Architecture.rope``: Gemma 3's local and global layers rotate differently)."""
         positions = torch.arange(start, start + count, device=self.device)[None]
-        cos, sin = self.architecture.rotary(self.model)(torch.zeros(1, device=self.device), positions)
+        cos, sin = self.architecture.rope(self.model, layer, torch.zeros(1, device=self.device), positions)
         return cos[0].float(), sin[0].float()
 
     def _stop_ids(self) -> set[int]:

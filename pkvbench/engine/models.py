@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
-from pkvbench.engine.architecture import admitted_families, check_family
+from pkvbench.engine.architecture import Architecture, admitted_families, check_family
 from pkvbench.errors import PkvError, first_line
 from pkvbench.io import read_json
 from pkvbench.kv_formats import CacheGeometry, KVFormat
@@ -383,6 +383,7 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise PkvError(f"could not load model {name}: {first_line(exc)}") from None
     check_architecture(config, name)
+    attn_implementation = Architecture.of(config).attention_kernel(attn_implementation)
     try:
         tokenizer = _tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from pkvbench.engine.attention import flash_kernel
+from pkvbench.engine.attention import flash_kernel, soft_cap_
 
 FIRST_REQUEST = "\n\nRepeat the previous context exactly."
 LATER_REQUEST = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -61,6 +61,8 @@ class ReconstructionRecorder:
     chunk entry's score is exp(max over the group's queries of q·k·scale − L): one product of the queries with the
     chunk's keys in cache-sized blocks, with no softmax and no second pass over the prompt. ``observe`` (the other
     way) forms the queries' attention over S and O and takes its softmax; the model's own kernel gives the output.
+    A soft-capped model (Gemma 2) takes ``observe`` (the fused kernel cannot soft-cap), its logits capped as the
+    model caps them.
     """
 
     needed = True
@@ -105,7 +107,9 @@ class ReconstructionRecorder:
         )
         return output.to(query.dtype).transpose(1, 2).contiguous()
 
-    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    def observe(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None = None
+    ) -> None:
         q, k = query[0].float(), key[0].float()  # [Hq, n, d], [Hkv, length + n, d]
         query_heads, new, dim = q.shape
         kv_heads = k.shape[0]
@@ -121,6 +125,7 @@ class ReconstructionRecorder:
             rows = min(new, row + ROWS_PER_BLOCK) - row
             block = grouped[:, :, row : row + rows].reshape(kv_heads, group * rows, dim)
             logits = torch.bmm(block, subset.transpose(1, 2)).mul_(scaling).view(kv_heads, group, rows, -1)
+            soft_cap_(logits, softcap)
             position = torch.arange(row, row + rows, device=k.device)[:, None]
             future = torch.arange(subset.shape[1] - first_new, device=k.device)[None, :] > position
             logits[..., first_new:].masked_fill_(future, float("-inf"))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pkvbench import budgets
-from pkvbench.engine.attention import last_queries_sums, rotate_moments
+from pkvbench.engine.attention import last_queries_sums, rotate_moments, soft_cap_
 from pkvbench.engine.cache import RaggedCache
 from pkvbench.engine.sliding import PositionedLayer
 from pkvbench.policies.base import LayerStats, Needs, Policy
@@ -153,9 +153,10 @@ class ShrinkingLayer(PositionedLayer):
             extra = self._key_store.shape[2] - self._accumulated.shape[2]
             self._accumulated = torch.nn.functional.pad(self._accumulated, (0, extra))
 
-    def observe(self, query: torch.Tensor, scaling: float) -> None:
+    def observe(self, query: torch.Tensor, scaling: float, softcap: float | None = None) -> None:
         """The attention wrapper's call with each decoding step's queries ``[batch, Hq, new, d]`` (post-RoPE),
-        after ``update``: keep the latest queries, add their attention to each entry's sum."""
+        after ``update``: keep the latest queries, add their attention to each entry's sum (with the model's scale
+        and soft-capping)."""
         new = query.shape[2]
         if self._queries is not None:
             width = self._queries.shape[2]
@@ -166,6 +167,7 @@ class ShrinkingLayer(PositionedLayer):
             keys = self.keys.float()  # [batch, H, columns, d]
             grouped = query.float().view(batch, self.heads, query_heads // self.heads * new, dim)
             logits = (grouped @ keys.transpose(2, 3) * scaling).view(batch, query_heads, new, keys.shape[2])
+            soft_cap_(logits, softcap)
             mask = self.attention_mask()
             if mask is not None:
                 mask = mask.repeat_interleave(query_heads // mask.shape[1], dim=1)
@@ -180,7 +182,16 @@ class ShrinkingLayer(PositionedLayer):
         if self._accumulated is not None:
             self._accumulated = self._accumulated[rows]
 
-    def row_stats(self, row: int, layer: int, needs: Needs, scaling: float, end: int, query_heads: int) -> LayerStats:
+    def row_stats(
+        self,
+        row: int,
+        layer: int,
+        needs: Needs,
+        scaling: float,
+        end: int,
+        query_heads: int,
+        softcap: float | None = None,
+    ) -> LayerStats:
         """Row ``row``'s entries as a policy sees them at a cut (``end``: the position of the token to come)."""
         count = int(self.lengths[row, 0])
         if not bool((self.lengths[row] == count).all()):
@@ -195,7 +206,9 @@ class ShrinkingLayer(PositionedLayer):
             num_kv_heads=self.heads,
             num_query_heads=query_heads,
             layer=layer,
-            window_scores=last_queries_sums(queries, keys, scaling, set(needs.windows)) if needs.windows else {},
+            window_scores=last_queries_sums(queries, keys, scaling, set(needs.windows), softcap)
+            if needs.windows
+            else {},
             accumulated=self._accumulated[row, :, :count] if needs.accumulated else None,
             keys=keys,
             values=self._value_store[row, :, :count],
@@ -257,14 +270,16 @@ class MemoryTracker:
         starts: list[DecodeStart | None],
         scaling: float,
         query_heads: int,
-        rope: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None,
+        rope: Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None,
+        softcap: float | None = None,
     ):
         self.cache = cache
         self.query_heads = query_heads
         self.schedules = schedules
         self.starts = starts
         self.scaling = scaling
-        self.rope = rope
+        self.rope = rope  # (start, count, layer) → the layer's RoPE cos, sin
+        self.softcap = softcap
         self.live = list(range(len(schedules)))
         self.memory = [RowMemory() for _ in schedules]
         self.forwarded = False  # whether a forward has read the caches yet (their states from then on count)
@@ -301,11 +316,11 @@ class MemoryTracker:
         for index, (layer, target) in enumerate(zip(self.cache.layers, schedule.targets(end))):
             if int(layer.lengths[batch_row].max()) <= target:
                 continue
-            stats = layer.row_stats(batch_row, index, needs, self.scaling, end, self.query_heads)
+            stats = layer.row_stats(batch_row, index, needs, self.scaling, end, self.query_heads, self.softcap)
             if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
                 moments = start.moments[index]
                 rotated = {
-                    (sink, future): rotate_moments(*moments[sink], *self.rope(end, future))
+                    (sink, future): rotate_moments(*moments[sink], *self.rope(end, future, index))
                     for sink, future in needs.query_stats
                 }
                 stats = dataclasses.replace(stats, query_stats=rotated)
