@@ -72,7 +72,7 @@ ROWS = [
     Row(
         "gemma2",
         "gemma2",
-        {"sliding_window": 64, "attn_logit_softcapping": 0.1, "query_pre_attn_scalar": 8},
+        {"sliding_window": 64, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 1, "initializer_range": 0.05},
         length=60,
     ),
     Row(
@@ -231,6 +231,54 @@ def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage
             seen = sorted(columns[row, head][mask[row, min(head, mask.shape[1] - 1), 0]].tolist())
             expected = sorted(p for p in positions[head].tolist() if p > start - window) + [start]
             assert seen == expected
+
+
+def test_decode_time_statistics_soft_cap_their_logits_as_the_models_eager_kernel():
+    """While the answer is written (``--decode-budget``) a cut scores from the latest queries' attention and H2O's
+    running sums: with soft-capped logits (Gemma 2) both equal the weights of Gemma 2's own eager kernel."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from pkvbench.engine.shrinking import ShrinkingLayer
+    from pkvbench.policies.base import Needs
+
+    heads, group, dim, count, window, scaling, softcap = 2, 2, 16, 12, 4, 0.5, 2.0
+    generator = torch.Generator().manual_seed(5)
+
+    def draw(*shape):  # logits of ±10 and more: the cap bends them
+        return 2 * torch.randn(*shape, generator=generator)
+
+    keys, positions = draw(1, heads, count, dim), torch.arange(count).expand(1, heads, count).clone()
+    layer = ShrinkingLayer(
+        keys,
+        keys.clone(),
+        torch.full((1, heads), count),
+        2,
+        heads,
+        positions,
+        queries=draw(1, heads * group, window, dim),
+        query_counts=torch.tensor([window]),
+        accumulated=torch.zeros(1, heads * group, count),
+        start=count,
+    )
+    new_key, query = draw(1, heads, 1, dim), draw(1, heads * group, 1, dim)
+    layer.update(new_key, new_key.clone())
+    layer.observe(query, scaling, softcap)
+    module = SimpleNamespace(num_key_value_groups=group, training=False)
+    _, weights = eager_attention_forward(
+        module, query, layer.keys, layer.values, None, scaling=scaling, softcap=softcap
+    )
+    torch.testing.assert_close(layer._accumulated[0, :, : count + 1], weights[0, :, 0])
+
+    stats = layer.row_stats(0, 0, Needs(windows=frozenset({window})), scaling, count + 1, heads * group, softcap)
+    latest = layer._queries  # the window's queries, the new one last, at positions count + 1 - window … count
+    entries, rows = torch.arange(count + 1), torch.arange(count + 1 - window, count + 1)
+    causal = torch.zeros(window, count + 1).masked_fill_(entries[None] > rows[:, None], torch.finfo(torch.float32).min)
+    _, weights = eager_attention_forward(
+        module, latest, layer.keys, layer.values, causal, scaling=scaling, softcap=softcap
+    )
+    torch.testing.assert_close(stats.window_scores[window], weights[0].sum(1))
 
 
 EVERY_POLICY = "full,streamingllm,h2o,snapkv,pyramidkv,random,knorm,keydiff,tova,rkv,expected_attention,kvzip,adakv(snapkv),chunkkv(snapkv)"

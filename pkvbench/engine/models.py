@@ -136,6 +136,7 @@ class LoadedModel:
             "layers": self.num_layers,
             "kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
+            "attention": self.attn_implementation,  # the kernel it ran on (eager for a soft-capped model)
         }
 
 
