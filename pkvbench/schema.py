@@ -23,6 +23,9 @@ AWARE = "aware"  # the question is inside the compressed prompt (the paper's pro
 AGNOSTIC = "agnostic"  # the question is added after the context is compressed
 QUERY_MODES = (AWARE, AGNOSTIC)  # in the order tables list them
 DEFAULT_QUERY_MODE = AWARE  # also what rows written before the query mode was recorded were
+# How the policies select (a row's ``protocol``): pkvbench's exact budgets, the PyramidKV paper's code, kvpress's presses.
+PROTOCOLS = ("exact", "reference", "kvpress")
+FORMATS = ("markdown", "csv", "latex")  # what a table is written as (report.render), the first by default
 
 IDENTITY, CONFIGURATION, MEASURE, SAMPLE, TEXT = "identity", "configuration", "measure", "sample", "text"
 GROUPS = (IDENTITY, CONFIGURATION, MEASURE, SAMPLE, TEXT)
