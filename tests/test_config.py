@@ -11,6 +11,8 @@ from pkvbench.config import options_of, read_run_config
 from pkvbench.errors import PkvError
 
 CONFIGS = Path(__file__).parents[1] / "configs"
+
+
 def load_run_config(path):
     return read_run_config(path, options_of(RunConfig))
 
@@ -210,5 +212,3 @@ def test_leaderboard_runs_each_policy_as_kvpress_s_press():
         "chunkkv",
         "kvzip",
     ]
-
-
