@@ -106,14 +106,8 @@ class StrictGroup(click.Group):
 def config_option(declared: Option):
     """The command line's option of a configuration field (``options.py``), as the field declares it."""
     if declared.kind == FLAG:
-        return click.option(
-            declared.flag,
-            declared.name,
-            is_flag=True,
-            flag_value=not declared.default,
-            default=declared.default,
-            help=declared.help,
-        )
+        flag = {"is_flag": True, "flag_value": not declared.default, "default": declared.default}
+        return click.option(declared.flag, declared.name, **flag, help=declared.help)
     if declared.choices:
         kind = click.Choice(declared.choices)
     elif isinstance(declared.check, Bounds):
@@ -122,14 +116,17 @@ def config_option(declared: Option):
         kind = PathType(file_okay=False)
     else:
         kind = click.STRING
-    listed = declared.kind == LIST and isinstance(declared.default, tuple)  # a list option takes a comma string
+    default = declared.default
+    if declared.kind == LIST and isinstance(default, tuple):
+        default = ",".join(default)  # typed as a comma string
+    implied = str(declared.implied) if declared.implied is not None else None  # what None means, once it is used
+    shown = declared.show_default or implied or default not in (None, ())
     return click.option(
         declared.flag,
         declared.name,
         type=kind,
-        default=",".join(declared.default) if listed else declared.default,
-        show_default=declared.show_default
-        or (str(declared.implied) if declared.implied is not None else declared.default not in (None, ())),
+        default=default,
+        show_default=shown,
         multiple=declared.kind in (PAIR, REPEATED),
         metavar="NAME=VALUE" if declared.kind == PAIR else None,
         help=declared.help or None,

@@ -33,6 +33,8 @@ def test_each_field_is_one_option_with_the_field_s_default_and_choices(command, 
         assert tuple(getattr(param.type, "choices", ())) == (option.choices or ()), param.name
         if option.implied is not None:  # what a None becomes once the option it shapes is given: said in --help
             assert param.show_default == str(option.implied)
+        if option.show_default is not None:
+            assert param.show_default == option.show_default
 
 
 def test_the_api_and_the_runner_take_what_the_fields_declare():
