@@ -2,7 +2,8 @@
 ``RunConfig.from_file``).
 
 Keys are ``pkvbench run``'s long options, with dashes or underscores (``max-length`` or ``max_length``), or the
-``RunConfig`` field names (``tasks``, ``policies``, ``budgets``, ``policy_args``); ``html`` sets the command's
+``RunConfig`` field names (``tasks``, ``policies``, ``budgets``, ``policy_args``), as each field's ``Option`` (the
+end of this module; ``options.py``) declares them; ``html`` sets the command's
 ``--html`` (not a ``RunConfig`` field). List options take a YAML list or a comma string (``include-path`` too);
 ``policy-arg`` takes a mapping or a list of ``name=value``; flags take true/false. On the command
 line the file only sets defaults: any flag given there wins. An unknown key, a key given twice under two spellings
@@ -16,7 +17,7 @@ to a short excerpt (``shown``).
 The numbers and flags of every option — typed on the command line, read from a config, or given to the Python API —
 are parsed here, by ``parse_int``, ``parse_float`` and ``parse_bool``: an integer option takes an integer (never
 1.7 cut to 1, never true as 1), a number is finite, and a bound is checked with the same words everywhere. Lists,
-paths and ``name=value`` pairs too (``as_list`` and the field checks ``api.checked`` applies); what a policy, budget
+paths and ``name=value`` pairs too (``as_list`` and each field's ``Option.check``, which ``api.checked`` applies); what a policy, budget
 or task setting means is parsed beside it (``policies/spec.py``, ``budgets.py``, ``tasks/registry.py``).
 """
 
@@ -330,6 +331,7 @@ def pair_values(value: Any, what: str) -> Mapping[str, Any] | list[str]:
 # How an option takes its value: a comma list (or a YAML list), a repeatable value (a YAML list too), repeatable
 # ``name=value`` pairs (or a mapping), a flag (true/false), or one value.
 LIST, REPEATED, PAIR, FLAG, SCALAR = "list", "repeated", "pair", "flag", "scalar"
+OPTION = "pkvbench.option"  # the key of a field's metadata that holds its Option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,9 +363,6 @@ def option(
     choices = tuple(choices) if choices is not None else None
     check = check or one_of(choices)
     return dataclasses.field(default=default, metadata={OPTION: Option(default, help, check, choices=choices, **more)})
-
-
-OPTION = "pkvbench.option"
 
 
 @functools.cache
