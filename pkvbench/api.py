@@ -21,28 +21,15 @@ from pkvbench import kv_formats
 from pkvbench.budgets import Budget, parse_budgets, parse_decode_budgets, parse_memory_budgets, rounding_for
 from pkvbench.config import (
     MAX_LAYERS,
-    SEED_MAX,
-    Check,
     as_list,
     list_value,
-    name_value,
-    one_of,
-    option_name,
-    optional,
+    options_of,
     pair_values,
-    parse_bool,
-    parse_float,
     parse_int,
     parse_numbers,
-    path_list,
-    path_value,
-    whole,
 )
 from pkvbench.engine.models import (
     ALIASES,
-    DEFAULT_MODEL,
-    DEVICES,
-    DTYPES,
     check_model_name,
     load_tokenizer,
     model_context_window,
@@ -50,12 +37,13 @@ from pkvbench.engine.models import (
 )
 from pkvbench.errors import PkvError
 from pkvbench.kv_formats import KVFormat
+from pkvbench.options import EXECUTORS, FunnelConfig, RunConfig, SampleConfig
 from pkvbench.policies.base import Policy
 from pkvbench.policies.spec import parse_policies
 from pkvbench.provenance import git_commit, make_deterministic, package_version, provenance, versions
 from pkvbench.results import ResultStore, decode_budget_label
 from pkvbench.runner import Cell, RunSettings, RunStats, Shard, work_items
-from pkvbench.schema import DEFAULT_QUERY_MODE, QUERY_MODES
+from pkvbench.schema import QUERY_MODES
 from pkvbench.tasks.base import TaskOptions, TaskSpec
 from pkvbench.tasks.registry import (
     check_sample_options,
@@ -65,68 +53,10 @@ from pkvbench.tasks.registry import (
     with_task_args,
 )
 
-EXECUTORS = ("local", "ray")
-
 
 def default_out(kind: str, model: str, tasks: list[TaskSpec]) -> Path:
     """``results/<kind>/<model>/<task+task…>``: where a run goes when no folder is given."""
     return Path("results") / kind / model_slug(model) / "+".join(t.name for t in tasks)
-
-
-# --- checking a configuration's values ----------------------------------------------------------------------------
-# A ``RunConfig`` or ``FunnelConfig`` built in Python gets the checks the command line gives: every number through
-# the one parser (``config.parse_int`` / ``parse_float``), flags only true or false, paths and lists of the right
-# shape (the checks are in ``config``).
-
-SAMPLE_CHECKS: dict[str, Check] = {  # SampleConfig's fields
-    "model": name_value,
-    "tasks": list_value,
-    "lengths": optional(list_value),
-    "depths": optional(list_value),
-    "limit": optional(whole(1)),
-    "seed": whole(0, SEED_MAX),
-    "data_dir": optional(path_value),
-    "verify": parse_bool,
-    "max_length": optional(whole(1)),
-    "sample_ids": optional(list_value),
-    "include_paths": path_list,
-    "device": one_of(DEVICES),
-    "dtype": one_of(DTYPES),
-    "attn_implementation": name_value,
-    "out": optional(path_value),
-    "overwrite": parse_bool,
-    "quiet": parse_bool,
-}
-RUN_CHECKS: dict[str, Check] = {
-    **SAMPLE_CHECKS,
-    "policies": optional(list_value),
-    "budgets": optional(list_value),
-    "memory": optional(list_value),
-    "kv_bits": optional(list_value),
-    "kv_group": optional(whole(1)),
-    "kv_residual": optional(whole(0)),
-    "decode_budgets": optional(list_value),
-    "decode_interval": optional(whole(1)),
-    "decode_buffer": optional(whole(0)),
-    "policy_args": pair_values,
-    "protocol": name_value,
-    "query_modes": list_value,
-    "task_args": pair_values,
-    "max_new_tokens": optional(whole(1)),
-    "decode_batch": optional(whole(1)),
-    "shard": optional(name_value),
-    "executor": name_value,
-    "ray_address": optional(name_value),
-    "workers": optional(whole(1)),
-    "gpus_per_worker": optional(lambda value, what: parse_float(value, what, minimum=0)),
-}
-FUNNEL_CHECKS: dict[str, Check] = {
-    **SAMPLE_CHECKS,
-    "window": whole(1),
-    "sink": whole(0),
-    "top_k": whole(1),
-    "budget": list_value,
-}
 
 
 def expect_config(config: Any, kind: type[SampleConfig], call: str) -> None:
@@ -144,8 +74,7 @@ def expect_config(config: Any, kind: type[SampleConfig], call: str) -> None:
 def checked(config: SampleConfig) -> Any:
     """``config`` with every value checked and parsed as the command line parses it (``"5"`` → 5)."""
     expect_config(config, SampleConfig, "checked")
-    checks = RUN_CHECKS if isinstance(config, RunConfig) else FUNNEL_CHECKS
-    return replace(config, **{name: check(getattr(config, name), option_name(name)) for name, check in checks.items()})
+    return replace(config, **{name: o.parse(getattr(config, name)) for name, o in options_of(type(config)).items()})
 
 
 # --- what fits the model -------------------------------------------------------------------------------------------
@@ -183,89 +112,6 @@ def fit_to_model(
 # --- the run configuration -----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True)
-class SampleConfig:
-    """What ``pkvbench run`` and ``pkvbench funnel`` share: the model and how it runs, which samples, where the
-    results go. List-valued fields take a list or a comma string (``tasks="needle,trec"``)."""
-
-    # the model, and how it runs
-    model: str = DEFAULT_MODEL
-    device: str = "auto"
-    dtype: str = "auto"
-    attn_implementation: str = "sdpa"
-    # which samples
-    tasks: Sequence[str] | str = ("needle",)
-    lengths: Sequence[int] | str | None = None
-    depths: Sequence[float] | str | None = None
-    limit: int | None = None
-    seed: int = 0
-    data_dir: str | None = None
-    verify: bool = True
-    max_length: int | None = None
-    sample_ids: Sequence[str] | str | None = None
-    include_paths: Sequence[str] = ()
-    # where the results go
-    out: str | Path | None = None
-    overwrite: bool = False
-    quiet: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig(SampleConfig):
-    """Everything a run is: the model, tasks and samples (``SampleConfig``'s fields), policies × budgets, where it
-    runs.
-
-    ``policies=None`` is the default grid (the full cache and the paper's four policies). Values are checked by
-    ``evaluate`` (``PkvError`` says what is wrong), exactly as the command line checks them.
-    """
-
-    policies: Sequence[str] | str | None = None
-    # None: 128 entries, unless memory is given; with a decode budget cr0 (the prefill keeps everything:
-    # compression only while decoding)
-    budgets: Sequence[str | int | float] | str | None = None
-    # Memory budgets instead of entry budgets: fractions of the full cache's bytes at 16 bits per value (0.05) or
-    # sizes ("2MiB"); each policy keeps as many entries as fit, in each of kv_bits' formats (docs/memory.md)
-    memory: Sequence[str | float] | str | None = None
-    # The bits each kept value is stored in: 16, or KIVI's 8, 4, 2 (None: the model's own cache, in its dtype)
-    kv_bits: Sequence[int] | str | None = None
-    # KIVI's G (tokens per key group, channels per value group; default 32) and R (each head's last R kept entries
-    # stay in 16 bits; default 128): only with kv_bits of 8, 4 or 2, which they shape
-    kv_group: int | None = None
-    kv_residual: int | None = None
-    policy_args: Mapping[str, Any] | Sequence[str] = ()
-    # "exact": pkvbench's protocol; "reference": every policy selects as the PyramidKV paper's code (docs/protocol.md);
-    # "kvpress": every policy with the settings of kvpress's press of the same rule (docs/kvpress-crosscheck.md)
-    protocol: str = "exact"
-    # where the question is: "aware" (inside the compressed prompt, the paper's protocol), "agnostic" (added after
-    # the context is compressed; one compressed context answers every question), or both
-    query_modes: Sequence[str] | str = (DEFAULT_QUERY_MODE,)
-    # Task settings for every task that has them: chat_template, min_new_tokens, stop_strings (e.g. the paper's
-    # LongBench script: no chat template, at least one new token, no stop but the end token)
-    task_args: Mapping[str, Any] | Sequence[str] = ()
-    max_new_tokens: int | None = None
-    decode_batch: int | None = None  # at most this many configurations of a sample decode together; 1: one at a time
-    # Cut the cache back to this many entries per KV head while the answer is written (an axis: "none" for no cut),
-    # every decode_interval new tokens (default 16), the newest decode_buffer entries (default 8) always kept; the two
-    # only with a decode budget (docs/decoding.md)
-    decode_budgets: Sequence[str | int] | str | None = None
-    decode_interval: int | None = None
-    decode_buffer: int | None = None
-    shard: str | None = None  # "i/n": every n-th sample, from the i-th
-    # where the samples run
-    executor: str = "local"
-    ray_address: str | None = None
-    workers: int | None = None
-    gpus_per_worker: float | None = None
-
-    @classmethod
-    def from_file(cls, path: str | Path, **overrides: Any) -> RunConfig:
-        """A YAML run config (keys as ``pkvbench run``'s long options); ``overrides`` win over the file."""
-        from pkvbench.config import read_run_config
-
-        names = [f.name for f in fields(cls)]
-        return cls(**{**read_run_config(path, names), **overrides})
-
-
 @dataclass
 class ResolvedRun:
     """A ``RunConfig`` checked and parsed: what the executors run."""
@@ -301,16 +147,7 @@ class ResolvedRun:
 
     @property
     def settings(self) -> RunSettings:
-        c = self.config
-        return RunSettings(
-            max_new_tokens=c.max_new_tokens,
-            decode_batch=c.decode_batch,
-            protocol=c.protocol,
-            kv_group=c.kv_group,
-            kv_residual=c.kv_residual,
-            decode_interval=c.decode_interval,
-            decode_buffer=c.decode_buffer,
-        )
+        return RunSettings(**{f.name: getattr(self.config, f.name) for f in fields(RunSettings)})
 
     @property
     def recorded_options(self) -> dict[str, Any]:
@@ -383,30 +220,23 @@ def task_options(config: SampleConfig) -> TaskOptions:
     )
 
 
-# Options that only shape another (KIVI's group and residual, the decode-time schedule): None in a RunConfig, these
-# once the option they shape is given; given without it they would be ignored, so they are refused (as --workers
-# without --executor ray).
-DEPENDENT_DEFAULTS = {
-    "kv_group": kv_formats.DEFAULT_GROUP,
-    "kv_residual": kv_formats.DEFAULT_RESIDUAL,
-    "decode_interval": 16,
-    "decode_buffer": 8,
-}
-
-
+# Options that only shape another (KIVI's group and residual, the decode-time schedule): None in a RunConfig, their
+# ``implied`` value once the option they shape is given; given without it they would be ignored, so they are refused
+# (as --workers without --executor ray).
 def with_dependent_options(
     config: RunConfig, formats: list[KVFormat | None], decode_budgets: list[int | None]
 ) -> RunConfig:
     """Refuse ``--kv-group``/``--kv-residual`` where no format of the run is KIVI's (8, 4 or 2 bits) and
     ``--decode-interval``/``--decode-buffer`` where no decode budget cuts; return ``config`` with their defaults
     filled in."""
+    options = options_of(RunConfig)
     quantized = any(f and f.quantized for f in formats)
     cutting = decode_budgets != [None]
     for names, used, purpose, needed in (
         (("kv_group", "kv_residual"), quantized, "KIVI's formats", "--kv-bits 8, 4 or 2"),
         (("decode_interval", "decode_buffer"), cutting, "the cuts while decoding", "a --decode-budget (not none)"),
     ):
-        given = [option_name(name) for name in names if getattr(config, name) is not None]
+        given = [options[name].flag for name in names if getattr(config, name) is not None]
         if given and not used:
             one = len(given) == 1
             raise PkvError(
@@ -414,7 +244,9 @@ def with_dependent_options(
                 f"give {needed} with {'it' if one else 'them'}, or leave {'it' if one else 'them'} out "
                 f"(alone {'it' if one else 'they'} would be ignored)"
             )
-    defaults = {name: value for name, value in DEPENDENT_DEFAULTS.items() if getattr(config, name) is None}
+    defaults = {
+        name: o.implied for name, o in options.items() if o.implied is not None and getattr(config, name) is None
+    }
     return replace(config, **defaults)
 
 
@@ -651,16 +483,6 @@ def session(model: str) -> dict[str, Any]:
 
 
 # --- the funnel ----------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class FunnelConfig(SampleConfig):
-    """``pkvbench funnel``: how concentrated each layer's and head's attention is (PyramidKV's premise)."""
-
-    window: int = 8  # the last queries whose attention is measured (SnapKV/PyramidKV's window)
-    sink: int = 4  # first tokens counted as the attention sink
-    top_k: int = 128  # k of the top-k mass statistic
-    budget: str | int | float = 128  # the budget whose PyramidKV per-layer allocation is drawn over the curves
 
 
 @dataclass

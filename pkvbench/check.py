@@ -49,12 +49,15 @@ from pkvbench.stats import ALPHA, cell_scores, holm, paired_difference
 CELL = list(CELL_KEY)
 COLUMNS = [*CELL, "n", "score", "ci_low", "ci_high"]
 SAMPLE_COLUMNS = [*CELL, "sample_id", "score"]
+# What every baseline has had, of every version: the cell's columns that have no default (``CELL_DEFAULTS``).
+OLDEST = [c for c in CELL if c not in CELL_DEFAULTS]
+OLDEST_COLUMNS, OLDEST_SAMPLE_COLUMNS = [*OLDEST, "n", "score"], [*OLDEST, "sample_id", "score"]
 RECORDED = ["pred", "kept_fingerprint"]  # beside the scores when the run's rows have them: what changed, not how much
 ALL = "*"  # the task and budget of a policy's pooled row
 FAILING = ("REGRESSED", "MISSING", "COUNT")
 # What --update may overwrite: files known as baselines by their header (those of older versions too).
-BASELINE = Kind("baseline", csv_with_columns(["model", "task", "policy", "budget", "n", "score"]), True)
-BASELINE_SAMPLES = Kind("baseline", csv_with_columns(["model", "task", "policy", "budget", "sample_id", "score"]), True)
+BASELINE = Kind("baseline", csv_with_columns(OLDEST_COLUMNS), True)
+BASELINE_SAMPLES = Kind("baseline", csv_with_columns(OLDEST_SAMPLE_COLUMNS), True)
 # The share of kept entries a cell may lose without failing. Measured on the smoke grid (docs/ci-gate.md): torch
 # threads 1 vs 2, --decode-batch 1 and another sample order keep every entry (overlap 1, bit for bit); float noise of
 # 1e-6 on every weight (another machine's summation order, and more) moved one layer of one H2O cell (overlap above
@@ -150,7 +153,7 @@ def read_baseline(path: str | os.PathLike) -> pd.DataFrame:
     """The baseline's cells, each checked before it is trusted: a score outside its own interval or outside
     [0, 100], a count below 1 or a cell written twice would let a regressed run pass against it."""
     path = Path(path)
-    baseline = _read_csv(path, "baseline", ["model", "task", "policy", "budget", "n", "score"])
+    baseline = _read_csv(path, "baseline", OLDEST_COLUMNS)
     _numbers(baseline, ["n", "score"], path, "baseline")
     for column in ("ci_low", "ci_high"):  # absent in old baselines: the tolerance alone decides there
         baseline[column] = pd.to_numeric(baseline[column], errors="coerce") if column in baseline else math.nan
@@ -184,7 +187,7 @@ def read_baseline_samples(path: Path, cells: pd.DataFrame) -> pd.DataFrame | Non
     in [0, 1], no sample twice, each cell's n and mean the baseline's, fingerprints readable."""
     if not path.exists():
         return None
-    samples = _read_csv(path, "baseline samples", ["model", "task", "policy", "budget", "sample_id", "score"])
+    samples = _read_csv(path, "baseline samples", OLDEST_SAMPLE_COLUMNS)
     _numbers(samples, ["score"], path, "baseline samples")
     samples["sample_id"] = samples["sample_id"].astype(str)
     if "pred" in samples:

@@ -12,11 +12,26 @@ from pathlib import Path
 import click
 
 from pkvbench._version import __version__
-from pkvbench.config import MAX_LAYERS, MIN_POWER, SEED_MAX
+from pkvbench.config import (
+    FLAG,
+    LIST,
+    MAX_LAYERS,
+    MIN_POWER,
+    PAIR,
+    REPEATED,
+    Bounds,
+    Option,
+    number,
+    options_of,
+    path_list,
+    path_value,
+    whole,
+)
 from pkvbench.engine.architecture import FAMILIES
-from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES
+from pkvbench.engine.models import ALIASES
 from pkvbench.errors import PkvError
-from pkvbench.schema import DEFAULT_QUERY_MODE
+from pkvbench.options import FunnelConfig, RunConfig, SampleConfig
+from pkvbench.schema import DEFAULT_QUERY_MODE, FORMATS
 
 
 def _options(*options):
@@ -31,20 +46,15 @@ def _options(*options):
 
 
 class Number(click.ParamType):
-    """An integer or a number, parsed by the one parser configs and the Python API use (``config.parse_int`` /
-    ``parse_float``): 1.7 is no integer, true is no number, nan and inf are refused, bounds say the same words."""
+    """An integer or a number, parsed by the check configs and the Python API use (``config.Bounds``): 1.7 is no
+    integer, true is no number, nan and inf are refused, bounds say the same words."""
 
-    def __init__(self, kind: type, minimum=None, maximum=None, above=None):
-        self.kind, self.minimum, self.maximum, self.above = kind, minimum, maximum, above
-        self.name = "integer" if kind is int else "number"
+    def __init__(self, bounds: Bounds):
+        self.bounds = bounds
+        self.name = "integer" if bounds.kind is int else "number"
 
     def convert(self, value, param, ctx):
-        from pkvbench.config import parse_float, parse_int
-
-        what = param.opts[0] if param is not None and param.opts else self.name
-        if self.kind is int:
-            return parse_int(value, what, self.minimum, self.maximum)
-        return parse_float(value, what, self.minimum, self.maximum, self.above)
+        return self.bounds(value, param.opts[0] if param is not None and param.opts else self.name)
 
 
 class PathType(click.Path):
@@ -93,70 +103,43 @@ class StrictGroup(click.Group):
     command_class = StrictCommand
 
 
-sample_options = _options(
-    click.option(
-        "--lengths", help="Context lengths in prompt tokens, comma-separated (needle, RULER default: 1000,2000,4000)."
-    ),
-    click.option("--depths", help="Needle depths in percent, comma-separated (default: 0,25,50,75,100)."),
-    click.option(
-        "--limit",
-        type=Number(int, minimum=1),
-        help="At most this many samples per task (RULER, trec-fewshot: per task and length).",
-    ),
-    click.option(
-        "--seed",
-        type=Number(int, 0, SEED_MAX),
-        default=0,
-        show_default=True,
-        help="Seed for generated tasks and torch.",
-    ),
-    click.option(
-        "--data-dir",
-        type=PathType(file_okay=False),
-        help="Folder with a task's data files (e.g. LongBench <name>.jsonl).",
-    ),
-    click.option(
-        "--no-verify",
-        "verify",
-        is_flag=True,
-        flag_value=False,
-        default=True,
-        help="Do not check data files against their known checksums.",
-    ),
-    click.option(
-        "--max-length", type=Number(int, minimum=1), help="Truncate longer prompts to this many tokens (tasks that do)."
-    ),
-    click.option("--sample-id", "sample_ids", help="Only these sample ids, comma-separated."),
-    click.option(
-        "--include-path",
-        "include_paths",
-        multiple=True,
-        type=PathType(file_okay=False),
-        help="A folder of your own task YAML files (repeatable; $PKVBENCH_TASKS works too).",
-    ),
-)
-model_options = _options(
-    click.option(
-        "--model",
-        default=DEFAULT_MODEL,
-        show_default=True,
-        help=f"Alias ({', '.join(ALIASES)}), Hugging Face model id, local folder, or a .gguf file.",
-    ),
-    click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES)),
-    click.option(
-        "--dtype",
-        default="auto",
-        show_default=True,
-        type=click.Choice(DTYPES),
-        help="auto = float32 on CPU, bfloat16 on CUDA.",
-    ),
-    click.option(
-        "--attn-implementation",
-        default="sdpa",
-        show_default=True,
-        help="transformers attention kernel (sdpa, eager, flash_attention_2, ...).",
-    ),
-)
+def config_option(declared: Option):
+    """The command line's option of a configuration field (``options.py``), as the field declares it."""
+    if declared.kind == FLAG:
+        flag = {"is_flag": True, "flag_value": not declared.default, "default": declared.default}
+        return click.option(declared.flag, declared.name, **flag, help=declared.help)
+    if declared.choices:
+        kind = click.Choice(declared.choices)
+    elif isinstance(declared.check, Bounds):
+        kind = Number(declared.check)
+    elif declared.check in (path_value, path_list):
+        kind = PathType(file_okay=False)
+    else:
+        kind = click.STRING
+    default = declared.default
+    if declared.kind == LIST and isinstance(default, tuple):
+        default = ",".join(default)  # typed as a comma string
+    implied = str(declared.implied) if declared.implied is not None else None  # what None means, once it is used
+    shown = declared.show_default or implied or default not in (None, ())
+    return click.option(
+        declared.flag,
+        declared.name,
+        type=kind,
+        default=default,
+        show_default=shown,
+        multiple=declared.kind in (PAIR, REPEATED),
+        metavar="NAME=VALUE" if declared.kind == PAIR else None,
+        help=declared.help or None,
+    )
+
+
+def config_options(config: type):
+    """Every option of a configuration class, in the order of its fields."""
+    return _options(*(config_option(declared) for declared in options_of(config).values()))
+
+
+# The options every table-writing command shares.
+table_format = click.option("--format", "fmt", type=click.Choice(FORMATS), default=FORMATS[0], show_default=True)
 
 
 @click.group(cls=StrictGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -173,11 +156,8 @@ def _run_config(options: dict) -> tuple:
     """The ``RunConfig`` and ``--html`` file of a ``run`` command line. With ``--config FILE`` the file's values are
     taken as they are (the Python API checks them, as it checks any ``RunConfig``) and the options given on the
     command line win over them; without it, Click's values."""
-    from dataclasses import fields
-
     from click.core import ParameterSource
 
-    from pkvbench.api import RunConfig
     from pkvbench.config import read_run_config
 
     config_file, html_file = options.pop("config_file"), options.pop("html_file")
@@ -185,15 +165,10 @@ def _run_config(options: dict) -> tuple:
         return RunConfig(**options), html_file
     context = click.get_current_context()
     given = {k: v for k, v in options.items() if context.get_parameter_source(k) is not ParameterSource.DEFAULT}
-    from_file = read_run_config(config_file, [*(f.name for f in fields(RunConfig)), "html_file"])
-    html_in_file = from_file.pop("html_file", None)  # the command's option, not a RunConfig field
+    html = Option(None, "", path_value, flag="--html")  # the command's option, not a RunConfig field
+    from_file = read_run_config(config_file, {**options_of(RunConfig), "html_file": html})
+    html_in_file = from_file.pop("html_file", None)
     return RunConfig(**{**from_file, **given}), html_file if html_file is not None else html_in_file
-
-
-def _default_policies() -> str:
-    from pkvbench.policies.registry import default_grid
-
-    return ",".join(default_grid())
 
 
 @cli.command()
@@ -204,148 +179,12 @@ def _default_policies() -> str:
     help="YAML file of run options (keys as the long options: task, policy, budget, max-length, ...; "
     "see configs/). Options given on the command line override it.",
 )
-@click.option(
-    "--task", "tasks", default="needle", show_default=True, help="Task name(s), comma-separated (see `pkvbench list`)."
-)
-@click.option(
-    "--policy",
-    "policies",
-    default=_default_policies,
-    show_default="full and the paper's four",
-    help="Policies, comma-separated; options inline as name:opt=value, e.g. snapkv:window=32.",
-)
-@click.option(
-    "--budget",
-    "budgets",
-    show_default="128; with --decode-budget cr0, nothing cut at the prefill; none with --memory",
-    help="Budgets, comma-separated: below 1 a fraction of the prompt (0.007 = 0.7%), else entries per KV head per layer "
-    "(cr0: the whole prompt).",
-)
-@click.option(
-    "--memory",
-    help="Memory budgets instead of --budget, comma-separated: a fraction of the full cache's bytes at 16 bits per "
-    "value (0.05) or a size (2MiB); each policy keeps as many entries as fit, in each --kv-bits format "
-    "(docs/memory.md).",
-)
-@click.option(
-    "--kv-bits",
-    help="Bits each kept value is stored in, comma-separated: 16, or KIVI's 8, 4, 2 (keys per channel, values per "
-    "token) [default: the model's own cache, in its dtype: 32 on a CPU].",
-)
-@click.option(
-    "--kv-group",
-    type=Number(int),
-    show_default="32",
-    help="With --kv-bits 8, 4 or 2: KIVI's group size G, tokens per key group, channels per value group (must divide "
-    "the head size).",
-)
-@click.option(
-    "--kv-residual",
-    type=Number(int),
-    show_default="128",
-    help="With --kv-bits 8, 4 or 2: KIVI's residual R, each head's last R kept entries stay in 16 bits, as do the "
-    "answer's.",
-)
-@click.option(
-    "--policy-arg",
-    "policy_args",
-    multiple=True,
-    metavar="NAME=VALUE",
-    help="Option for every policy that has it (window, sink, kernel, pooling, beta, gqa, scores, normalize). Repeatable.",
-)
-@click.option(
-    "--protocol",
-    type=click.Choice(["exact", "reference", "kvpress"]),
-    default="exact",
-    show_default=True,
-    help="exact: every policy keeps exactly L·k entries per KV head; reference: select as the PyramidKV paper's code "
-    "did (one set per query head, its PyramidKV budgets, topk ties; docs/protocol.md); kvpress: each policy with the "
-    "settings of kvpress's press (docs/kvpress-crosscheck.md).",
-)
-@click.option(
-    "--query-mode",
-    "query_modes",
-    default=DEFAULT_QUERY_MODE,
-    show_default=True,
-    help="Where the question is: aware (inside the compressed prompt, the paper's protocol), agnostic (added after "
-    "the context is compressed; one compressed context answers every question), or aware,agnostic.",
-)
-@click.option(
-    "--task-arg",
-    "task_args",
-    multiple=True,
-    metavar="NAME=VALUE",
-    help="Task setting for every task (chat_template=false, min_new_tokens=1, stop_strings=[]). Repeatable.",
-)
-@sample_options
-@model_options
-@click.option("--max-new-tokens", type=Number(int, minimum=1), help="Override the task's answer length.")
-@click.option(
-    "--decode-batch",
-    type=Number(int, minimum=1),
-    help="At most this many configurations of a sample decode together (default: no cap; a batch pads its caches "
-    "by at most one full cache of the prompt, or half what they keep if more); 1 decodes one configuration at a time.",
-)
-@click.option(
-    "--decode-budget",
-    "decode_budgets",
-    help="Also cut the cache while the answer is written, back to this many entries per KV head per layer "
-    "(comma-separated, an axis of the grid; none = never; docs/decoding.md).",
-)
-@click.option(
-    "--decode-interval",
-    type=Number(int),
-    show_default="16",
-    help="With --decode-budget: cut every this many new tokens.",
-)
-@click.option(
-    "--decode-buffer",
-    type=Number(int),
-    show_default="8",
-    help="With --decode-budget: the newest entries a cut always keeps.",
-)
-@click.option("--out", type=PathType(file_okay=False), help="Result folder (default: results/runs/<model>/<tasks>).")
-@click.option(
-    "--overwrite",
-    is_flag=True,
-    help="Start afresh in --out: its pkvbench files go once the model has loaded (a pkvbench run folder only; "
-    "other files stay).",
-)
-@click.option(
-    "--shard",
-    help="Run only shard i of n (i/n, 1-based): every n-th sample, each with its whole grid. "
-    "Give each shard its own --out and combine them with `pkvbench merge`.",
-)
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@config_options(RunConfig)
 @click.option(
     "--html",
     "html_file",
     type=PathType(dir_okay=False),
     help="At the end, also write the run's report as one self-contained HTML page (as `report --html`).",
-)
-@click.option(
-    "--executor",
-    type=click.Choice(["local", "ray"]),
-    default="local",
-    show_default=True,
-    help="Where the samples run: this process, or Ray workers that each load the model once "
-    "(pip install 'pkvbench[ray]'). Results and resume are the same.",
-)
-@click.option(
-    "--ray-address",
-    help="With --executor ray: 'auto' or HOST:PORT of an existing Ray cluster "
-    "(default: start one on this machine, loopback only).",
-)
-@click.option(
-    "--workers",
-    type=Number(int, minimum=1),
-    help="With --executor ray: how many workers (default: as many as the cluster's CPUs and GPUs fit).",
-)
-@click.option(
-    "--gpus-per-worker",
-    type=Number(float, minimum=0),
-    help="With --executor ray: GPUs each worker reserves (default: 1 if the cluster has GPUs, else 0; "
-    "0.5 puts two workers on a GPU).",
 )
 def run(**options) -> None:
     """Run policies × budgets over a task's samples; write samples.jsonl, summary.csv and run.json.
@@ -408,14 +247,12 @@ def merge(folders, out) -> None:
 )
 @click.option(
     "--layers",
-    type=Number(int, 1, MAX_LAYERS),
+    type=Number(whole(1, MAX_LAYERS)),
     default=30,
     show_default=True,
     help="Number of layers (30 = the embedded model).",
 )
-@click.option(
-    "--context", type=Number(int, minimum=1), default=8192, show_default=True, help="Prompt length T in tokens."
-)
+@click.option("--context", type=Number(whole(1)), default=8192, show_default=True, help="Prompt length T in tokens.")
 @click.option(
     "--protocol",
     type=click.Choice(["exact", "reference"]),
@@ -453,7 +290,7 @@ def budgets(policy, budget, policy_args, layers, context, protocol, as_json, plo
 
 @cli.command()
 @click.argument("folders", nargs=-1, required=True, type=PathType())
-@click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "latex"]), default="markdown", show_default=True)
+@table_format
 @click.option(
     "--out", "out_file", type=PathType(dir_okay=False), help="Write the table to this file instead of stdout."
 )
@@ -465,7 +302,7 @@ def budgets(policy, budget, policy_args, layers, context, protocol, as_json, plo
 )
 @click.option(
     "--power",
-    type=Number(float, MIN_POWER, 100),
+    type=Number(number(MIN_POWER, 100)),
     metavar="POINTS",
     help="Also say, for every pair of policies, how many samples would resolve a difference of POINTS.",
 )
@@ -608,7 +445,7 @@ def export(folders, fmt, out_dir) -> None:
     help="The paper's model to compare with when the run's model is not one of them "
     "(default: the reference's first, Llama-3-8B-Instruct).",
 )
-@click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "latex"]), default="markdown", show_default=True)
+@table_format
 def compare(folders, reference, paper_model, fmt) -> None:
     """Measured vs the paper per task and average (score × 100, delta = measured − paper), for the cells both have."""
     from pkvbench.paper_compare import compare as compare_runs
@@ -625,7 +462,7 @@ def compare(folders, reference, paper_model, fmt) -> None:
 @click.argument("folders", nargs=-1, required=True, type=PathType())
 @click.option("--policy", "policies", help="Compare only these policies (comma list; default: every policy).")
 @click.option("--against", help="Compare every policy with this one only (e.g. full) instead of every pair.")
-@click.option("--format", "fmt", type=click.Choice(["markdown", "csv", "latex"]), default="markdown", show_default=True)
+@table_format
 @click.option("--out", "out_file", type=PathType(dir_okay=False), help="Write to this file instead of stdout.")
 def diff(folders, policies, against, fmt, out_file) -> None:
     """Paired policy comparisons on the same samples: per budget, per task and over all tasks, A − B in points with
@@ -759,7 +596,7 @@ def score(file, out_file, dataset) -> None:
 )
 @click.option(
     "--tolerance",
-    type=Number(float),
+    type=Number(number()),
     default=2.0,
     show_default=True,
     help="Allowed fall in score points (× 100 scale) before a cell may fail.",
@@ -775,7 +612,7 @@ def score(file, out_file, dataset) -> None:
 )
 @click.option(
     "--min-overlap",
-    type=Number(float),
+    type=Number(number()),
     default=0.99,
     show_default=True,
     help="A cell fails when the share of kept entries in common with the baseline falls below this (docs/ci-gate.md).",
@@ -819,13 +656,7 @@ def check(baseline, results, tolerance, per_cell, selection, min_overlap, exact,
 
 
 @cli.command(name="list")
-@click.option(
-    "--include-path",
-    "include_paths",
-    multiple=True,
-    type=PathType(file_okay=False),
-    help="A folder of your own task YAML files (repeatable; $PKVBENCH_TASKS works too).",
-)
+@config_option(options_of(SampleConfig)["include_paths"])
 def list_(include_paths) -> None:
     """Tasks, policies (with their options), model aliases and supported architectures."""
     from pkvbench.metric_registry import METRICS
@@ -866,37 +697,7 @@ def list_(include_paths) -> None:
 
 
 @cli.command()
-@click.option(
-    "--task", "tasks", default="needle", show_default=True, help="Task name(s), comma-separated (see `pkvbench list`)."
-)
-@sample_options
-@model_options
-@click.option(
-    "--window",
-    type=Number(int, minimum=1),
-    default=8,
-    show_default=True,
-    help="Observation window: the last queries whose attention is measured (SnapKV/PyramidKV's window).",
-)
-@click.option(
-    "--sink",
-    type=Number(int, minimum=0),
-    default=4,
-    show_default=True,
-    help="First tokens counted as the attention sink.",
-)
-@click.option(
-    "--top-k", type=Number(int, minimum=1), default=128, show_default=True, help="k of the top-k mass statistic."
-)
-@click.option(
-    "--budget",
-    default="128",
-    show_default=True,
-    help="Budget whose PyramidKV per-layer allocation is drawn over the curves (fraction or entries).",
-)
-@click.option("--out", type=PathType(file_okay=False), help="Folder (default: results/funnel/<model>/<tasks>).")
-@click.option("--overwrite", is_flag=True, help="Start afresh in --out: its funnel files go once the model has loaded.")
-@click.option("--quiet", is_flag=True, help="No progress bar, no verdict on the terminal (it is still written).")
+@config_options(FunnelConfig)
 def funnel(**options) -> None:
     """Does attention funnel with depth in this model? PyramidKV's premise, measured.
 
@@ -911,7 +712,7 @@ def funnel(**options) -> None:
       pkvbench funnel --task needle,trec-fewshot --data-dir ../shared/data/trec --lengths 2000 --limit 5
     """
     from pkvbench import funnel as measure
-    from pkvbench.api import FunnelConfig, measure_funnel
+    from pkvbench.api import measure_funnel
 
     result = measure_funnel(FunnelConfig(**options))
     if not options["quiet"]:
@@ -925,7 +726,7 @@ def funnel(**options) -> None:
 # --- lm-eval: lm-evaluation-harness tasks under compression (pkvbench/lm_eval, docs/lm-eval.md) ------------------
 @cli.command(name="lm-eval")
 @click.option("--tasks", required=True, help="lm-eval task names (comma list), as `lm_eval --tasks` takes them.")
-@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="As `run --model`.")
+@config_option(options_of(SampleConfig)["model"])
 @click.option("--policy", default="full", show_default=True, help="Policies, comma-separated (options as in `run`).")
 @click.option(
     "--budget", help="Budgets, comma-separated: entries per KV head, or a fraction of the context (default 128)."
@@ -937,10 +738,10 @@ def funnel(**options) -> None:
     "--query-mode", default=DEFAULT_QUERY_MODE, show_default=True, help="aware, agnostic (needs --question-split)."
 )
 @click.option("--question-split", help="Agnostic: the question starts where this text last occurs in the context.")
-@click.option("--device", default="auto", show_default=True, type=click.Choice(DEVICES))
-@click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPES))
-@click.option("--limit", type=Number(int, minimum=1), help="At most this many documents per task.")
-@click.option("--num-fewshot", type=Number(int, minimum=0), help="Few-shot examples (default: each task's own).")
+@config_option(options_of(SampleConfig)["device"])
+@config_option(options_of(SampleConfig)["dtype"])
+@click.option("--limit", type=Number(whole(1)), help="At most this many documents per task.")
+@click.option("--num-fewshot", type=Number(whole(0)), help="Few-shot examples (default: each task's own).")
 @click.option(
     "--include-path",
     "include_paths",
@@ -948,7 +749,7 @@ def funnel(**options) -> None:
     type=PathType(exists=True, file_okay=False),
     help="A folder of your own lm-eval task YAML files (repeatable).",
 )
-@click.option("--bootstrap-iters", type=Number(int, minimum=0), default=1000, show_default=True)
+@click.option("--bootstrap-iters", type=Number(whole(0)), default=1000, show_default=True)
 @click.option("--out", required=True, type=PathType(file_okay=False), help="Folder for the results.")
 @click.option("--overwrite", is_flag=True, help="Run afresh in --out (its pkvbench files go once the model loads).")
 @click.option("--quiet", is_flag=True, help="No summary table.")

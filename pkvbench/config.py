@@ -2,7 +2,8 @@
 ``RunConfig.from_file``).
 
 Keys are ``pkvbench run``'s long options, with dashes or underscores (``max-length`` or ``max_length``), or the
-``RunConfig`` field names (``tasks``, ``policies``, ``budgets``, ``policy_args``); ``html`` sets the command's
+``RunConfig`` field names (``tasks``, ``policies``, ``budgets``, ``policy_args``), as each field's ``Option`` (the
+end of this module; ``options.py``) declares them; ``html`` sets the command's
 ``--html`` (not a ``RunConfig`` field). List options take a YAML list or a comma string (``include-path`` too);
 ``policy-arg`` takes a mapping or a list of ``name=value``; flags take true/false. On the command
 line the file only sets defaults: any flag given there wins. An unknown key, a key given twice under two spellings
@@ -16,54 +17,24 @@ to a short excerpt (``shown``).
 The numbers and flags of every option — typed on the command line, read from a config, or given to the Python API —
 are parsed here, by ``parse_int``, ``parse_float`` and ``parse_bool``: an integer option takes an integer (never
 1.7 cut to 1, never true as 1), a number is finite, and a bound is checked with the same words everywhere. Lists,
-paths and ``name=value`` pairs too (``as_list`` and the field checks ``api.checked`` applies); what a policy, budget
+paths and ``name=value`` pairs too (``as_list`` and each field's ``Option.check``, which ``api.checked`` applies); what a policy, budget
 or task setting means is parsed beside it (``policies/spec.py``, ``budgets.py``, ``tasks/registry.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 import re
 import reprlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pkvbench.errors import PkvError
 from pkvbench.io import read_yaml
-
-FLAGS = {"overwrite", "quiet", "verify"}
-LISTS = {
-    "tasks",
-    "policies",
-    "budgets",
-    "memory",
-    "kv_bits",
-    "lengths",
-    "depths",
-    "sample_ids",
-    "include_paths",
-    "query_modes",
-    "decode_budgets",
-}
-PAIRS = {"policy_args", "task_args"}
-# Spellings other than the field's own name (and its dashed form).
-ALIASES = {
-    "task": "tasks",
-    "policy": "policies",
-    "budget": "budgets",
-    "policy-arg": "policy_args",
-    "task-arg": "task_args",
-    "sample-id": "sample_ids",
-    "include-path": "include_paths",
-    "query-mode": "query_modes",
-    "decode-budget": "decode_budgets",
-}
-NEGATED = {"no-verify": "verify", "no_verify": "verify"}
-# Options of the command only (not RunConfig fields): the key and the command's parameter it sets.
-COMMAND_ONLY = {"html": "html_file"}
-
 
 # --- numbers and flags -------------------------------------------------------------------------------------------
 
@@ -191,42 +162,32 @@ def load_yaml_mapping(path: str | Path, what: str = "config") -> dict[str, Any]:
     return raw
 
 
-def option_name(field: str) -> str:
-    """The command-line option of a ``RunConfig`` field (``sample_ids`` → ``--sample-id``): how messages name it."""
-    flags = {name: alias for alias, name in ALIASES.items()}
-    return "--" + flags.get(field, field.replace("_", "-"))
-
-
-def _spellings(fields: Iterable[str]) -> dict[str, tuple[str, bool]]:
-    """Every accepted key → (field, negated)."""
+def _spellings(options: Mapping[str, Option]) -> dict[str, tuple[str, bool]]:
+    """Every accepted key → (field, negated): the field's name and its flag's, with dashes or underscores; a flag
+    spelled ``--no-NAME`` sets its field to the opposite."""
     names = {}
-    for name in fields:
-        names[name] = (name, False)
-        names[name.replace("_", "-")] = (name, False)
-    for alias, name in {**ALIASES, **COMMAND_ONLY}.items():
-        if name in fields:
-            names[alias] = (name, False)
-            names[alias.replace("-", "_")] = (name, False)
-    for alias, name in NEGATED.items():
-        if name in fields:
-            names[alias] = (name, True)
+    for name, declared in options.items():
+        for key in (name, declared.flag[2:]):
+            negated = key != name and declared.flag.startswith("--no-")
+            names.update(dict.fromkeys({key, key.replace("_", "-"), key.replace("-", "_")}, (name, negated)))
     return names
 
 
-def _value(key: str, field: str, value: Any) -> Any:
-    if field in FLAGS:
+def _value(key: str, declared: Option, value: Any) -> Any:
+    if declared.kind == FLAG:
         if not isinstance(value, bool):
             raise PkvError(f"config key {key!r}: expected true or false, got {shown(value)}")
         return value
-    if field in PAIRS:
+    if declared.kind == PAIR:
         items = value if isinstance(value, (list, dict)) else [value]
         if isinstance(items, list) and any(isinstance(i, (list, dict)) for i in items):
             raise PkvError(f"config key {key!r}: list items must be single values (name=value)")
         return {str(k): v for k, v in items.items()} if isinstance(items, dict) else [str(i) for i in items]
+    listed = declared.kind in (LIST, REPEATED)
     if isinstance(value, dict):
-        raise PkvError(f"config key {key!r}: expected a value{' or a list' if field in LISTS else ''}, got a mapping")
+        raise PkvError(f"config key {key!r}: expected a value{' or a list' if listed else ''}, got a mapping")
     if isinstance(value, list):
-        if field not in LISTS:
+        if not listed:
             raise PkvError(f"config key {key!r}: expected a single value, got a list")
         if not value:
             raise PkvError(f"config key {key!r}: the list is empty")
@@ -235,9 +196,9 @@ def _value(key: str, field: str, value: Any) -> Any:
     return value
 
 
-def read_run_config(path: str | Path, fields: Iterable[str]) -> dict[str, Any]:
-    """Read ``path`` into ``{field: value}`` for the given config fields (empty values are left out)."""
-    spellings = _spellings(list(fields))
+def read_run_config(path: str | Path, options: Mapping[str, Option]) -> dict[str, Any]:
+    """Read ``path`` into ``{field: value}`` for the given options (``options_of``; empty values are left out)."""
+    spellings = _spellings(options)
     result: dict[str, Any] = {}
     seen: dict[str, str] = {}
     for key, value in load_yaml_mapping(path).items():
@@ -251,7 +212,7 @@ def read_run_config(path: str | Path, fields: Iterable[str]) -> dict[str, Any]:
         seen[field] = key_text
         if value is None:
             continue  # an empty value leaves the option at its default
-        value = _value(key_text, field, value)
+        value = _value(key_text, options[field], value)
         result[field] = (not value) if negated else value
     return result
 
@@ -282,19 +243,35 @@ def parse_numbers(value: Any, what: str, kind: type) -> tuple | None:
     return tuple(dict.fromkeys(values))
 
 
-# Checks of one configuration field each (``api.checked``): a ``RunConfig`` or ``FunnelConfig`` built in Python gets
+# Checks of one configuration field each (``Option.check``): a ``RunConfig`` or ``FunnelConfig`` built in Python gets
 # the checks the command line gives. A wrong type is one ``PkvError`` naming the option, never a TypeError from deep
 # inside.
 
 Check = Callable[[Any, str], Any]
 
 
-def whole(minimum: int | None = None, maximum: int | None = None) -> Check:
-    return lambda value, what: parse_int(value, what, minimum, maximum)
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """A number option's check: an integer (``kind`` int) or a finite number, within the bounds (``above``:
+    exclusive). The command line parses with it too (``cli.Number``)."""
+
+    kind: type = int
+    minimum: int | float | None = None
+    maximum: int | float | None = None
+    above: float | None = None
+
+    def __call__(self, value: Any, what: str) -> int | float:
+        if self.kind is int:
+            return parse_int(value, what, self.minimum, self.maximum)
+        return parse_float(value, what, self.minimum, self.maximum, self.above)
 
 
-def optional(check: Check) -> Check:
-    return lambda value, what: None if value is None else check(value, what)
+def whole(minimum: int | None = None, maximum: int | None = None) -> Bounds:
+    return Bounds(int, minimum, maximum)
+
+
+def number(minimum: float | None = None, maximum: float | None = None, above: float | None = None) -> Bounds:
+    return Bounds(float, minimum, maximum, above)
 
 
 def name_value(value: Any, what: str) -> str:
@@ -347,3 +324,52 @@ def pair_values(value: Any, what: str) -> Mapping[str, Any] | list[str]:
     if isinstance(items, (list, tuple)) and all(isinstance(item, str) for item in items):
         return list(items)
     raise PkvError(f"{what}: expected a mapping or a list of name=value, got {shown(value)}")
+
+
+# --- options: each declared once, as a configuration field's metadata -----------------------------------------------
+
+# How an option takes its value: a comma list (or a YAML list), a repeatable value (a YAML list too), repeatable
+# ``name=value`` pairs (or a mapping), a flag (true/false), or one value.
+LIST, REPEATED, PAIR, FLAG, SCALAR = "list", "repeated", "pair", "flag", "scalar"
+OPTION = "pkvbench.option"  # the key of a field's metadata that holds its Option
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option of ``pkvbench run`` / ``funnel``, as its configuration field declares it (``option``): the Python
+    API checks with it (``api.checked``), a config file reads its spellings from it (``read_run_config``) and the
+    command line builds its flag from it (``cli.config_option``)."""
+
+    default: Any
+    help: str
+    check: Check
+    flag: str = ""  # the command line's; "" until ``options_of`` fills in the field's name, dashed
+    kind: str = SCALAR
+    choices: tuple[str, ...] | None = None  # the command line offers only these
+    show_default: str | None = None  # words for a default the value does not say (None: shown when there is one)
+    implied: Any = None  # the value a None takes once the option it shapes is given (``api.with_dependent_options``)
+    name: str = ""  # the field's
+
+    def parse(self, value: Any) -> Any:
+        """``value`` checked; None stays None where it is the default."""
+        return None if value is None and self.default is None else self.check(value, self.flag)
+
+
+def option(
+    default: Any, *, help: str = "", check: Check | None = None, choices: Sequence[str] | None = None, **more
+) -> Any:
+    """A configuration field declared with everything an option is (``Option``); ``check`` defaults to one of
+    ``choices``."""
+    choices = tuple(choices) if choices is not None else None
+    check = check or one_of(choices)
+    return dataclasses.field(default=default, metadata={OPTION: Option(default, help, check, choices=choices, **more)})
+
+
+@functools.cache
+def options_of(config: type) -> dict[str, Option]:
+    """Every option of a configuration class, by field name, in the fields' order, with its name and flag."""
+    return {
+        f.name: dataclasses.replace(declared, name=f.name, flag=declared.flag or "--" + f.name.replace("_", "-"))
+        for f in dataclasses.fields(config)
+        if (declared := f.metadata.get(OPTION)) is not None
+    }

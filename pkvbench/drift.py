@@ -15,6 +15,7 @@ import pandas as pd
 
 from pkvbench.axes import is_full
 from pkvbench.report import interval_columns, row_axes
+from pkvbench.schema import SAMPLE_KEY
 from pkvbench.stats import mean_interval
 
 
@@ -26,7 +27,7 @@ def length_table(rows: pd.DataFrame) -> pd.DataFrame | None:
     if rows.empty:
         return None
     key = [*row_axes(rows), "task"]
-    same = ["model", "task", "sample_id", "query_mode"]
+    same = list(SAMPLE_KEY)
     full = rows[rows["policy"].map(is_full)].drop_duplicates(same).set_index(same)["new_tokens"]
     rows["length_ratio"] = [
         tokens / full.get(tuple(r), math.nan) if full.get(tuple(r), 0) else math.nan

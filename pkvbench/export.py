@@ -145,23 +145,23 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
     folder_key = [name for name in CELL_KEY if name != "task"]  # a kvpress folder holds all tasks of one cell
     for key, group in rows.groupby(folder_key, sort=False):
         cell = dict(zip(folder_key, key))
-        model, policy, budget, mode, stored = (
-            cell[k] for k in ("model", "policy", "budget", "query_mode", "kv_stored")
-        )
-        ratio = compression_ratio(budget, group)
+        ratio = compression_ratio(cell["budget"], group)
         lengths = sorted({int(n) for n in group.get("length", pd.Series(dtype=float)).dropna()})
         data_dir = "+".join(map(str, lengths)) or "data"
         name = "__".join(
             [
                 dataset_name(list(group["task"])),
                 data_dir,
-                model_display_name(model).replace("/", "--"),
-                kvpress_name(policy) + (f"-kv{stored}".replace(" ", "-") if stored else ""),  # another format
-                f"{ratio:.2f}" if ratio is not None else f"budget{budget}",  # kvpress's ratio, where it is known
+                model_display_name(cell["model"]).replace("/", "--"),
+                kvpress_name(cell["policy"])
+                + (f"-kv{cell['kv_stored']}".replace(" ", "-") if cell["kv_stored"] else ""),  # another format
+                f"{ratio:.2f}"
+                if ratio is not None
+                else f"budget{cell['budget']}",  # kvpress's ratio, where it is known
             ]
-        ) + ("__query_aware" if mode == AWARE else "")
+        ) + ("__query_aware" if cell["query_mode"] == AWARE else "")
         folder = out / name
-        label = f"{policy} @ {budget}" + (f" ({stored} bits)" if stored else "")
+        label = f"{cell['policy']} @ {cell['budget']}" + (f" ({cell['kv_stored']} bits)" if cell["kv_stored"] else "")
         if folder in written:  # two budgets of one ratio: one folder would hold both, kvpress would read one
             raise PkvError(
                 f"{written[folder]} and {label} would both be kvpress's {folder.name}; export them from separate runs"
@@ -177,7 +177,7 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
                 ],
                 "predicted_answer": _column(group, "pred", ""),
                 "compression_ratio": ratio,
-                "query_mode": mode,
+                "query_mode": cell["query_mode"],
                 "context_tokens": _column(group, "context_tokens"),
             }
         )
@@ -186,13 +186,13 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
             for task, scores in group.groupby("task", sort=False)["score"]
         }
         config = {
-            "model": model,
-            "press": kvpress_name(policy),
-            "pkvbench_policy": policy,
+            "model": cell["model"],
+            "press": kvpress_name(cell["policy"]),
+            "pkvbench_policy": cell["policy"],
             "compression_ratio": ratio,
-            "pkvbench_budget": str(budget),
-            **({"pkvbench_kv_bits": stored} if stored else {}),
-            "query_aware": mode == AWARE,
+            "pkvbench_budget": str(cell["budget"]),
+            **({"pkvbench_kv_bits": cell["kv_stored"]} if cell["kv_stored"] else {}),
+            "query_aware": cell["query_mode"] == AWARE,
             "samples": int(len(group)),
         }
         outputs.add(folder / "predictions.csv", predictions.to_csv(index=False))

@@ -21,7 +21,7 @@ from pkvbench.axes import ROW_AXES, present
 from pkvbench.budgets import MEMORY_PREFIX
 from pkvbench.paired import ALL_TASKS, pairwise
 from pkvbench.report import report_table, row_axes, stores_formats
-from pkvbench.schema import AWARE
+from pkvbench.schema import AWARE, SAMPLE_KEY
 
 TARGET = "target"  # the memory target a comparison is made at
 CELL = [axis for axis in ROW_AXES if axis not in ("query_mode", "decode_budget")]  # a stored cell: policy, bits, budget
@@ -95,7 +95,7 @@ def target_groups(rows: pd.DataFrame) -> pd.DataFrame:
     if "memory_target" not in rows.columns:
         return rows.iloc[:0]
     targets = [b for b in present(rows["budget"]) if str(b).startswith(MEMORY_PREFIX)]
-    sample = ["model", "task", "sample_id", *(["query_mode"] if "query_mode" in rows.columns else [])]
+    sample = [name for name in SAMPLE_KEY if name in rows.columns]  # rows of old versions have no query mode
     parts = []
     for target in targets:
         own = rows[rows["budget"] == target]

@@ -34,12 +34,11 @@ from pkvbench.results import (
     stored_as,
     unique_rows,
 )
-from pkvbench.schema import AWARE, DEFAULT_QUERY_MODE, REQUIRED, TABLE_KEY
+from pkvbench.schema import AWARE, DEFAULT_QUERY_MODE, FORMATS, REQUIRED, TABLE_KEY
 from pkvbench.stats import group_interval, mean_interval
 
 # LongBench-E buckets of the sample's ``length`` field, as LongBench's own eval.py cuts them.
 LENGTH_BUCKETS = (("0-4k", 0, 4000), ("4-8k", 4000, 8000), ("8k+", 8000, math.inf))
-FORMATS = ("markdown", "csv", "latex")
 
 
 # --- loading ---------------------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from pkvbench.io import (
 )
 from pkvbench.kv_formats import KVFormat
 from pkvbench.lock import LOCK_NAME, FolderLock
-from pkvbench.schema import DEFAULT_QUERY_MODE, QUERY_MODES
+from pkvbench.schema import CELL_KEY, DEFAULT_QUERY_MODE, QUERY_MODES
 
 ROWS = "samples.jsonl"
 SUMMARY = "summary.csv"
@@ -451,11 +451,13 @@ def summarize(rows: list[Row]) -> pd.DataFrame:
     from pkvbench.stats import cell_scores
 
     stored = any(stored_as(row) for row in rows)
-    axes = ["task", "policy", *(["kv_bits"] if stored else []), "budget"]
-    axes += ["query_mode"] if any("query_mode" in row for row in rows) else []
     # rows read back from disk say "none" (or NaN) where no budget was set: only a real one is an axis
     decoding = any(decode_budget_label(row.get("decode_budget")) != "none" for row in rows)
-    axes += ["decode_budget"] if decoding else []
+    present = {"query_mode": any("query_mode" in row for row in rows), "decode_budget": decoding}
+    # the cell's key where the rows have it (one run: one model), its storage as the bits beside the policy
+    key = [name for name in CELL_KEY if name not in ("model", "kv_stored") and present.get(name, True)]
+    at = key.index("policy") + 1
+    axes = [*key[:at], *(["kv_bits"] if stored else []), *key[at:]]
     columns = [*axes, "n", "score", "ci_low", "ci_high"]
     if not rows:
         return pd.DataFrame(columns=columns)

@@ -25,6 +25,7 @@ from pkvbench.fingerprints import fingerprint
 from pkvbench.kv_formats import KVFormat
 from pkvbench.metric_registry import METRICS
 from pkvbench.metrics import prepare_prediction
+from pkvbench.options import implied
 from pkvbench.policies.base import LayerStats, Policy
 from pkvbench.results import ResultStore, row_key
 from pkvbench.schema import AGNOSTIC, AWARE, DEFAULT_QUERY_MODE, arrange
@@ -116,10 +117,11 @@ class RunSettings:
     max_new_tokens: int | None = None  # instead of the task's answer length
     decode_batch: int | None = None  # at most this many configurations decode together (None: as memory allows)
     protocol: str = "exact"  # recorded in every row: the policies were parsed under it
-    kv_group: int = kv_formats.DEFAULT_GROUP  # recorded in every row (the model's own cache has no use for them)
-    kv_residual: int = kv_formats.DEFAULT_RESIDUAL
-    decode_interval: int = 16  # a decode budget cuts the cache every this many new tokens
-    decode_buffer: int = 8  # and always keeps this many of the newest entries
+    # RunConfig's options of the same names, as a run fills them in (``options.implied``)
+    kv_group: int = implied("kv_group")  # recorded in every row (the model's own cache has no use for them)
+    kv_residual: int = implied("kv_residual")
+    decode_interval: int = implied("decode_interval")  # a decode budget cuts the cache every this many new tokens
+    decode_buffer: int = implied("decode_buffer")  # and always keeps this many of the newest entries
 
 
 @dataclass

@@ -23,6 +23,9 @@ AWARE = "aware"  # the question is inside the compressed prompt (the paper's pro
 AGNOSTIC = "agnostic"  # the question is added after the context is compressed
 QUERY_MODES = (AWARE, AGNOSTIC)  # in the order tables list them
 DEFAULT_QUERY_MODE = AWARE  # also what rows written before the query mode was recorded were
+# How the policies select (a row's ``protocol``): pkvbench's exact budgets, the PyramidKV paper's code, kvpress's presses.
+PROTOCOLS = ("exact", "reference", "kvpress")
+FORMATS = ("markdown", "csv", "latex")  # what a table is written as (report.render), the first by default
 
 IDENTITY, CONFIGURATION, MEASURE, SAMPLE, TEXT = "identity", "configuration", "measure", "sample", "text"
 GROUPS = (IDENTITY, CONFIGURATION, MEASURE, SAMPLE, TEXT)
@@ -111,6 +114,8 @@ TABLE_KEY = ("model", *(name for name in fields_of(IDENTITY) if name not in ("mo
 # is the memory target: a memory budget is written as one (``mem0.05``). What a cell's column holds where a row
 # written before that column does not say: the model's own cache, no cut while decoding, the question inside.
 CELL_KEY = tuple(name for name in TABLE_KEY if name != "sample_id")
+# A question of a sample, whichever cell answered it: a row's key less the cell's configuration.
+SAMPLE_KEY = tuple(name for name in TABLE_KEY if name not in ("policy", "budget", "decode_budget", "kv_stored"))
 CELL_DEFAULTS = {"query_mode": DEFAULT_QUERY_MODE, "decode_budget": "none", "kv_stored": ""}
 
 # A row whose cache was stored in another format than the model's own (``kv_native`` false) carries its storage in

@@ -25,6 +25,7 @@ from typing import Any
 
 from pkvbench import api
 from pkvbench.budgets import parse_decode_budgets
+from pkvbench.config import whole
 from pkvbench.engine.models import DEFAULT_MODEL, check_model_name
 from pkvbench.errors import PkvError
 from pkvbench.policies.spec import parse_policies
@@ -130,7 +131,7 @@ class GridSpec:
         for name, parsed in (("policy", policies), ("budget", budgets), ("kv_bits", formats)):
             if name in given and len(parsed) < len(grid_values(given[name])):
                 raise PkvError(f"model arg {name}={given[name]} names one value twice; give each value once")
-        max_length = None if given.get("max_length") is None else api.whole(1)(given["max_length"], "max_length")
+        max_length = None if given.get("max_length") is None else whole(1)(given["max_length"], "max_length")
         resolved = api.ResolvedRun(
             config, [], policies, budgets, TaskOptions(), None, None, modes, formats, decode_budgets
         )

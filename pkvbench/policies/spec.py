@@ -10,6 +10,7 @@ from pkvbench.config import as_list, excerpt, option_text, parse_float, parse_in
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import Policy
 from pkvbench.policies.registry import default_grid, registry
+from pkvbench.schema import PROTOCOLS
 
 
 def parse_option_pairs(pairs: list[str]) -> dict[str, str]:
@@ -46,9 +47,6 @@ def _coerce(policy: str, option: str, kind: type, text: str) -> object:
     if kind is str:
         return text
     raise PkvError(f"{policy}: option {option}={excerpt(repr(text))} is not a valid {kind.__name__}")
-
-
-PROTOCOLS = ("exact", "reference", "kvpress")
 
 
 def split_spec(spec: str) -> tuple[str, str | None, list[str]]:

@@ -23,10 +23,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from pkvbench.config import options_of
 from pkvbench.errors import PkvError
 from pkvbench.io import parse_yaml
 from pkvbench.metric_registry import METRICS
 from pkvbench.metrics import PREDICTION_RULES
+from pkvbench.options import SampleConfig
 from pkvbench.plugins import Registry
 from pkvbench.tasks.base import Generator, Sample, TaskOptions, TaskSpec, refuse_repeated_samples
 
@@ -57,13 +59,8 @@ def _check_generator(name: str, generator: Any, where: str) -> None:
 
 GENERATORS = Registry("task generator", GENERATOR_ENTRY_POINT_GROUP, BUILTIN_GENERATORS, _check_generator)
 
-# The command-line flag of each sample option a generator can be shaped by.
-SAMPLE_OPTION_FLAGS = {
-    "lengths": "--lengths",
-    "depths": "--depths",
-    "max_length": "--max-length",
-    "data_dir": "--data-dir",
-}
+# The sample options (``TaskOptions``, ``SampleConfig``) a generator can be shaped by.
+SHAPING_OPTIONS = ("lengths", "depths", "max_length", "data_dir")
 # A task's name becomes part of a folder name (``results/runs/<model>/<task+task>``): letters, digits, ``_ . -``.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -309,8 +306,9 @@ def build_samples(spec: TaskSpec, tokenizer, options: TaskOptions) -> list[Sampl
 def check_sample_options(tasks: list[TaskSpec], options: TaskOptions) -> None:
     """A sample option that none of the tasks is shaped by would be ignored without a word: refuse it."""
     taken = {option for task in tasks for option in GENERATORS[task.generator].shaped_by}
-    for option, flag in SAMPLE_OPTION_FLAGS.items():
+    for option in SHAPING_OPTIONS:
         if getattr(options, option) is not None and option not in taken:
+            flag = options_of(SampleConfig)[option].flag
             users = [name for name in GENERATORS if option in _shaped_by(name)]
             raise PkvError(
                 f"{flag} shapes none of the tasks asked for ({', '.join(t.name for t in tasks)}); it shapes the "

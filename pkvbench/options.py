@@ -1,0 +1,288 @@
+"""The options of ``pkvbench run`` and ``pkvbench funnel``, each declared once: a field of ``RunConfig`` /
+``FunnelConfig`` (``SampleConfig``: what both share) whose metadata (``config.option``) says its flag, kind, default,
+choices, help and check. The command line's flags (``cli.config_options``), a config file's keys
+(``config.read_run_config``), the Python API's checks (``api.checked``) and the runner's settings derive from it.
+
+Light on purpose (no torch, no pandas): the command line builds its options from it at start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pkvbench import kv_formats
+from pkvbench.config import (
+    FLAG,
+    LIST,
+    PAIR,
+    REPEATED,
+    SEED_MAX,
+    list_value,
+    name_value,
+    number,
+    option,
+    options_of,
+    pair_values,
+    parse_bool,
+    path_list,
+    path_value,
+    read_run_config,
+    whole,
+)
+from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES
+from pkvbench.schema import DEFAULT_QUERY_MODE, PROTOCOLS
+
+EXECUTORS = ("local", "ray")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleConfig:
+    """What ``pkvbench run`` and ``pkvbench funnel`` share: the model and how it runs, which samples, where the
+    results go. List-valued fields take a list or a comma string (``tasks="needle,trec"``)."""
+
+    # which samples
+    tasks: Sequence[str] | str = option(
+        ("needle",),
+        flag="--task",
+        kind=LIST,
+        check=list_value,
+        help="Task name(s), comma-separated (see `pkvbench list`).",
+    )
+    lengths: Sequence[int] | str | None = option(
+        None,
+        kind=LIST,
+        check=list_value,
+        help="Context lengths in prompt tokens, comma-separated (needle, RULER default: 1000,2000,4000).",
+    )
+    depths: Sequence[float] | str | None = option(
+        None, kind=LIST, check=list_value, help="Needle depths in percent, comma-separated (default: 0,25,50,75,100)."
+    )
+    limit: int | None = option(
+        None, check=whole(1), help="At most this many samples per task (RULER, trec-fewshot: per task and length)."
+    )
+    seed: int = option(0, check=whole(0, SEED_MAX), help="Seed for generated tasks and torch.")
+    data_dir: str | None = option(
+        None, check=path_value, help="Folder with a task's data files (e.g. LongBench <name>.jsonl)."
+    )
+    verify: bool = option(
+        True,
+        flag="--no-verify",
+        kind=FLAG,
+        check=parse_bool,
+        help="Do not check data files against their known checksums.",
+    )
+    max_length: int | None = option(
+        None, check=whole(1), help="Truncate longer prompts to this many tokens (tasks that do)."
+    )
+    sample_ids: Sequence[str] | str | None = option(
+        None, flag="--sample-id", kind=LIST, check=list_value, help="Only these sample ids, comma-separated."
+    )
+    include_paths: Sequence[str] = option(
+        (),
+        flag="--include-path",
+        kind=REPEATED,
+        check=path_list,
+        help="A folder of your own task YAML files (repeatable; $PKVBENCH_TASKS works too).",
+    )
+    # the model, and how it runs
+    model: str = option(
+        DEFAULT_MODEL,
+        check=name_value,
+        help=f"Alias ({', '.join(ALIASES)}), Hugging Face model id, local folder, or a .gguf file.",
+    )
+    device: str = option("auto", choices=DEVICES)
+    dtype: str = option("auto", choices=DTYPES, help="auto = float32 on CPU, bfloat16 on CUDA.")
+    attn_implementation: str = option(
+        "sdpa", check=name_value, help="transformers attention kernel (sdpa, eager, flash_attention_2, ...)."
+    )
+    # where the results go
+    out: str | Path | None = option(
+        None,
+        check=path_value,
+        help="Result folder (default: results/runs/<model>/<tasks>, for funnel results/funnel/<model>/<tasks>).",
+    )
+    overwrite: bool = option(
+        False,
+        kind=FLAG,
+        check=parse_bool,
+        help="Start afresh in --out: its pkvbench files go once the model has loaded (a pkvbench folder only; other "
+        "files stay).",
+    )
+    quiet: bool = option(
+        False,
+        kind=FLAG,
+        check=parse_bool,
+        help="No progress bar (and for funnel no verdict on the terminal; it is still written).",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(SampleConfig):
+    """Everything a run is: the model, tasks and samples (``SampleConfig``'s fields), policies × budgets, where it
+    runs. Each field's help is its ``pkvbench run`` option's.
+
+    ``policies=None`` is the default grid (the full cache and the paper's four policies). Values are checked by
+    ``evaluate`` (``PkvError`` says what is wrong), exactly as the command line checks them.
+    """
+
+    policies: Sequence[str] | str | None = option(
+        None,
+        flag="--policy",
+        kind=LIST,
+        check=list_value,
+        show_default="full and the paper's four",
+        help="Policies, comma-separated; options inline as name:opt=value, e.g. snapkv:window=32.",
+    )
+    budgets: Sequence[str | int | float] | str | None = option(
+        None,
+        flag="--budget",
+        kind=LIST,
+        check=list_value,
+        show_default="128; with --decode-budget cr0, nothing cut at the prefill; none with --memory",
+        help="Budgets, comma-separated: below 1 a fraction of the prompt (0.007 = 0.7%), else entries per KV head per "
+        "layer (cr0: the whole prompt).",
+    )
+    memory: Sequence[str | float] | str | None = option(
+        None,
+        kind=LIST,
+        check=list_value,
+        help="Memory budgets instead of --budget, comma-separated: a fraction of the full cache's bytes at 16 bits per "
+        "value (0.05) or a size (2MiB); each policy keeps as many entries as fit, in each --kv-bits format "
+        "(docs/memory.md).",
+    )
+    kv_bits: Sequence[int] | str | None = option(
+        None,
+        kind=LIST,
+        check=list_value,
+        help="Bits each kept value is stored in, comma-separated: 16, or KIVI's 8, 4, 2 (keys per channel, values per "
+        "token) [default: the model's own cache, in its dtype: 32 on a CPU].",
+    )
+    kv_group: int | None = option(
+        None,
+        check=whole(1),
+        implied=kv_formats.DEFAULT_GROUP,
+        help="With --kv-bits 8, 4 or 2: KIVI's group size G, tokens per key group, channels per value group (must "
+        "divide the head size).",
+    )
+    kv_residual: int | None = option(
+        None,
+        check=whole(0),
+        implied=kv_formats.DEFAULT_RESIDUAL,
+        help="With --kv-bits 8, 4 or 2: KIVI's residual R, each head's last R kept entries stay in 16 bits, as do the "
+        "answer's.",
+    )
+    policy_args: Mapping[str, Any] | Sequence[str] = option(
+        (),
+        flag="--policy-arg",
+        kind=PAIR,
+        check=pair_values,
+        help="Option for every policy that has it (window, sink, kernel, pooling, beta, gqa, scores, normalize). "
+        "Repeatable.",
+    )
+    protocol: str = option(
+        "exact",
+        choices=PROTOCOLS,
+        check=name_value,  # an unknown one is refused where policies are parsed (policies/spec.py)
+        help="exact: every policy keeps exactly L·k entries per KV head; reference: select as the PyramidKV paper's "
+        "code did (one set per query head, its PyramidKV budgets, topk ties; docs/protocol.md); kvpress: each policy "
+        "with the settings of kvpress's press (docs/kvpress-crosscheck.md).",
+    )
+    query_modes: Sequence[str] | str = option(
+        (DEFAULT_QUERY_MODE,),
+        flag="--query-mode",
+        kind=LIST,
+        check=list_value,
+        help="Where the question is: aware (inside the compressed prompt, the paper's protocol), agnostic (added after "
+        "the context is compressed; one compressed context answers every question), or aware,agnostic.",
+    )
+    task_args: Mapping[str, Any] | Sequence[str] = option(
+        (),
+        flag="--task-arg",
+        kind=PAIR,
+        check=pair_values,
+        help="Task setting for every task (chat_template=false, min_new_tokens=1, stop_strings=[]). Repeatable.",
+    )
+    max_new_tokens: int | None = option(None, check=whole(1), help="Override the task's answer length.")
+    decode_batch: int | None = option(
+        None,
+        check=whole(1),
+        help="At most this many configurations of a sample decode together (default: no cap; a batch pads its caches "
+        "by at most one full cache of the prompt, or half what they keep if more); 1 decodes one configuration at a "
+        "time.",
+    )
+    decode_budgets: Sequence[str | int] | str | None = option(
+        None,
+        flag="--decode-budget",
+        kind=LIST,
+        check=list_value,
+        help="Also cut the cache while the answer is written, back to this many entries per KV head per layer "
+        "(comma-separated, an axis of the grid; none = never; docs/decoding.md).",
+    )
+    decode_interval: int | None = option(
+        None, check=whole(1), implied=16, help="With --decode-budget: cut every this many new tokens."
+    )
+    decode_buffer: int | None = option(
+        None, check=whole(0), implied=8, help="With --decode-budget: the newest entries a cut always keeps."
+    )
+    shard: str | None = option(
+        None,
+        check=name_value,
+        help="Run only shard i of n (i/n, 1-based): every n-th sample, each with its whole grid. Give each shard its "
+        "own --out and combine them with `pkvbench merge`.",
+    )
+    # where the samples run
+    executor: str = option(
+        "local",
+        choices=EXECUTORS,
+        check=name_value,  # an unknown one is refused by api.resolve, in its words
+        help="Where the samples run: this process, or Ray workers that each load the model once "
+        "(pip install 'pkvbench[ray]'). Results and resume are the same.",
+    )
+    ray_address: str | None = option(
+        None,
+        check=name_value,
+        help="With --executor ray: 'auto' or HOST:PORT of an existing Ray cluster (default: start one on this machine, "
+        "loopback only).",
+    )
+    workers: int | None = option(
+        None,
+        check=whole(1),
+        help="With --executor ray: how many workers (default: as many as the cluster's CPUs and GPUs fit).",
+    )
+    gpus_per_worker: float | None = option(
+        None,
+        check=number(minimum=0),
+        help="With --executor ray: GPUs each worker reserves (default: 1 if the cluster has GPUs, else 0; 0.5 puts two "
+        "workers on a GPU).",
+    )
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> RunConfig:
+        """A YAML run config (keys as ``pkvbench run``'s long options); ``overrides`` win over the file."""
+        return cls(**{**read_run_config(path, options_of(cls)), **overrides})
+
+
+@dataclass(frozen=True, kw_only=True)
+class FunnelConfig(SampleConfig):
+    """``pkvbench funnel``: how concentrated each layer's and head's attention is (PyramidKV's premise)."""
+
+    window: int = option(
+        8,
+        check=whole(1),
+        help="Observation window: the last queries whose attention is measured (SnapKV/PyramidKV's window).",
+    )
+    sink: int = option(4, check=whole(0), help="First tokens counted as the attention sink.")
+    top_k: int = option(128, check=whole(1), help="k of the top-k mass statistic.")
+    budget: str | int | float = option(
+        128,
+        check=list_value,
+        help="Budget whose PyramidKV per-layer allocation is drawn over the curves (fraction or entries).",
+    )
+
+
+def implied(name: str) -> Any:
+    """What a ``RunConfig`` option that shapes another takes once that one is given (``RunSettings``' defaults)."""
+    return options_of(RunConfig)[name].implied
