@@ -206,21 +206,10 @@ class QuantizedLayer(CacheLayerMixin):
 
     # The step's masks and indices are the residual's (``RaggedLayer.step_memo``): a ``RaggedCache`` shares one memo
     # among its layers, so layers of the same lengths build them once per step.
-    @property
-    def step_memo(self) -> dict:
-        return self.residual.step_memo
-
-    @step_memo.setter
-    def step_memo(self, memo: dict) -> None:
-        self.residual.step_memo = memo
-
-    @property
-    def memo_shared(self) -> bool:
-        return self.residual.memo_shared
-
-    @memo_shared.setter
-    def memo_shared(self, shared: bool) -> None:
-        self.residual.memo_shared = shared
+    step_memo = property(lambda self: self.residual.step_memo, lambda self, memo: _set(self.residual, step_memo=memo))
+    memo_shared = property(
+        lambda self: self.residual.memo_shared, lambda self, shared: _set(self.residual, memo_shared=shared)
+    )
 
     def _assemble(self, tail: torch.Tensor, part: int) -> torch.Tensor:
         """What attention reads: the packed keys (``part`` 0) or values (1) dequantized into the first ``width``
@@ -286,6 +275,11 @@ class QuantizedLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+
+def _set(target, **attributes) -> None:
+    for name, value in attributes.items():
+        setattr(target, name, value)
 
 
 def _empty_like(rows: list[StoredLayer], part: str) -> Quantized:
