@@ -24,7 +24,8 @@ measured is the engine's cost, which depends on the shapes, not on the weights. 
   first model), and the batched decoding run again with ``torch.cuda.set_sync_debug_mode("error")`` after its first
   step;
 - decode per token at each length (and 128k for the 1B shape): the full cache, SnapKV at budget 128 and
-  AdaKV(SnapKV) at 128, each beside its floor;
+  AdaKV(SnapKV) at 128, each beside its floor and, as the grid's batched step, with its kernel share (whether the
+  step is launch-bound: ``kernel_share``);
 - peak GPU memory of each (``torch.cuda.max_memory_allocated``, reset before it).
 
 - the peer, per model once it is freed: NVIDIA kvpress's pipeline, a call per configuration of the grid
@@ -213,6 +214,27 @@ def cache_bytes(kept, new_tokens: int) -> int:
     return int(total)
 
 
+def kernel_share(device: str, fn, wall_s: float) -> str:
+    """How much of ``wall_s`` (``fn``'s time, measured unprofiled) the device spends running kernels and copies
+    while ``fn`` runs again under torch.profiler. Far below 1, the GPU waits for the host to launch work: the step is
+    launch-bound and capturing it in a CUDA graph (issue 43, item 3) would pay; near 1, it would not."""
+    if device != "cuda":
+        return "kernel share n/a off CUDA"
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiled:
+            fn()
+            sync(device)
+        busy = sum(e.self_device_time_total for e in profiled.events() if e.device_type == DeviceType.CUDA) / 1e6
+    except Exception as exc:  # a diagnosis, not a measurement: its failure must not lose the row
+        return f"kernel share unknown ({type(exc).__name__}: {str(exc)[:100]})"
+    share = busy / wall_s
+    verdict = "launch-bound: a CUDA graph would pay" if share < 0.6 else "not launch-bound"
+    return f"kernels busy {share:.0%} of the wall time ({busy:.3g} of {wall_s:.3g} s): {verdict}"
+
+
 @contextlib.contextmanager
 def no_sync(device: str):
     """A host–device synchronisation is an error while active (``torch.cuda.set_sync_debug_mode``); on a CPU, any
@@ -325,7 +347,8 @@ def grid(engine: Engine, ids: torch.Tensor, new_tokens: int, label: str = "", ru
             length,
             one_step,
             batched_s / batched_steps,
-            note=f"{batched_steps} batched steps, {sum(len(d.tokens) for d in sequential)} one-row steps",
+            note=f"{batched_steps} batched steps, {sum(len(d.tokens) for d in sequential)} one-row steps; "
+            + kernel_share(device, lambda: engine.decode_many(requests), batched_s),
             ratio=round(batched_s / batched_steps / one_step, 2),
         ),
     ]
@@ -362,6 +385,7 @@ def decode_per_token(engine: Engine, ids: torch.Tensor, new_tokens: int, bandwid
                 key=lambda pair: pair[1],
             )
         seconds[label] = best / max(1, len(decoded.tokens) - 1)
+        share = kernel_share(device, lambda: engine.decode(prefill, cache, new_tokens), best)
         floor = (weights + cache_bytes(cache.kept, new_tokens)) / bandwidth
         rows.append(
             row(
@@ -371,7 +395,7 @@ def decode_per_token(engine: Engine, ids: torch.Tensor, new_tokens: int, bandwid
                 None if label == "full" else seconds["full"],
                 seconds[label],
                 peak.gb,
-                f"s per token over {new_tokens} tokens; vs_floor = ours ÷ floor",
+                f"s per token over {new_tokens} tokens; vs_floor = ours ÷ floor; {share}",
                 ratio=None if label == "full" else round(seconds[label] / seconds["full"], 3),
                 floor=floor,
             )

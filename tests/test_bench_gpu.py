@@ -41,6 +41,7 @@ def test_tiny_gpu_benchmark_runs_every_measurement_and_the_exactness_checks_pass
     assert len(sync) == 1 and sync.iloc[0].startswith("pass"), sync.tolist()
     decode = table[table.measure.str.startswith("decode per token")]
     assert len(decode) == 3 and (decode.floor_s > 0).all() and (decode.vs_floor > 0).all()
+    assert decode.note.str.endswith("kernel share n/a off CUDA").all(), decode.note.tolist()
     peer = table[table.measure.str.startswith("peer")].iloc[0]
     kvpress = [os.environ["PKVBENCH_KVPRESS_PATH"]] if os.environ.get("PKVBENCH_KVPRESS_PATH") else []
     if importlib.machinery.PathFinder.find_spec("kvpress", [*kvpress, *sys.path]) is None:
