@@ -230,6 +230,8 @@ def kernel_share(device: str, fn, wall_s: float) -> str:
         busy = sum(e.self_device_time_total for e in profiled.events() if e.device_type == DeviceType.CUDA) / 1e6
     except Exception as exc:  # a diagnosis, not a measurement: its failure must not lose the row
         return f"kernel share unknown ({type(exc).__name__}: {str(exc)[:100]})"
+    if not busy:
+        return "kernel share unknown (the profiler recorded no device time)"
     share = busy / wall_s
     verdict = "launch-bound: a CUDA graph would pay" if share < 0.6 else "not launch-bound"
     return f"kernels busy {share:.0%} of the wall time ({busy:.3g} of {wall_s:.3g} s): {verdict}"
