@@ -22,7 +22,7 @@ measured is the engine's cost, which depends on the shapes, not on the weights. 
 - grid: a 20-configuration grid (5 policies × 4 budgets) decoded from one prefill, one configuration at a time vs
   batched: the step of the batch against one row's step, the rows whose tokens differ (bfloat16; float32 too for the
   first model), and the batched decoding run again with ``torch.cuda.set_sync_debug_mode("error")`` after its first
-  step;
+  step (with caches stored in 8 and 4 bits too);
 - decode per token at each length (and 128k for the 1B shape): the full cache, SnapKV at budget 128 and
   AdaKV(SnapKV) at 128, each beside its floor and, as the grid's batched step, with its kernel share (whether the
   step is launch-bound: ``kernel_share``);
@@ -62,6 +62,7 @@ from pkvbench.engine.decoding import plan_batches
 from pkvbench.engine.exactness import generate_reference, masked_reference
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import LoadedModel
+from pkvbench.kv_formats import KVFormat
 from pkvbench.policies import parse_policy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "gpu"
@@ -318,7 +319,7 @@ def grid(engine: Engine, ids: torch.Tensor, new_tokens: int, label: str = "", ru
     batch against one row's; then the batched decoding again with every sync after its first step an error.
     ``runs[model]``: the ``GridRun``, for the peer row."""
     device, name, length = engine.loaded.device, engine.loaded.name, ids.shape[1]
-    (_, requests), prepare_s = timed(device, lambda: grid_requests(engine, ids, new_tokens))
+    (prefill, requests), prepare_s = timed(device, lambda: grid_requests(engine, ids, new_tokens))
     engine.decode_many(requests[:2], 1)  # warm-up: one row's kernels
     if device == "cuda":
         engine.decode_many(requests)  # warm-up: the batches' kernels (FlexAttention compiles per shape class)
@@ -356,10 +357,17 @@ def grid(engine: Engine, ids: torch.Tensor, new_tokens: int, label: str = "", ru
     ]
     if label:
         return rows
+    # and caches stored in KIVI's 8 and 4 bits (uniform and per-layer budgets; a group of 16 divides every head)
+    stored = [
+        engine.request(prefill, engine.compress(prefill, parse_policy(p), Budget(256), fmt=KVFormat(b, 16, 32)), 8)
+        for p in ("snapkv", "pyramidkv")
+        for b in (8, 4)
+    ]
     guard, engine.decoder.step_guard = engine.decoder.step_guard, lambda: no_sync(device)
     try:
         engine.decode_many(requests)
-        verdict = "pass: no sync after the first step but the tokens' read"
+        engine.decode_many(stored)
+        verdict = "pass: no sync after the first step but the tokens' read (and 8/4-bit stored caches)"
     except RuntimeError as exc:
         verdict = f"FAIL: {str(exc).splitlines()[0][:200]}"
     finally:
