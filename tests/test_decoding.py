@@ -329,6 +329,30 @@ def test_a_step_builds_each_mask_once_for_layers_of_the_same_lengths():
     assert cache.layers[0].attention_mask() is not masks[0] and cache.layers[0].attention_mask().shape[-1] == 5
 
 
+def test_stored_layers_of_the_same_counts_share_their_step_mask():
+    """Caches stored in 4 bits (``engine/quantized.py``): rows of different packed counts need a mask, built once per
+    step for every layer whose counts are the same."""
+    from pkvbench.engine.quantized import QuantizedLayer, store_layer
+    from pkvbench.kv_formats import KVFormat
+
+    torch.manual_seed(0)
+    fmt = KVFormat(4, group=16, residual=4)
+    rows = [
+        store_layer(torch.randn(2, n, 16), torch.randn(2, n, 16), torch.tensor([n, n]), fmt, torch.bfloat16)
+        for n in (40, 20)
+    ]
+    cache = RaggedCache([QuantizedLayer(rows, fmt, torch.float32, room=4, kv_heads=2) for _ in range(3)])
+    new = torch.zeros((2, 2, 1, 16))
+    masks = []
+    for index in range(3):
+        cache.update(new, new, index)
+        masks.append(cache.layers[index].attention_mask())
+    assert masks[0] is masks[1] is masks[2]
+    assert masks[0][1, 0, 0, :48].tolist() == [True] * 16 + [False] * 32  # the second row packs 16 entries of 48
+    cache.update(new, new, 0)
+    assert cache.layers[0].attention_mask() is not masks[0]
+
+
 def test_flex_attention_is_left_to_layer_kinds_that_mask_more_and_to_calls_with_extras():
     """FlexAttention's block mask encodes the lengths only: a layer kind with its own mask (a sliding window) and a
     call with arguments it does not honour (soft-capping) take the model's kernel with the layer's mask."""

@@ -160,6 +160,11 @@ def _padded(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     return out
 
 
+def _residuals(name: str) -> property:
+    """An attribute of a ``QuantizedLayer`` that is its residual layer's."""
+    return property(lambda self: getattr(self.residual, name), lambda self, value: setattr(self.residual, name, value))
+
+
 class QuantizedLayer(CacheLayerMixin):
     """One layer of a batch of stored caches (rows of one format), decoded from their packed form at every step."""
 
@@ -206,10 +211,8 @@ class QuantizedLayer(CacheLayerMixin):
 
     # The step's masks and indices are the residual's (``RaggedLayer.step_memo``): a ``RaggedCache`` shares one memo
     # among its layers, so layers of the same lengths build them once per step.
-    step_memo = property(lambda self: self.residual.step_memo, lambda self, memo: _set(self.residual, step_memo=memo))
-    memo_shared = property(
-        lambda self: self.residual.memo_shared, lambda self, shared: _set(self.residual, memo_shared=shared)
-    )
+    step_memo = _residuals("step_memo")
+    memo_shared = _residuals("memo_shared")
 
     def _assemble(self, tail: torch.Tensor, part: int) -> torch.Tensor:
         """What attention reads: the packed keys (``part`` 0) or values (1) dequantized into the first ``width``
@@ -275,11 +278,6 @@ class QuantizedLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
-
-
-def _set(target, **attributes) -> None:
-    for name, value in attributes.items():
-        setattr(target, name, value)
 
 
 def _empty_like(rows: list[StoredLayer], part: str) -> Quantized:
