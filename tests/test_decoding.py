@@ -315,15 +315,21 @@ def test_a_decode_step_over_stored_caches_reads_back_nothing_and_rows_get_their_
     assert [d.tokens for d in together] == alone
 
 
+def one_step_masks(cache, new):
+    """Each layer's mask after a step that writes ``new`` into every layer."""
+    masks = []
+    for index in range(len(cache.layers)):
+        cache.update(new, new, index)
+        masks.append(cache.layers[index].attention_mask())
+    return masks
+
+
 def test_a_step_builds_each_mask_once_for_layers_of_the_same_lengths():
     lengths = torch.tensor([[3, 3], [1, 1]])
     layers = [RaggedLayer(torch.zeros(2, 2, 3, 2), torch.zeros(2, 2, 3, 2), lengths, 4, 2) for _ in range(3)]
     cache = RaggedCache(layers)
     new = torch.zeros((2, 2, 1, 2))
-    masks = []
-    for index in range(3):
-        cache.update(new, new, index)
-        masks.append(cache.layers[index].attention_mask())
+    masks = one_step_masks(cache, new)
     assert masks[0] is masks[1] is masks[2]
     cache.update(new, new, 0)  # the next step: lengths moved on, a new mask
     assert cache.layers[0].attention_mask() is not masks[0] and cache.layers[0].attention_mask().shape[-1] == 5
@@ -343,10 +349,7 @@ def test_stored_layers_of_the_same_counts_share_their_step_mask():
     ]
     cache = RaggedCache([QuantizedLayer(rows, fmt, torch.float32, room=4, kv_heads=2) for _ in range(3)])
     new = torch.zeros((2, 2, 1, 16))
-    masks = []
-    for index in range(3):
-        cache.update(new, new, index)
-        masks.append(cache.layers[index].attention_mask())
+    masks = one_step_masks(cache, new)
     assert masks[0] is masks[1] is masks[2]
     assert masks[0][1, 0, 0, :48].tolist() == [True] * 16 + [False] * 32  # the second row packs 16 entries of 48
     cache.update(new, new, 0)
