@@ -22,25 +22,35 @@ measured is the engine's cost, which depends on the shapes, not on the weights. 
 - grid: a 20-configuration grid (5 policies × 4 budgets) decoded from one prefill, one configuration at a time vs
   batched: the step of the batch against one row's step, the rows whose tokens differ (bfloat16; float32 too for the
   first model), and the batched decoding run again with ``torch.cuda.set_sync_debug_mode("error")`` after its first
-  step;
+  step (with caches stored in 8 and 4 bits too);
 - decode per token at each length (and 128k for the 1B shape): the full cache, SnapKV at budget 128 and
-  AdaKV(SnapKV) at 128, each beside its floor;
+  AdaKV(SnapKV) at 128, each beside its floor and, as the grid's batched step, with its kernel share (whether the
+  step is launch-bound: ``kernel_share``);
 - peak GPU memory of each (``torch.cuda.max_memory_allocated``, reset before it).
 
-kvpress, the peer, is not run here: its pins (transformers < 5.3) differ from the machine image's, and the device has
-no network (docs/benchmark.md). Writes ``OUT/bench_gpu.csv`` and ``OUT/bench_gpu.md``. A measurement that fails is a
-row saying why; the others run.
+- the peer, per model once it is freed: NVIDIA kvpress's pipeline, a call per configuration of the grid
+  (``scripts/bench_gpu_peer.py``, a process of its own, kvpress from ``--kvpress-path``), against pkvbench's whole
+  grid (its one prefill, the selections and the batched decoding); the tokens compared cell by cell. Skipped, with
+  the reason, where kvpress is not installed.
+
+Writes ``OUT/bench_gpu.csv`` and ``OUT/bench_gpu.md``. A measurement that fails is a row saying why; the others run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.machinery
 import json
+import os
 import platform
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import click
 import pandas as pd
@@ -52,6 +62,7 @@ from pkvbench.engine.decoding import plan_batches
 from pkvbench.engine.exactness import generate_reference, masked_reference
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import LoadedModel
+from pkvbench.kv_formats import KVFormat
 from pkvbench.policies import parse_policy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "gpu"
@@ -91,12 +102,10 @@ def read_config(config_file: Path) -> dict:
     return {k: v for k, v in json.loads(config_file.read_text()).items() if not k.startswith("_")}
 
 
-def build_model(config_file: Path, device: str, dtype: torch.dtype) -> LoadedModel:
-    """The configuration's model with random weights (seeded), created on ``device``, sdpa attention, ready for the
-    engine."""
+def random_model(config_file: Path, device: str, dtype: torch.dtype):
+    """The configuration's transformers model with random weights (seeded: the same weights in every process),
+    created on ``device`` with sdpa attention, and the seconds that took."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from pkvbench.engine.attention import install_recording_attention
 
     config = AutoConfig.for_model(**read_config(config_file))
     started = time.perf_counter()
@@ -104,8 +113,16 @@ def build_model(config_file: Path, device: str, dtype: torch.dtype) -> LoadedMod
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.eval()
-    install_recording_attention(model)
     sync(device)
+    return model, time.perf_counter() - started
+
+
+def build_model(config_file: Path, device: str, dtype: torch.dtype) -> LoadedModel:
+    """``random_model``, ready for the engine."""
+    from pkvbench.engine.attention import install_recording_attention
+
+    model, seconds = random_model(config_file, device, dtype)
+    install_recording_attention(model)
     return LoadedModel(
         model=model,
         tokenizer=synthetic_tokenizer(),
@@ -113,7 +130,7 @@ def build_model(config_file: Path, device: str, dtype: torch.dtype) -> LoadedMod
         device=device,
         dtype=str(dtype).removeprefix("torch."),
         attn_implementation="sdpa",
-        load_s=time.perf_counter() - started,
+        load_s=seconds,
         source=f"random weights: {config_file.name}",
     )
 
@@ -198,6 +215,29 @@ def cache_bytes(kept, new_tokens: int) -> int:
     return int(total)
 
 
+def kernel_share(device: str, fn, wall_s: float) -> str:
+    """How much of ``wall_s`` (``fn``'s time, measured unprofiled) the device spends running kernels and copies
+    while ``fn`` runs again under torch.profiler. Far below 1, the GPU waits for the host to launch work: the step is
+    launch-bound and capturing it in a CUDA graph (issue 43, item 3) would pay; near 1, it would not."""
+    if device != "cuda":
+        return "kernel share n/a off CUDA"
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiled:
+            fn()
+            sync(device)
+        busy = sum(e.self_device_time_total for e in profiled.events() if e.device_type == DeviceType.CUDA) / 1e6
+    except Exception as exc:  # a diagnosis, not a measurement: its failure must not lose the row
+        return f"kernel share unknown ({type(exc).__name__}: {str(exc)[:100]})"
+    if not busy:
+        return "kernel share unknown (the profiler recorded no device time)"
+    share = busy / wall_s
+    verdict = "launch-bound: a CUDA graph would pay" if share < 0.6 else "not launch-bound"
+    return f"kernels busy {share:.0%} of the wall time ({busy:.3g} of {wall_s:.3g} s): {verdict}"
+
+
 @contextlib.contextmanager
 def no_sync(device: str):
     """A host–device synchronisation is an error while active (``torch.cuda.set_sync_debug_mode``); on a CPU, any
@@ -257,6 +297,16 @@ def statistics(engine: Engine, ids: torch.Tensor, repeats: int, policies: list[s
     return rows
 
 
+class GridRun(NamedTuple):
+    """What the peer row compares with: pkvbench's seconds for the grid (its one prefill and the selections, then
+    the decoding one configuration at a time and batched) and each configuration's tokens, one at a time."""
+
+    prepare_s: float
+    sequential_s: float
+    batched_s: float
+    tokens: list[list[int]]
+
+
 def grid_requests(engine: Engine, ids: torch.Tensor, new_tokens: int):
     policies = [parse_policy(p) for p in GRID_POLICIES]
     prefill = engine.prefill(ids, policies)
@@ -264,11 +314,12 @@ def grid_requests(engine: Engine, ids: torch.Tensor, new_tokens: int):
     return prefill, [engine.request(prefill, cache, new_tokens) for cache in caches]
 
 
-def grid(engine: Engine, ids: torch.Tensor, new_tokens: int, label: str = "") -> list[dict]:
+def grid(engine: Engine, ids: torch.Tensor, new_tokens: int, label: str = "", runs: dict | None = None) -> list[dict]:
     """The 20-configuration grid's decoding from one prefill: one configuration at a time vs batched, a step of the
-    batch against one row's; then the batched decoding again with every sync after its first step an error."""
+    batch against one row's; then the batched decoding again with every sync after its first step an error.
+    ``runs[model]``: the ``GridRun``, for the peer row."""
     device, name, length = engine.loaded.device, engine.loaded.name, ids.shape[1]
-    _, requests = grid_requests(engine, ids, new_tokens)
+    (prefill, requests), prepare_s = timed(device, lambda: grid_requests(engine, ids, new_tokens))
     engine.decode_many(requests[:2], 1)  # warm-up: one row's kernels
     if device == "cuda":
         engine.decode_many(requests)  # warm-up: the batches' kernels (FlexAttention compiles per shape class)
@@ -277,6 +328,8 @@ def grid(engine: Engine, ids: torch.Tensor, new_tokens: int, label: str = "") ->
     with Peak(device) as batched_peak:
         batched, batched_s = timed(device, lambda: engine.decode_many(requests))
     differ = sum(a.tokens != b.tokens for a, b in zip(sequential, batched))
+    if runs is not None:
+        runs[name] = GridRun(prepare_s, sequential_s, batched_s, [d.tokens for d in sequential])
     batches = plan_batches(requests, None)
     one_step = sequential_s / sum(len(d.tokens) for d in sequential)
     batched_steps = sum(max(len(batched[i].tokens) for i in batch) for batch in batches)
@@ -297,16 +350,24 @@ def grid(engine: Engine, ids: torch.Tensor, new_tokens: int, label: str = "") ->
             length,
             one_step,
             batched_s / batched_steps,
-            note=f"{batched_steps} batched steps, {sum(len(d.tokens) for d in sequential)} one-row steps",
+            note=f"{batched_steps} batched steps, {sum(len(d.tokens) for d in sequential)} one-row steps; "
+            + kernel_share(device, lambda: engine.decode_many(requests), batched_s),
             ratio=round(batched_s / batched_steps / one_step, 2),
         ),
     ]
     if label:
         return rows
+    # and caches stored in KIVI's 8 and 4 bits (uniform and per-layer budgets; a group of 16 divides every head)
+    stored = [
+        engine.request(prefill, engine.compress(prefill, parse_policy(p), Budget(256), fmt=KVFormat(b, 16, 32)), 8)
+        for p in ("snapkv", "pyramidkv")
+        for b in (8, 4)
+    ]
     guard, engine.decoder.step_guard = engine.decoder.step_guard, lambda: no_sync(device)
     try:
         engine.decode_many(requests)
-        verdict = "pass: no sync after the first step but the tokens' read"
+        engine.decode_many(stored)
+        verdict = "pass: no sync after the first step but the tokens' read (and 8/4-bit stored caches)"
     except RuntimeError as exc:
         verdict = f"FAIL: {str(exc).splitlines()[0][:200]}"
     finally:
@@ -334,6 +395,7 @@ def decode_per_token(engine: Engine, ids: torch.Tensor, new_tokens: int, bandwid
                 key=lambda pair: pair[1],
             )
         seconds[label] = best / max(1, len(decoded.tokens) - 1)
+        share = kernel_share(device, lambda: engine.decode(prefill, cache, new_tokens), best)
         floor = (weights + cache_bytes(cache.kept, new_tokens)) / bandwidth
         rows.append(
             row(
@@ -343,7 +405,7 @@ def decode_per_token(engine: Engine, ids: torch.Tensor, new_tokens: int, bandwid
                 None if label == "full" else seconds["full"],
                 seconds[label],
                 peak.gb,
-                f"s per token over {new_tokens} tokens; vs_floor = ours ÷ floor",
+                f"s per token over {new_tokens} tokens; vs_floor = ours ÷ floor; {share}",
                 ratio=None if label == "full" else round(seconds[label] / seconds["full"], 3),
                 floor=floor,
             )
@@ -483,8 +545,9 @@ def measure_model(
     policies: list[str],
     float32_grid: bool,
     longer: bool,
+    runs: dict,
 ) -> list[dict]:
-    """Every measurement of one model shape (the grid unless ``grid_length`` is 0)."""
+    """Every measurement of one model shape (the grid unless ``grid_length`` is 0; its ``GridRun`` in ``runs``)."""
     loaded = build_model(CONFIGS / f"{name}.json", device, dtype)
     engine = Engine(loaded)
     vocab = loaded.config.vocab_size
@@ -499,7 +562,7 @@ def measure_model(
         guarded(rows, name, "statistics", length, lambda ids=ids: statistics(engine, ids, repeats, policies))
     if grid_length:
         ids = random_prompt(grid_length, vocab).to(device)
-        guarded(rows, name, "grid", grid_length, lambda: grid(engine, ids, new_tokens))
+        guarded(rows, name, "grid", grid_length, lambda: grid(engine, ids, new_tokens, runs=runs))
     decode_lengths = [*lengths, *([LONGER[name]] if longer and name in LONGER else [])]
     if name == "tiny":
         decode_lengths = lengths[-1:]  # the code path once (the test suite runs it)
@@ -522,6 +585,53 @@ def measure_model(
     return rows
 
 
+PEER_SCRIPT = Path(__file__).resolve().with_name("bench_gpu_peer.py")
+
+
+def peer_row(
+    name: str,
+    device: str,
+    dtype: torch.dtype,
+    grid_run: GridRun | None,
+    kvpress_path: str | None,
+    length: int,
+    new_tokens: int,
+):
+    """kvpress's pipeline on the grid's cells (``bench_gpu_peer.py``, in a process of its own) against pkvbench's
+    whole grid: its one prefill and the selections, then the batched decoding."""
+    measure = "peer: kvpress's pipeline, a call per configuration, vs pkvbench's grid (goal ≥ 5)"
+    extra = [kvpress_path] if kvpress_path else []
+    if grid_run is None:
+        return [row(name, measure, length, None, None, note="skipped: no grid to compare with", ratio="")]
+    if importlib.machinery.PathFinder.find_spec("kvpress", [*extra, *sys.path]) is None:
+        why = "skipped: kvpress is not installed (scripts/fetch_peer_wheels.sh, then bash scripts/bench_gpu.sh)"
+        return [row(name, measure, length, None, None, note=why, ratio="")]
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*extra, root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    arguments = ["--model", name, "--device", device, "--dtype", str(dtype).removeprefix("torch.")]
+    arguments += ["--length", str(length), "--new-tokens", str(new_tokens)]
+    done = subprocess.run(
+        [sys.executable, str(PEER_SCRIPT), *arguments], capture_output=True, text=True, env=env, timeout=600
+    )
+    if done.returncode:
+        raise RuntimeError(f"bench_gpu_peer.py: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    cells = result["cells"]
+    theirs = sum(cell["seconds"] for cell in cells)
+    ours, one_at_a_time = (grid_run.prepare_s + s for s in (grid_run.batched_s, grid_run.sequential_s))
+    same = [cell["tokens"] == tokens for cell, tokens in zip(cells, grid_run.tokens)]
+    full = [equal for cell, equal in zip(cells, same) if cell["policy"] == "full"]
+    versions = result["versions"]
+    note = (
+        f"kvpress {versions['kvpress']}, transformers {versions['transformers']}; {len(cells)} calls, "
+        f"{min(c['seconds'] for c in cells):.3g}–{max(c['seconds'] for c in cells):.3g} s each; pkvbench = one "
+        f"prefill + selections {grid_run.prepare_s:.3g} s + batched decoding {grid_run.batched_s:.3g} s "
+        f"(one at a time: {one_at_a_time:.3g} s, {theirs / one_at_a_time:.2f}×); "
+        f"tokens equal to pkvbench's: {sum(same)}/{len(cells)} cells, full cache {sum(full)}/{len(full)}"
+    )
+    return [row(name, measure, length, theirs, ours, note=note)]
+
+
 @click.command()
 @click.option("--tiny", is_flag=True, help="The tiny model on CPU with short prompts: the code path in seconds.")
 @click.option("--models", default="llama-3.2-1b,llama-3.1-8b", show_default=True, help="Configurations in configs/gpu.")
@@ -538,9 +648,30 @@ def measure_model(
 @click.option(
     "--longer/--no-longer", default=True, show_default=True, help="Decode per token at 128k for the 1B shape."
 )
+@click.option(
+    "--kvpress-path",
+    envvar="PKVBENCH_KVPRESS_PATH",
+    type=click.Path(file_okay=False),
+    help="A folder kvpress is installed in, for the peer row (bench_gpu.sh installs scripts/wheels/ there).",
+)
+@click.option("--peer/--no-peer", default=True, show_default=True, help="The peer row: kvpress on the grid's cells.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("--out", default="results/bench/gpu", show_default=True, type=click.Path(file_okay=False))
-def main(tiny, models, lengths, statistics, grid_length, new_tokens, repeats, float32_grid, longer, device, out):
+def main(
+    tiny,
+    models,
+    lengths,
+    statistics,
+    grid_length,
+    new_tokens,
+    repeats,
+    float32_grid,
+    longer,
+    kvpress_path,
+    peer,
+    device,
+    out,
+):
     if device == "auto":
         device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
     if tiny:
@@ -549,6 +680,7 @@ def main(tiny, models, lengths, statistics, grid_length, new_tokens, repeats, fl
     lengths = [int(x) for x in str(lengths).split(",")]
     started = time.perf_counter()
     rows: list[dict] = []
+    runs: dict[str, GridRun] = {}
     guarded(rows, "tiny (float32)", "exactness", 256, lambda: exactness(device, 256, 16))
     write_tables(rows, out, tiny, device, dtype, started)
     for number, name in enumerate(models.split(",")):
@@ -563,23 +695,17 @@ def main(tiny, models, lengths, statistics, grid_length, new_tokens, repeats, fl
             statistics.split(","),
             float32_grid and number == 0,
             longer,
+            runs,
         )
+        if device == "cuda":
+            torch.cuda.empty_cache()  # the next model's (and the peer's) peak memory starts from its own
+        if peer and grid_length:  # after the model is freed: the peer builds its own copy
+            measured = functools.partial(
+                peer_row, name, device, dtype, runs.get(name), kvpress_path, grid_length, new_tokens
+            )
+            guarded(rows, name, "peer", grid_length, measured)
         # after every model: a run stopped by a time limit keeps the tables of the models it finished
         write_tables(rows, out, tiny, device, dtype, started)
-        if device == "cuda":
-            torch.cuda.empty_cache()  # the next model's peak memory starts from its own
-    rows.append(
-        row(
-            "kvpress",
-            "peer: kvpress's pipeline on the grid's cells",
-            grid_length,
-            None,
-            None,
-            note="skipped: kvpress pins transformers < 5.3 and the device has no network (docs/benchmark.md)",
-            ratio="",
-        )
-    )
-    write_tables(rows, out, tiny, device, dtype, started)
     print((Path(out) / "bench_gpu.md").read_text())
 
 

@@ -1,6 +1,9 @@
 """scripts/bench_gpu.py --tiny: the GPU benchmark's whole code path, on CPU with a 2-layer random model."""
 
+import importlib.machinery
 import importlib.util
+import os
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -38,6 +41,14 @@ def test_tiny_gpu_benchmark_runs_every_measurement_and_the_exactness_checks_pass
     assert len(sync) == 1 and sync.iloc[0].startswith("pass"), sync.tolist()
     decode = table[table.measure.str.startswith("decode per token")]
     assert len(decode) == 3 and (decode.floor_s > 0).all() and (decode.vs_floor > 0).all()
+    assert decode.note.str.endswith("kernel share n/a off CUDA").all(), decode.note.tolist()
+    peer = table[table.measure.str.startswith("peer")].iloc[0]
+    kvpress = [os.environ["PKVBENCH_KVPRESS_PATH"]] if os.environ.get("PKVBENCH_KVPRESS_PATH") else []
+    if importlib.machinery.PathFinder.find_spec("kvpress", [*kvpress, *sys.path]) is None:
+        assert peer.note.startswith("skipped: kvpress is not installed"), peer.note
+    else:  # kvpress's pipeline on the grid's cells, the same model and prompt: the full cache's tokens are ours
+        assert peer.baseline_s > 0 and peer.ratio > 0 and "20 calls" in peer.note, peer.note
+        assert "full cache 4/4" in peer.note, peer.note
 
 
 def test_the_full_size_configurations_have_the_published_parameter_counts():

@@ -204,24 +204,32 @@ def tiny_engine():
     return Engine(bench_gpu.build_model(bench_gpu.CONFIGS / "tiny.json", "cpu", torch.float32)), bench_gpu
 
 
+def grid_requests(engine, cells, fmt=None):
+    """A decode request per cell ``(prefill, policy, budget, options)``, its cache stored in ``fmt`` if given."""
+    return [
+        engine.request(prefill, engine.compress(prefill, policy, Budget(budget), fmt=fmt), 6, **options)
+        for prefill, policy, budget, options in cells
+    ]
+
+
 @pytest.fixture(scope="module")
-def tiny_grid():
+def tiny_cells():
     """A grid on the tiny model: uniform, per-layer (PyramidKV) and per-head (AdaKV) budgets, and the full cache;
     rows with a minimum length and a stop string; query-agnostic rows that feed a question first."""
     engine, bench_gpu = tiny_engine()
     ids = bench_gpu.random_prompt(300, engine.loaded.config.vocab_size, seed=3)
     policies = [parse_policy(p) for p in ("full", "snapkv", "pyramidkv", "adakv(snapkv)", "streamingllm")]
     prefill = engine.prefill(ids, policies)
-    requests = [
-        engine.request(prefill, engine.compress(prefill, p, Budget(b)), 6, stop_strings=("w7",), min_new_tokens=2)
-        for p in policies
-        for b in (32, 150)
-    ]
-    question = list(range(10, 15))
-    requests += [
-        engine.request(prefill, engine.compress(prefill, p, Budget(48)), 6, question=question) for p in policies
-    ]
-    return engine, requests
+    stopping = {"stop_strings": ("w7",), "min_new_tokens": 2}
+    cells = [(prefill, p, b, stopping) for p in policies for b in (32, 150)]
+    cells += [(prefill, p, 48, {"question": list(range(10, 15))}) for p in policies]
+    return engine, cells
+
+
+@pytest.fixture(scope="module")
+def tiny_grid(tiny_cells):
+    engine, cells = tiny_cells
+    return engine, grid_requests(engine, cells)
 
 
 HOST_READS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy")
@@ -290,18 +298,62 @@ def test_a_decode_step_reads_back_nothing_but_its_tokens_and_rows_get_their_toke
     assert [d.tokens for d in masked] == alone and [d.tokens for d in flexed] == alone
 
 
+def test_a_decode_step_over_stored_caches_reads_back_nothing_and_rows_get_their_tokens_alone(tiny_cells, monkeypatch):
+    """The same for caches stored in 16 bits and in KIVI's 8/4/2-bit integers (``engine/quantized.py``): uniform,
+    per-layer and per-head budgets, packed parts of different widths and rows with none, a fed question."""
+    from pkvbench.kv_formats import KVFormat
+
+    engine, cells = tiny_cells
+    guard = NoHostReads()
+    monkeypatch.setattr(engine.decoder, "step_guard", guard)
+    formats = (KVFormat(16), KVFormat(8, group=16, residual=4), KVFormat(4, group=16), KVFormat(2, 16, residual=0))
+    stored = [request for fmt in formats for request in grid_requests(engine, cells, fmt)]
+    alone = [engine.decoder.decode_batch([r])[0].tokens for r in stored]
+    together = engine.decode_many(stored)
+    assert guard.entered > 40 and max(d.batch for d in together) >= 4
+    assert len({tuple(t) for t in alone}) > 3
+    assert [d.tokens for d in together] == alone
+
+
+def one_step_masks(cache, new):
+    """Each layer's mask after a step that writes ``new`` into every layer."""
+    masks = []
+    for index in range(len(cache.layers)):
+        cache.update(new, new, index)
+        masks.append(cache.layers[index].attention_mask())
+    return masks
+
+
 def test_a_step_builds_each_mask_once_for_layers_of_the_same_lengths():
     lengths = torch.tensor([[3, 3], [1, 1]])
     layers = [RaggedLayer(torch.zeros(2, 2, 3, 2), torch.zeros(2, 2, 3, 2), lengths, 4, 2) for _ in range(3)]
     cache = RaggedCache(layers)
     new = torch.zeros((2, 2, 1, 2))
-    masks = []
-    for index in range(3):
-        cache.update(new, new, index)
-        masks.append(cache.layers[index].attention_mask())
+    masks = one_step_masks(cache, new)
     assert masks[0] is masks[1] is masks[2]
     cache.update(new, new, 0)  # the next step: lengths moved on, a new mask
     assert cache.layers[0].attention_mask() is not masks[0] and cache.layers[0].attention_mask().shape[-1] == 5
+
+
+def test_stored_layers_of_the_same_counts_share_their_step_mask():
+    """Caches stored in 4 bits (``engine/quantized.py``): rows of different packed counts need a mask, built once per
+    step for every layer whose counts are the same."""
+    from pkvbench.engine.quantized import QuantizedLayer, store_layer
+    from pkvbench.kv_formats import KVFormat
+
+    torch.manual_seed(0)
+    fmt = KVFormat(4, group=16, residual=4)
+    rows = [
+        store_layer(torch.randn(2, n, 16), torch.randn(2, n, 16), torch.tensor([n, n]), fmt, torch.bfloat16)
+        for n in (40, 20)
+    ]
+    cache = RaggedCache([QuantizedLayer(rows, fmt, torch.float32, room=4, kv_heads=2) for _ in range(3)])
+    new = torch.zeros((2, 2, 1, 16))
+    masks = one_step_masks(cache, new)
+    assert masks[0] is masks[1] is masks[2]
+    assert masks[0][1, 0, 0, :48].tolist() == [True] * 16 + [False] * 32  # the second row packs 16 entries of 48
+    cache.update(new, new, 0)
+    assert cache.layers[0].attention_mask() is not masks[0]
 
 
 def test_flex_attention_is_left_to_layer_kinds_that_mask_more_and_to_calls_with_extras():

@@ -29,7 +29,8 @@ from pkvbench.engine.sliding import SlidingLayer, WindowMask, row_positions
 class DecodingLayer(Protocol):
     """What a layer of a batch of compressed caches offers the model (transformers' cache-layer calls), the attention
     wrapper (``attention_mask``; ``observe`` where a kind records queries) and the decoder (``held``,
-    ``select_rows``)."""
+    ``select_rows``). None of them reads a tensor back to the host while a batch decodes: a kind keeps host copies
+    of the counts it decides by (``RaggedLayer.host_lengths``, ``QuantizedLayer.host_quantized``)."""
 
     keys: torch.Tensor  # [batch, heads, columns, d]: what attention reads
     values: torch.Tensor

@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from pkvbench.engine.cache import RaggedLayer
+from pkvbench.engine.cache import RaggedLayer, host_copy
 from pkvbench.errors import PkvError
 from pkvbench.kv_formats import KVFormat
 from pkvbench.quantize import Quantized, dequantize_keys, dequantize_values, quantize_keys, quantize_values
@@ -160,6 +160,11 @@ def _padded(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     return out
 
 
+def _residuals(name: str) -> property:
+    """An attribute of a ``QuantizedLayer`` that is its residual layer's."""
+    return property(lambda self: getattr(self.residual, name), lambda self, value: setattr(self.residual, name, value))
+
+
 class QuantizedLayer(CacheLayerMixin):
     """One layer of a batch of stored caches (rows of one format), decoded from their packed form at every step."""
 
@@ -170,6 +175,9 @@ class QuantizedLayer(CacheLayerMixin):
         self.format, self.dtype = fmt, dtype
         self.is_initialized = True
         self.quantized = torch.stack([row.quantized for row in rows])  # [batch, heads]
+        # Its host copy: what the mask's shape and ``held`` depend on, read back once here and never while decoding
+        # (as ``RaggedLayer.host_lengths``; packed counts only change when rows leave the batch).
+        self.host_quantized = host_copy(self.quantized)
         self.packed_columns = max((row.keys.codes.shape[1] if row.keys is not None else 0) for row in rows)
         # Columns of the packed part as attention sees it: whole key groups (the last one's padding is masked).
         self.width = -(-self.packed_columns // fmt.group) * fmt.group
@@ -184,7 +192,7 @@ class QuantizedLayer(CacheLayerMixin):
         residual_values = _padded([row.residual_values for row in rows], 1)
         lengths = torch.stack([row.residual for row in rows])
         # Each row's own packed bytes (the batch pads rows to the widest; a row alone would not hold that padding).
-        self.packed_bytes = torch.tensor(
+        self.packed_bytes = host_copy(
             [sum(t.nbytes for q in (row.keys, row.values) if q is not None for t in q.tensors) for row in rows]
         )
         self.residual = self._residual_layer(rows, residual_keys, residual_values, lengths, room, kv_heads)
@@ -200,6 +208,11 @@ class QuantizedLayer(CacheLayerMixin):
     @property
     def lengths(self) -> torch.Tensor:
         return self.residual.lengths
+
+    # The step's masks and indices are the residual's (``RaggedLayer.step_memo``): a ``RaggedCache`` shares one memo
+    # among its layers, so layers of the same lengths build them once per step.
+    step_memo = _residuals("step_memo")
+    memo_shared = _residuals("memo_shared")
 
     def _assemble(self, tail: torch.Tensor, part: int) -> torch.Tensor:
         """What attention reads: the packed keys (``part`` 0) or values (1) dequantized into the first ``width``
@@ -229,11 +242,15 @@ class QuantizedLayer(CacheLayerMixin):
         tail = self.residual.attention_mask()
         if not self.width:
             return tail
-        full = bool((self.quantized == self.width).all())
-        if full and tail is None:
+        if tail is None and (self.host_quantized == self.width).all():
             return None
-        batch, new = self.quantized.shape[0], self.residual._new
-        counts = self.quantized[:, :1] if bool((self.quantized == self.quantized[:, :1]).all()) else self.quantized
+        packed = self.host_quantized.tobytes(), self.width
+        return self.residual._memo("packed mask", lambda: self._build_mask(tail), *packed)
+
+    def _build_mask(self, tail: torch.Tensor | None) -> torch.Tensor:
+        batch, new = self.host_quantized.shape[0], self.residual._new
+        per_head = not (self.host_quantized == self.host_quantized[:, :1]).all()
+        counts = self.quantized if per_head else self.quantized[:, :1]
         packed = torch.arange(self.width, device=counts.device) < counts[..., None]  # [batch, 1 or heads, width]
         if tail is None:
             tail = torch.ones((batch, 1, new, self.residual.keys.shape[2]), dtype=torch.bool, device=counts.device)
@@ -244,10 +261,11 @@ class QuantizedLayer(CacheLayerMixin):
     def held(self, row: int) -> tuple[int, int]:
         """As ``RaggedLayer.held``: the packed entries and bytes, then the residual's."""
         entries, stored = self.residual.held(row)
-        return entries + int(self.quantized[row].sum()), stored + int(self.packed_bytes[row])
+        return entries + int(self.host_quantized[row].sum()), stored + int(self.packed_bytes[row])
 
     def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
-        self.packed_bytes = self.packed_bytes[rows.cpu() if host_rows is None else list(host_rows)]
+        host = host_copy(rows if host_rows is None else host_rows)
+        self.packed_bytes, self.host_quantized = self.packed_bytes[host], self.host_quantized[host]
         self.quantized = self.quantized[rows]
         self.packed = [tensor[rows] for tensor in self.packed]
         self.residual.select_rows(rows, host_rows)
