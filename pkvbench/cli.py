@@ -146,6 +146,8 @@ def config_option(declared: Option, **differences):
         "metavar": "NAME=VALUE" if declared.kind == PAIR else None,
         "help": declared.help or None,
     }
+    if differences.get("required"):
+        del settings["default"]  # Click (8.3) takes a default, even None, as the value given: a required one has none
     return click.option(declared.flag, declared.name, **{**settings, **differences})
 
 

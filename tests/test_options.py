@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 import pytest
+from click.testing import CliRunner
 
 from pkvbench import cli
 from pkvbench.config import LIST, options_of, read_run_config
@@ -114,3 +115,5 @@ def test_lm_eval_takes_run_s_options_as_run_declares_them():
         for setting in cli.LM_EVAL_DIFFERENCES.get(param.name, {}):
             ours.pop(setting), theirs.pop(setting)
         assert ours == theirs, param.name
+    result = CliRunner().invoke(cli.cli, ["lm-eval", "--tasks", "arc_easy"])  # before lm-eval is imported
+    assert result.exit_code == 2 and "Missing option '--out'" in result.output
