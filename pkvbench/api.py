@@ -43,7 +43,7 @@ from pkvbench.policies.spec import parse_policies
 from pkvbench.provenance import git_commit, make_deterministic, package_version, provenance, versions
 from pkvbench.results import ResultStore, decode_budget_label
 from pkvbench.runner import Cell, RunSettings, RunStats, Shard, work_items
-from pkvbench.schema import QUERY_MODES
+from pkvbench.schema import PROTOCOLS, QUERY_MODES
 from pkvbench.tasks.base import TaskOptions, TaskSpec
 from pkvbench.tasks.registry import (
     check_sample_options,
@@ -542,7 +542,7 @@ def layer_budget_table(
     policy_args: Mapping[str, Any] | Sequence[str],
     context: int,
     layers: int,
-    protocol: str = "exact",
+    protocol: str = PROTOCOLS[0],
 ) -> list[dict[str, Any]]:
     """``pkvbench budgets``: per policy × budget, the per-layer entries the engine would keep on a T-token prompt."""
     from pkvbench.budgets import plan

@@ -39,6 +39,7 @@ from pkvbench.axes import sort_rows
 from pkvbench.errors import PkvError
 from pkvbench.fingerprints import Fingerprint, compare
 from pkvbench.io import read_yaml
+from pkvbench.options import MIN_OVERLAP
 from pkvbench.outputs import Kind, Outputs, csv_with_columns
 from pkvbench.report import load_runs, run_folders
 from pkvbench.schema import CELL_DEFAULTS, CELL_KEY
@@ -62,7 +63,6 @@ BASELINE_SAMPLES = Kind("baseline", csv_with_columns(OLDEST_SAMPLE_COLUMNS), Tru
 # threads 1 vs 2, --decode-batch 1 and another sample order keep every entry (overlap 1, bit for bit); float noise of
 # 1e-6 on every weight (another machine's summation order, and more) moved one layer of one H2O cell (overlap above
 # 0.9999). 0.99 leaves a hundredfold margin and still fails a tie order reversed (0.979 at 64 entries).
-MIN_OVERLAP = 0.99
 MAX_TOLERANCE = 100.0  # points: no score can fall by more, so a tolerance this wide could fail nothing
 _TOO_WIDE = "no score can fall by 100 points or more, so nothing could fail; give a tolerance below 100"
 

@@ -15,7 +15,6 @@ from pkvbench._version import __version__
 from pkvbench.config import (
     FLAG,
     LIST,
-    MAX_LAYERS,
     MIN_POWER,
     PAIR,
     REPEATED,
@@ -30,8 +29,21 @@ from pkvbench.config import (
 from pkvbench.engine.architecture import FAMILIES
 from pkvbench.engine.models import ALIASES
 from pkvbench.errors import PkvError
-from pkvbench.options import FunnelConfig, RunConfig, SampleConfig
-from pkvbench.schema import DEFAULT_QUERY_MODE, FORMATS
+from pkvbench.lm_eval import BOOTSTRAP_ITERS
+from pkvbench.lm_eval import POLICY as LM_EVAL_POLICY
+from pkvbench.options import (
+    EXPORT_FORMATS,
+    MIN_OVERLAP,
+    PAPER_REFERENCE,
+    SELECTION,
+    TOLERANCE,
+    VIEWS,
+    BudgetsConfig,
+    FunnelConfig,
+    RunConfig,
+    SampleConfig,
+)
+from pkvbench.schema import FORMATS
 
 
 def _options(*options):
@@ -103,11 +115,17 @@ class StrictGroup(click.Group):
     command_class = StrictCommand
 
 
-def config_option(declared: Option):
-    """The command line's option of a configuration field (``options.py``), as the field declares it."""
+def config_option(declared: Option, **differences):
+    """The command line's option of a configuration field (``options.py``), as the field declares it;
+    ``differences``: the Click settings a command other than the field's own takes otherwise (``LM_EVAL_DIFFERENCES``)."""
     if declared.kind == FLAG:
-        flag = {"is_flag": True, "flag_value": not declared.default, "default": declared.default}
-        return click.option(declared.flag, declared.name, **flag, help=declared.help)
+        settings = {
+            "is_flag": True,
+            "flag_value": not declared.default,
+            "default": declared.default,
+            "help": declared.help,
+        }
+        return click.option(declared.flag, declared.name, **{**settings, **differences})
     if declared.choices:
         kind = click.Choice(declared.choices)
     elif isinstance(declared.check, Bounds):
@@ -120,17 +138,17 @@ def config_option(declared: Option):
     if declared.kind == LIST and isinstance(default, tuple):
         default = ",".join(default)  # typed as a comma string
     implied = str(declared.implied) if declared.implied is not None else None  # what None means, once it is used
-    shown = declared.show_default or implied or default not in (None, ())
-    return click.option(
-        declared.flag,
-        declared.name,
-        type=kind,
-        default=default,
-        show_default=shown,
-        multiple=declared.kind in (PAIR, REPEATED),
-        metavar="NAME=VALUE" if declared.kind == PAIR else None,
-        help=declared.help or None,
-    )
+    settings = {
+        "type": kind,
+        "default": default,
+        "show_default": declared.show_default or implied or default not in (None, ()),
+        "multiple": declared.kind in (PAIR, REPEATED),
+        "metavar": "NAME=VALUE" if declared.kind == PAIR else None,
+        "help": declared.help or None,
+    }
+    if differences.get("required"):
+        del settings["default"]  # Click (8.3) takes a default, even None, as the value given: a required one has none
+    return click.option(declared.flag, declared.name, **{**settings, **differences})
 
 
 def config_options(config: type):
@@ -236,30 +254,7 @@ def merge(folders, out) -> None:
 
 
 @cli.command()
-@click.option(
-    "--policy", default="pyramidkv", show_default=True, help="Policies, comma-separated (options as in `run`)."
-)
-@click.option(
-    "--budget", default="128", show_default=True, help="Budgets, comma-separated (fractions or entry counts)."
-)
-@click.option(
-    "--policy-arg", "policy_args", multiple=True, metavar="NAME=VALUE", help="Option for every policy that has it."
-)
-@click.option(
-    "--layers",
-    type=Number(whole(1, MAX_LAYERS)),
-    default=30,
-    show_default=True,
-    help="Number of layers (30 = the embedded model).",
-)
-@click.option("--context", type=Number(whole(1)), default=8192, show_default=True, help="Prompt length T in tokens.")
-@click.option(
-    "--protocol",
-    type=click.Choice(["exact", "reference"]),
-    default="exact",
-    show_default=True,
-    help="reference: the budgets the PyramidKV paper's code computes (docs/protocol.md).",
-)
+@config_options(BudgetsConfig)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option(
     "--plot",
@@ -267,12 +262,12 @@ def merge(folders, out) -> None:
     type=PathType(dir_okay=False),
     help="Also draw entries kept per layer (one panel per budget, uniform as a reference) to this PNG.",
 )
-def budgets(policy, budget, policy_args, layers, context, protocol, as_json, plot_file) -> None:
+def budgets(policies, budgets, policy_args, layers, context, protocol, as_json, plot_file) -> None:
     """Per-layer budgets (entries per KV head) a policy would keep: the function the engine uses."""
     from pkvbench.api import layer_budget_table
     from pkvbench.budgets import budget_label
 
-    entries = layer_budget_table(policy, budget, policy_args, context, layers, protocol)
+    entries = layer_budget_table(policies, budgets, policy_args, context, layers, protocol)
     if plot_file:
         from pkvbench.plots import plot_layer_budgets
 
@@ -321,8 +316,8 @@ def budgets(policy, budget, policy_args, layers, context, protocol, as_json, plo
 )
 @click.option(
     "--view",
-    type=click.Choice(["table", "frontier", "memory-diff"]),
-    default="table",
+    type=click.Choice(VIEWS),
+    default=VIEWS[0],
     show_default=True,
     help="frontier: each cell's bytes and score, the Pareto front marked (runs with --kv-bits or --memory); "
     "memory-diff: per memory target, its best cell against every other, paired.",
@@ -413,8 +408,8 @@ def plot(folders, out_dir) -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["kvpress"]),
-    default="kvpress",
+    type=click.Choice(EXPORT_FORMATS),
+    default=EXPORT_FORMATS[0],
     show_default=True,
     help="kvpress: its evaluation folders (predictions.csv, metrics.json, config.yaml per press and ratio).",
 )
@@ -439,7 +434,7 @@ def export(folders, fmt, out_dir) -> None:
 
 @cli.command()
 @click.argument("folders", nargs=-1, required=True, type=PathType())
-@click.option("--reference", default="pyramidkv-table1", show_default=True, help="Reference name or CSV file.")
+@click.option("--reference", default=PAPER_REFERENCE, show_default=True, help="Reference name or CSV file.")
 @click.option(
     "--paper-model",
     help="The paper's model to compare with when the run's model is not one of them "
@@ -597,15 +592,15 @@ def score(file, out_file, dataset) -> None:
 @click.option(
     "--tolerance",
     type=Number(number()),
-    default=2.0,
+    default=TOLERANCE,
     show_default=True,
     help="Allowed fall in score points (× 100 scale) before a cell may fail.",
 )
 @click.option("--per-cell", type=PathType(exists=True, dir_okay=False), help="YAML of task: tolerance overrides.")
 @click.option(
     "--selection",
-    type=click.Choice(["on", "off"]),
-    default="on",
+    type=click.Choice(SELECTION),
+    default=SELECTION[0],
     show_default=True,
     help="Compare what each policy kept with the baseline's selection fingerprints; off for a deliberate comparison "
     "across machines or library versions (said in the result line).",
@@ -613,7 +608,7 @@ def score(file, out_file, dataset) -> None:
 @click.option(
     "--min-overlap",
     type=Number(number()),
-    default=0.99,
+    default=MIN_OVERLAP,
     show_default=True,
     help="A cell fails when the share of kept entries in common with the baseline falls below this (docs/ci-gate.md).",
 )
@@ -724,23 +719,31 @@ def funnel(**options) -> None:
 
 
 # --- lm-eval: lm-evaluation-harness tasks under compression (pkvbench/lm_eval, docs/lm-eval.md) ------------------
+# What ``pkvbench lm-eval`` says otherwise of the options it shares with ``run`` (Click's settings of each, by field):
+# its default policy (pkvbench/lm_eval's POLICY), an --out it needs (there is no default folder), a --quiet that hides
+# the summary table only (lm-eval draws its own progress bars), a --limit that counts lm-eval's documents.
+LM_EVAL_DIFFERENCES = {
+    "policies": {"default": LM_EVAL_POLICY, "show_default": True},
+    "out": {"required": True, "help": "Folder for the results."},
+    "quiet": {"help": "No summary table."},
+    "limit": {"help": "At most this many documents per task."},
+}
+_RUN_OPTIONS = options_of(RunConfig)
+
+
+def run_option(name: str):
+    """``run``'s option of the field ``name``, as ``lm-eval`` takes it."""
+    return config_option(_RUN_OPTIONS[name], **LM_EVAL_DIFFERENCES.get(name, {}))
+
+
 @cli.command(name="lm-eval")
 @click.option("--tasks", required=True, help="lm-eval task names (comma list), as `lm_eval --tasks` takes them.")
-@config_option(options_of(SampleConfig)["model"])
-@click.option("--policy", default="full", show_default=True, help="Policies, comma-separated (options as in `run`).")
+@_options(*map(run_option, ("model", "policies", "budgets", "memory", "kv_bits", "decode_budgets", "query_modes")))
 @click.option(
-    "--budget", help="Budgets, comma-separated: entries per KV head, or a fraction of the context (default 128)."
+    "--question-split",
+    help="Needed with --query-mode agnostic: the question starts where this text last occurs in the context.",
 )
-@click.option("--memory", help="Memory budgets instead (as `run --memory`).")
-@click.option("--kv-bits", help="Bits each kept value is stored in, comma-separated (as `run --kv-bits`).")
-@click.option("--decode-budget", help="Cut the cache back to this many entries while answering (generation tasks).")
-@click.option(
-    "--query-mode", default=DEFAULT_QUERY_MODE, show_default=True, help="aware, agnostic (needs --question-split)."
-)
-@click.option("--question-split", help="Agnostic: the question starts where this text last occurs in the context.")
-@config_option(options_of(SampleConfig)["device"])
-@config_option(options_of(SampleConfig)["dtype"])
-@click.option("--limit", type=Number(whole(1)), help="At most this many documents per task.")
+@_options(run_option("device"), run_option("dtype"), run_option("limit"))
 @click.option("--num-fewshot", type=Number(whole(0)), help="Few-shot examples (default: each task's own).")
 @click.option(
     "--include-path",
@@ -749,10 +752,8 @@ def funnel(**options) -> None:
     type=PathType(exists=True, file_okay=False),
     help="A folder of your own lm-eval task YAML files (repeatable).",
 )
-@click.option("--bootstrap-iters", type=Number(whole(0)), default=1000, show_default=True)
-@click.option("--out", required=True, type=PathType(file_okay=False), help="Folder for the results.")
-@click.option("--overwrite", is_flag=True, help="Run afresh in --out (its pkvbench files go once the model loads).")
-@click.option("--quiet", is_flag=True, help="No summary table.")
+@click.option("--bootstrap-iters", type=Number(whole(0)), default=BOOTSTRAP_ITERS, show_default=True)
+@_options(run_option("out"), run_option("overwrite"), run_option("quiet"))
 def lm_eval_command(tasks, include_paths, limit, num_fewshot, bootstrap_iters, out, overwrite, quiet, **grid) -> None:
     """lm-evaluation-harness tasks under KV-cache compression: every configuration from one prefill per request.
 
@@ -764,8 +765,12 @@ def lm_eval_command(tasks, include_paths, limit, num_fewshot, bootstrap_iters, o
       pkvbench lm-eval --tasks arc_easy --policy full,snapkv --budget 64,128 --limit 20 --out results/lm-eval/arc
     """
     from pkvbench.config import as_list
+    from pkvbench.lm_eval.grid import GRID_ARGS
     from pkvbench.lm_eval.run import LM_EVAL_FOLDER, evaluate_grid
 
+    grid.update(
+        {arg: grid.pop(field) for arg, field in GRID_ARGS.items()}
+    )  # model args as lm-eval's backend names them
     model_args = {name: value for name, value in grid.items() if value is not None}
     run = evaluate_grid(
         as_list(tasks, "--tasks"),

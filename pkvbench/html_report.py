@@ -41,13 +41,13 @@ from pkvbench.html_figures import (
     query_modes,
     rounded,
 )
+from pkvbench.options import PAPER_REFERENCE
 from pkvbench.paper_compare import compare, load_reference
 from pkvbench.report import Runs, load_runs, model_display_name, report_table, uneven_counts
 from pkvbench.results import ROWS, RUN, read_run_record, summarize
 from pkvbench.schema import DEFAULT_QUERY_MODE, FIELDS, LOADED, SAMPLE, TEXT, fields_of
 
 ASSETS = "html_assets"  # inside the pkvbench package: the page's skeleton, style sheet and script
-PAPER_REFERENCE = "pyramidkv-table1"
 # Row fields that name or measure one policy × budget, not the sample: every field of the schema but the sample's and
 # the texts shown on their own, and what report.load_runs adds; the sample's own fields (context_tokens, length,
 # depth, ...) are what is left of its first row.

@@ -1,6 +1,6 @@
-"""The options of ``pkvbench run`` and ``pkvbench funnel``, each declared once: a field of ``RunConfig`` /
-``FunnelConfig`` (``SampleConfig``: what both share) whose metadata (``config.option``) says its flag, kind, default,
-choices, help and check. The command line's flags (``cli.config_options``), a config file's keys
+"""The options of ``pkvbench run``, ``funnel`` and ``budgets``, each declared once: a field of ``RunConfig`` /
+``FunnelConfig`` (``SampleConfig``: what both share) / ``BudgetsConfig`` whose metadata (``config.option``) says its
+flag, kind, default, choices, help and check. The command line's flags (``cli.config_options``), a config file's keys
 (``config.read_run_config``), the Python API's checks (``api.checked``) and the runner's settings derive from it.
 
 Light on purpose (no torch, no pandas): the command line builds its options from it at start.
@@ -17,6 +17,7 @@ from pkvbench import kv_formats
 from pkvbench.config import (
     FLAG,
     LIST,
+    MAX_LAYERS,
     PAIR,
     REPEATED,
     SEED_MAX,
@@ -281,6 +282,54 @@ class FunnelConfig(SampleConfig):
         check=list_value,
         help="Budget whose PyramidKV per-layer allocation is drawn over the curves (fraction or entries).",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class BudgetsConfig:
+    """``pkvbench budgets``: the per-layer budgets of policies × budgets on a model of ``layers`` layers and a prompt
+    of ``context`` tokens (``api.layer_budget_table``'s arguments; the default is the embedded model's shape)."""
+
+    policies: str = option(
+        "pyramidkv",
+        flag="--policy",
+        kind=LIST,
+        check=list_value,
+        help="Policies, comma-separated (options as in `run`).",
+    )
+    budgets: str = option(
+        "128",
+        flag="--budget",
+        kind=LIST,
+        check=list_value,
+        help="Budgets, comma-separated (fractions or entry counts).",
+    )
+    policy_args: Sequence[str] = option(
+        (), flag="--policy-arg", kind=PAIR, check=pair_values, help="Option for every policy that has it."
+    )
+    layers: int = option(30, check=whole(1, MAX_LAYERS), help="Number of layers (the default: the embedded model's).")
+    context: int = option(8192, check=whole(1), help="Prompt length T in tokens.")
+    protocol: str = option(
+        PROTOCOLS[0],
+        choices=PROTOCOLS[:2],  # exact, reference
+        help="reference: the budgets the PyramidKV paper's code computes (docs/protocol.md).",
+    )
+
+
+# --- the other commands' choices and defaults: here, where the command line reads them at start, because the modules
+# whose meaning they are import pandas
+
+# pkvbench check (check.py): the points a cell's score may fall before it can fail; whether the kept sets are compared
+# with the baseline's (on, off); the least share of kept entries a cell has in common with the baseline's.
+TOLERANCE = 2.0
+SELECTION = ("on", "off")
+MIN_OVERLAP = 0.99
+# pkvbench report --view (frontier.py): the score table, each cell's bytes and score, the memory targets' comparisons.
+VIEWS = ("table", "frontier", "memory-diff")
+# pkvbench export --format (export.py): the other harnesses whose layout pkvbench writes.
+EXPORT_FORMATS = ("kvpress",)
+# pkvbench compare --reference and the HTML report's comparison: the paper's table shipped with pkvbench
+# (paper_compare.REFERENCES).
+PAPER_REFERENCE = "pyramidkv-table1"
 
 
 def implied(name: str) -> Any:

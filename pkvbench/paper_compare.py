@@ -16,11 +16,12 @@ import pandas as pd
 from pkvbench.axes import KEY, present, task_order
 from pkvbench.config import option_text
 from pkvbench.errors import PkvError
+from pkvbench.options import PAPER_REFERENCE
 from pkvbench.report import Runs, model_display_name
 from pkvbench.stats import group_interval, mean_interval
 
 REFERENCE_PACKAGE = "pkvbench.reference_tables"  # the project's results/reference/, installed as package data
-REFERENCES = {"pyramidkv-table1": "pyramidkv_table1.csv"}
+REFERENCES = {PAPER_REFERENCE: "pyramidkv_table1.csv"}
 # What the paper's policies are in pkvbench's terms (arXiv 2406.02069, Table 1; the PyramidKV code's defaults).
 PAPER_POLICY_OPTIONS = {
     "full": {},

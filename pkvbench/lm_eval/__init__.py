@@ -13,6 +13,11 @@ from typing import Any
 
 from pkvbench.errors import PkvError
 
+# ``pkvbench lm-eval``'s defaults where they are not ``pkvbench run``'s: lm-eval evaluates each configuration in a
+# pass of its own, so by default the full cache alone (run's default grid is five policies); lm-eval's own bootstrap
+# default is 100000 resamples per metric, where 1000 already estimate a standard error to within a few percent.
+POLICY = "full"
+BOOTSTRAP_ITERS = 1000
 MISSING = "lm-eval is not installed: pip install 'pkvbench[lm-eval]' (lm-eval 0.4.x)"
 
 

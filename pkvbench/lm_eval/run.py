@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pkvbench.errors import PkvError, first_line
-from pkvbench.lm_eval import require_lm_eval
+from pkvbench.lm_eval import BOOTSTRAP_ITERS, require_lm_eval
 from pkvbench.lm_eval.grid import Grid, GridSpec, cell_key, result_row
 from pkvbench.results import ResultStore
 
@@ -78,7 +78,7 @@ def evaluate_grid(
     limit: int | float | None = None,
     include_paths: Sequence[str] = (),
     num_fewshot: int | None = None,
-    bootstrap_iters: int = 1000,
+    bootstrap_iters: int = BOOTSTRAP_ITERS,
     overwrite: bool = False,
     grid: Grid | None = None,
     include_defaults: bool = True,
