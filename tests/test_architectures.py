@@ -65,6 +65,8 @@ ROWS = [
     Row(
         "qwen2-mixed", "qwen2", {"sliding_window": 128, "use_sliding_window": True, "max_window_layers": 1}, length=120
     ),
+    # Interleaved RoPE (pairs 2i, 2i + 1), q/k layer norms, a logit scale, attention and MLP in parallel.
+    Row("cohere", "cohere", {"use_qk_norm": True, "logit_scale": 4.0, "initializer_range": 0.2}),
 ]
 
 
@@ -149,7 +151,8 @@ def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(fam
         stats = recorder.layers[row.length, layer]
         torch.testing.assert_close(stats.window_scores[8], attention[0, :, -8:].sum(1), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(stats.accumulated, attention[0].sum(1), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(unrotate(stats.recent_queries, cos, sin), before_rope[layer], atol=1e-5, rtol=1e-4)
+        plain = unrotate(stats.recent_queries, cos, sin, engine.rotation.interleaved)
+        torch.testing.assert_close(plain, before_rope[layer], atol=1e-5, rtol=1e-4)
 
 
 def test_a_batch_of_policies_decodes_as_each_alone(family):

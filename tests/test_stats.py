@@ -1,5 +1,6 @@
 """The statistics the attention hook records, against the naive full softmax."""
 
+import pytest
 import torch
 
 from pkvbench.engine.attention import accumulated_attention, window_attention_sums
@@ -103,19 +104,23 @@ def test_bidirectional_sums_leave_only_the_window_block_causal():
     )
 
 
-def test_future_query_statistics_rotate_the_mean_and_covariance():
-    """Against the definition: unrotated queries' mean and covariance, under the average of the future rotations."""
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_future_query_statistics_rotate_the_mean_and_covariance(interleaved):
+    """Against the definition: unrotated queries' mean and covariance, under the average of the future rotations;
+    RoPE pairing dimension i with i + d/2 (llama) or 2i with 2i + 1 (cohere, its cos and sin interleaved too)."""
     from pkvbench.engine.attention import future_query_statistics, rotate_half
 
     gen = torch.Generator().manual_seed(4)
     plain = torch.randn(2, 50, 8, generator=gen)
-    angles = torch.arange(60.0)[:, None] * torch.tensor([1.0, 0.1, 0.01, 0.001]).repeat(2)[None]
+    frequencies = torch.tensor([1.0, 0.1, 0.01, 0.001])
+    frequencies = frequencies.repeat_interleave(2) if interleaved else frequencies.repeat(2)
+    angles = torch.arange(60.0)[:, None] * frequencies[None]
     cos, sin = angles.cos(), angles.sin()
-    rotated = plain * cos[:50] + rotate_half(plain) * sin[:50]
-    mean, covariance = future_query_statistics(rotated, cos[:50], sin[:50], 4, cos[50:], sin[50:])
+    rotated = plain * cos[:50] + rotate_half(plain, interleaved) * sin[:50]
+    mean, covariance = future_query_statistics(rotated, cos[:50], sin[:50], 4, cos[50:], sin[50:], interleaved)
 
     def turn(x, p):  # RoPE at position p
-        return x * cos[p] + rotate_half(x) * sin[p]
+        return x * cos[p] + rotate_half(x, interleaved) * sin[p]
 
     expected_mean = torch.stack([turn(plain[:, 4:].mean(1), p) for p in range(50, 60)]).mean(0)
     torch.testing.assert_close(mean, expected_mean, rtol=1e-5, atol=1e-5)

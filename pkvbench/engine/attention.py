@@ -148,21 +148,24 @@ def bidirectional_attention_sums(
     return totals
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """RoPE's pairing of dimension i with i + d/2 (transformers' convention): (x1, x2) → (−x2, x1)."""
+def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """RoPE's pairing of dimension i with i + d/2 (transformers' convention): (x1, x2) → (−x2, x1); ``interleaved``
+    (Cohere's): of dimension 2i with 2i + 1, (x₂ᵢ, x₂ᵢ₊₁) → (−x₂ᵢ₊₁, x₂ᵢ)."""
+    if interleaved:
+        return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
     first, second = x.chunk(2, dim=-1)
     return torch.cat([-second, first], dim=-1)
 
 
-def unrotate(rotated: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def unrotate(rotated: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """The vectors before RoPE: RoPE maps x to x·cos + rotate_half(x)·sin (cos, sin per position, halves equal), so
     x = (y·cos − rotate_half(y)·sin) / (cos² + sin²) (cos² + sin² is the rope's attention scaling squared, 1 mostly).
     Where RoPE is narrower than the head (Phi-3's ``partial_rotary_factor``) the dimensions beyond it pass as they
-    are, as the model's ``apply_rotary_pos_emb`` passes them."""
+    are, as the model's ``apply_rotary_pos_emb`` passes them. ``interleaved``: the pairing of ``rotate_half``."""
     width = cos.shape[-1]
     if width < rotated.shape[-1]:
-        return torch.cat([unrotate(rotated[..., :width], cos, sin), rotated[..., width:]], dim=-1)
-    return (rotated * cos - rotate_half(rotated) * sin) / (cos * cos + sin * sin)
+        return torch.cat([unrotate(rotated[..., :width], cos, sin, interleaved), rotated[..., width:]], dim=-1)
+    return (rotated * cos - rotate_half(rotated, interleaved) * sin) / (cos * cos + sin * sin)
 
 
 def future_query_statistics(
@@ -172,31 +175,38 @@ def future_query_statistics(
     sink: int,
     future_cos: torch.Tensor,
     future_sin: torch.Tensor,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expected Attention's statistics of the queries to come (kvpress ``ExpectedAttentionPress``): the mean μ and
     (biased) covariance Σ of the pre-RoPE queries of positions ``sink`` onwards, per query head, rotated by the average
     of the RoPE rotations R_p of the next positions: (R̄μ, R̄ΣR̄ᵀ). ``queries`` is ``[Hq, c, d]`` after RoPE, with
-    ``cos``/``sin`` ``[c, d]`` of its positions and ``future_cos``/``future_sin`` ``[f, d]`` of the positions to come."""
-    return rotate_moments(*query_moments(queries, cos, sin, sink), future_cos, future_sin)
+    ``cos``/``sin`` ``[c, d]`` of its positions and ``future_cos``/``future_sin`` ``[f, d]`` of the positions to come
+    (``interleaved``: RoPE's pairing, ``rotate_half``)."""
+    moments = query_moments(queries, cos, sin, sink, interleaved)
+    return rotate_moments(*moments, future_cos, future_sin, interleaved)
 
 
 def query_moments(
-    queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sink: int
+    queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sink: int, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean ``[Hq, d]`` and (biased) covariance ``[Hq, d, d]`` of the pre-RoPE queries from position ``sink`` on
     (``queries`` after RoPE, ``cos``/``sin`` of their positions)."""
-    plain = unrotate(queries.float(), cos, sin)[:, sink:]
+    plain = unrotate(queries.float(), cos, sin, interleaved)[:, sink:]
     mean = plain.mean(dim=1)
     centred = plain - mean[:, None]
     return mean, centred.transpose(1, 2) @ centred / plain.shape[1]
 
 
 def rotate_moments(
-    mean: torch.Tensor, covariance: torch.Tensor, future_cos: torch.Tensor, future_sin: torch.Tensor
+    mean: torch.Tensor,
+    covariance: torch.Tensor,
+    future_cos: torch.Tensor,
+    future_sin: torch.Tensor,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(R̄μ, R̄ΣR̄ᵀ), R̄ the average RoPE rotation of the positions whose ``future_cos``/``future_sin`` are given."""
     dim, width = mean.shape[-1], future_cos.shape[-1]  # a partial RoPE turns the first `width` dimensions only
-    half_turn = rotate_half(torch.eye(width, device=mean.device)).T  # P with rotate_half(x) = P @ x
+    half_turn = rotate_half(torch.eye(width, device=mean.device), interleaved).T  # P with rotate_half(x) = P @ x
     rotation = torch.eye(dim, device=mean.device)
     rotation[:width, :width] = torch.diag(future_cos.mean(dim=0)) + torch.diag(future_sin.mean(dim=0)) @ half_turn
     return mean @ rotation.T, rotation @ covariance @ rotation.T
@@ -205,9 +215,10 @@ def rotate_moments(
 class StatsRecorder:
     """Collects ``LayerStats`` for every layer during one prefill: of the whole prompt, or of its first c tokens for
     each c in ``cuts`` (the prompt is causal: the first c queries and keys are those of a prefill of c tokens).
-    ``rope(start, count)`` gives the model's RoPE cos and sin ``[count, d]`` of positions start… (query statistics)."""
+    ``rope(start, count)`` gives the model's RoPE cos and sin ``[count, d]`` of positions start… (query statistics),
+    ``interleaved`` how it pairs dimensions (``rotate_half``)."""
 
-    def __init__(self, needs: Needs, cuts: tuple[int, ...] = (), rope=None):
+    def __init__(self, needs: Needs, cuts: tuple[int, ...] = (), rope=None, interleaved: bool = False):
         self.windows = set(needs.windows)
         self.accumulated = needs.accumulated
         self.bidirectional = set(needs.bidirectional)
@@ -216,6 +227,7 @@ class StatsRecorder:
         self.query_moments = set(needs.query_moments)
         self.cuts = cuts
         self.rope = rope
+        self.interleaved = interleaved
         self.layers: dict[tuple[int, int], LayerStats] = {}  # (cut, layer) → statistics
 
     @property
@@ -243,14 +255,18 @@ class StatsRecorder:
         out = {}
         for sink, future in self.query_stats:
             future_cos, future_sin = self.rope(cut, future)
-            out[sink, future] = future_query_statistics(q, cos, sin, min(sink, cut - 1), future_cos, future_sin)
+            out[sink, future] = future_query_statistics(
+                q, cos, sin, min(sink, cut - 1), future_cos, future_sin, self.interleaved
+            )
         return out
 
     def _query_moments(self, q: torch.Tensor) -> dict:
         if not self.query_moments:
             return {}
         cos, sin = self.rope(0, q.shape[1])
-        return {sink: query_moments(q, cos, sin, min(sink, q.shape[1] - 1)) for sink in self.query_moments}
+        return {
+            sink: query_moments(q, cos, sin, min(sink, q.shape[1] - 1), self.interleaved) for sink in self.query_moments
+        }
 
     @property
     def wants_logsumexp(self) -> bool:

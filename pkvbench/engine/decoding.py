@@ -147,6 +147,7 @@ class BatchDecoder:
         query_heads: int | None = None,
         layer_kinds: list[str] | None = None,
         windows: list[int | None] | None = None,
+        interleaved: bool = False,
     ):
         self.forward = forward
         self.tokenizer = tokenizer
@@ -155,6 +156,7 @@ class BatchDecoder:
         self.device = device
         self.sync = sync
         self.rope = rope  # RoPE's cos, sin of positions (start, count): Expected Attention's cuts while decoding
+        self.interleaved = interleaved  # how that RoPE pairs dimensions (``attention.rotate_half``)
         self.scaling = scaling  # the model's attention scale (the cuts' attention statistics)
         self.query_heads = query_heads or kv_heads
         self.layer_kinds = layer_kinds  # each layer's attention kind (architecture.FULL, SLIDING); None: all full
@@ -206,6 +208,7 @@ class BatchDecoder:
             self.scaling,
             self.query_heads,
             self.rope,
+            self.interleaved,
         )
         rows = [_Row(request, index) for index, request in enumerate(requests)]
         position = requests[0].position

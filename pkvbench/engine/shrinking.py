@@ -258,6 +258,7 @@ class MemoryTracker:
         scaling: float,
         query_heads: int,
         rope: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None,
+        interleaved: bool = False,
     ):
         self.cache = cache
         self.query_heads = query_heads
@@ -265,6 +266,7 @@ class MemoryTracker:
         self.starts = starts
         self.scaling = scaling
         self.rope = rope
+        self.interleaved = interleaved  # RoPE's pairing (``attention.rotate_half``)
         self.live = list(range(len(schedules)))
         self.memory = [RowMemory() for _ in schedules]
         self.forwarded = False  # whether a forward has read the caches yet (their states from then on count)
@@ -305,7 +307,7 @@ class MemoryTracker:
             if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
                 moments = start.moments[index]
                 rotated = {
-                    (sink, future): rotate_moments(*moments[sink], *self.rope(end, future))
+                    (sink, future): rotate_moments(*moments[sink], *self.rope(end, future), self.interleaved)
                     for sink, future in needs.query_stats
                 }
                 stats = dataclasses.replace(stats, query_stats=rotated)
