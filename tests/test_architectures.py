@@ -67,6 +67,19 @@ ROWS = [
     ),
     # Interleaved RoPE (pairs 2i, 2i + 1), q/k layer norms, a logit scale, attention and MLP in parallel.
     Row("cohere", "cohere", {"use_qk_norm": True, "logit_scale": 4.0, "initializer_range": 0.2}),
+    # Attention sinks, mixture of experts, eager attention; layer 0 local (window 48, kept whole), layer 1 global.
+    Row(
+        "gpt_oss",
+        "gpt_oss",
+        {
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 48,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "initializer_range": 0.2,
+        },
+    ),
 ]
 
 
@@ -142,7 +155,7 @@ def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(fam
 
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", spy)
     needs = Needs(windows=frozenset({8}), accumulated=True, queries=frozenset({row.length}))
-    recorder = StatsRecorder(needs, rope=engine.rope)
+    recorder = StatsRecorder(needs, rope=engine.rope, interleaved=engine.rotation.interleaved, sinks=engine.sinks)
     engine.recorded_forward(ids, recorder)
     with stock_attention(engine.model, "eager"), torch.inference_mode():
         weights = engine.model(ids, output_attentions=True).attentions

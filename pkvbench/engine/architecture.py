@@ -66,9 +66,9 @@ FAMILIES: dict[str, Family] = {
         refused="per-layer RoPE (local and global layers) is not yet read by the engine",
     ),
     "gpt_oss": Family(
-        "attention sinks in the softmax; half-width interleaved RoPE; local and global layers",
-        "",
-        refused="attention sinks are not yet in the statistics' softmax",
+        "attention sinks in the softmax; RoPE tables of one entry per pair; mixture-of-experts MLP; no sdpa kernel; "
+        "local and global layers",
+        "sinks in every statistic's denominator; eager kernel; RoPE as read from the model; local layers kept whole",
     ),
     "cohere": Family(
         "interleaved RoPE (pairs 2i, 2i + 1); q/k layer norms; a logit scale; attention and MLP in parallel",
@@ -200,6 +200,18 @@ class Architecture:
         moving = turned.abs().sum(dim=-1) > 0
         width = int(moving.nonzero().max()) + 1 if bool(moving.any()) else 0
         return Rotation(interleaved=width > 2 and int(turned[0].abs().argmax()) == 1, width=width)
+
+    # --- attention sinks ----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def sinks(module):
+        """The attention module's sinks ``[Hq]`` (gpt-oss: a learned logit per head that joins the softmax's
+        denominator, no value attached), or None."""
+        return getattr(module, "sinks", None)
+
+    def layer_sinks(self, model) -> list:
+        """Each layer's attention sinks, or None per layer without."""
+        return [self.sinks(module) for module in self.attention_modules(model)]
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from pkvbench.engine.architecture import Architecture
 from pkvbench.engine.cache import FLEX_BLOCK, RaggedLayer
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs
@@ -52,16 +53,37 @@ def chunk_bytes_for(device: torch.device) -> int:
     return ACCUMULATE_CHUNK_BYTES if device.type == "cpu" else ACCUMULATE_CHUNK_BYTES_GPU
 
 
-def window_attention_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int) -> torch.Tensor:
+def attention_softmax(logits: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The softmax over the keys (the last axis) of ``logits`` ``[..., Hq, r, n]``. With attention sinks ``[Hq]``
+    (gpt-oss: one learned logit per head), each head's sink joins the denominator as in the model's own kernel:
+    p = exp(l − lse′), lse′ = logaddexp(lse, sink); the probabilities over the keys then sum to less than one."""
+    if sinks is None:
+        return logits.softmax(dim=-1)
+    return (logits - with_sinks(logits.logsumexp(dim=-1, keepdim=True), sinks)).exp()
+
+
+def with_sinks(logsumexp: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Log-sum-exps ``[..., Hq, r, 1]`` over the keys, with each head's sink added to the sum (``attention_softmax``)."""
+    if sinks is None:
+        return logsumexp
+    return torch.logaddexp(logsumexp, sinks.float().view(-1, 1, 1))
+
+
+def window_attention_probs(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[Hq, rows, T]``: the causal softmax attention of the last ``rows`` queries over all T keys.
 
-    ``query`` is ``[Hq, T, D]`` and ``key`` ``[Hkv, T, D]``, both post-RoPE; query heads share their KV head (GQA).
+    ``query`` is ``[Hq, T, D]`` and ``key`` ``[Hkv, T, D]``, both post-RoPE; query heads share their KV head (GQA);
+    ``sinks``: ``attention_softmax``.
     """
     length = query.shape[1]
-    return last_queries_attention(query[:, length - min(rows, length) :], key, scaling)
+    return last_queries_attention(query[:, length - min(rows, length) :], key, scaling, sinks)
 
 
-def last_queries_attention(last: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+def last_queries_attention(
+    last: torch.Tensor, key: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[Hq, r, n]``: the softmax attention of ``last`` ``[Hq, r, D]``, the queries of the tokens of the last r of
     the n entries ``key`` ``[Hkv, n, D]``, over all n, causal among the last r (a prompt's end, or while the answer is
     written a cache's newest entries)."""
@@ -71,26 +93,26 @@ def last_queries_attention(last: torch.Tensor, key: torch.Tensor, scaling: float
     logits = torch.bmm(grouped, key.float().transpose(1, 2)).mul_(scaling).view(num_query_heads, rows, length)
     query_pos = torch.arange(length - rows, length, device=last.device)[:, None]
     logits.masked_fill_(torch.arange(length, device=last.device)[None, :] > query_pos, float("-inf"))
-    return logits.softmax(dim=-1)
+    return attention_softmax(logits, sinks)
 
 
 def last_queries_sums(
-    last: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int]
+    last: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int], sinks: torch.Tensor | None = None
 ) -> dict[int, torch.Tensor]:
     """``window_attention_sums`` from the last queries themselves (``last_queries_attention``)."""
-    from_end = last_queries_attention(last, key, scaling).flip(1).cumsum(dim=1)
+    from_end = last_queries_attention(last, key, scaling, sinks).flip(1).cumsum(dim=1)
     rows = from_end.shape[1]
     return {w: from_end[:, min(w, rows) - 1] for w in windows}
 
 
 def window_attention_sums(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int]
+    query: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int], sinks: torch.Tensor | None = None
 ) -> dict[int, torch.Tensor]:
     """For each w in ``windows``: ``[Hq, T]`` sums over the last w queries of their causal softmax attention.
 
     One softmax over the largest window's queries serves every smaller window.
     """
-    probs = window_attention_probs(query, key, scaling, max(windows))
+    probs = window_attention_probs(query, key, scaling, max(windows), sinks)
     rows = probs.shape[1]
     # Cumulative sums from the last query backwards: entry r holds the sum over the last r+1 queries.
     from_end = probs.flip(1).cumsum(dim=1)
@@ -98,7 +120,11 @@ def window_attention_sums(
 
 
 def accumulated_attention(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, chunk_bytes: int | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    chunk_bytes: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[Hq, T]``: for each key position, the sum over all T queries of their causal softmax attention to it.
 
@@ -118,12 +144,17 @@ def accumulated_attention(
         logits = torch.bmm(chunk, keys[:, :end].transpose(1, 2)).mul_(scaling).view(num_query_heads, end - start, end)
         query_pos = torch.arange(start, end, device=query.device)[:, None]
         logits.masked_fill_(torch.arange(end, device=query.device)[None, :] > query_pos, float("-inf"))
-        totals[:, :end] += logits.softmax(dim=-1).sum(dim=1)
+        totals[:, :end] += attention_softmax(logits, sinks).sum(dim=1)
     return totals
 
 
 def bidirectional_attention_sums(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, window: int, chunk_bytes: int | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    window: int,
+    chunk_bytes: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[Hq, T]``: for each key position, the sum over all T queries of their softmax attention to it, where only
     the last ``window`` queries are causally masked (over the last ``window`` keys) and every earlier query sees all
@@ -144,7 +175,7 @@ def bidirectional_attention_sums(
         query_pos = torch.arange(start, end, device=query.device)[:, None]
         key_pos = torch.arange(length, device=query.device)[None, :]
         logits.masked_fill_((query_pos >= masked_from) & (key_pos > query_pos), float("-inf"))
-        totals += logits.softmax(dim=-1).sum(dim=1)
+        totals += attention_softmax(logits, sinks).sum(dim=1)
     return totals
 
 
@@ -216,9 +247,12 @@ class StatsRecorder:
     """Collects ``LayerStats`` for every layer during one prefill: of the whole prompt, or of its first c tokens for
     each c in ``cuts`` (the prompt is causal: the first c queries and keys are those of a prefill of c tokens).
     ``rope(start, count)`` gives the model's RoPE cos and sin ``[count, d]`` of positions start… (query statistics),
-    ``interleaved`` how it pairs dimensions (``rotate_half``)."""
+    ``interleaved`` how it pairs dimensions (``rotate_half``); ``sinks`` each layer's attention sinks ``[Hq]`` or
+    None (``attention_softmax``)."""
 
-    def __init__(self, needs: Needs, cuts: tuple[int, ...] = (), rope=None, interleaved: bool = False):
+    def __init__(
+        self, needs: Needs, cuts: tuple[int, ...] = (), rope=None, interleaved: bool = False, sinks: list | None = None
+    ):
         self.windows = set(needs.windows)
         self.accumulated = needs.accumulated
         self.bidirectional = set(needs.bidirectional)
@@ -228,6 +262,7 @@ class StatsRecorder:
         self.cuts = cuts
         self.rope = rope
         self.interleaved = interleaved
+        self.sinks = sinks
         self.layers: dict[tuple[int, int], LayerStats] = {}  # (cut, layer) → statistics
 
     @property
@@ -242,10 +277,11 @@ class StatsRecorder:
         )
 
     @staticmethod
-    def _accumulated(q, k, scaling, logsumexp, cut) -> torch.Tensor:
+    def _accumulated(q, k, scaling, logsumexp, cut, sinks) -> torch.Tensor:
         if logsumexp is not None:  # the first `cut` queries' log-sum-exps over their (causal) keys are those of a cut
-            return accumulated_from_logsumexp(q, k, logsumexp[0, :, :cut], scaling)
-        return accumulated_attention(q, k, scaling)
+            total = with_sinks(logsumexp[0, :, :cut, None].float(), sinks)[..., 0]  # a sink's share joins each
+            return accumulated_from_logsumexp(q, k, total, scaling)
+        return accumulated_attention(q, k, scaling, sinks=sinks)
 
     def _query_stats(self, q: torch.Tensor) -> dict:
         cut = q.shape[1]
@@ -284,14 +320,17 @@ class StatsRecorder:
         if query.shape[2] != key.shape[2]:
             return  # not a prefill of the whole prompt
         # Batch size is 1 in the engine; statistics drop that axis.
+        sinks = self.sinks[layer_idx] if self.sinks else None
         for cut in self.cuts or (key.shape[2],):
             q, k = query[0, :, :cut], key[0, :, :cut]
             self.layers[cut, layer_idx] = LayerStats(
                 context_len=cut,
                 num_kv_heads=k.shape[0],
-                window_scores=window_attention_sums(q, k, scaling, self.windows) if self.windows else {},
-                accumulated=self._accumulated(q, k, scaling, logsumexp, cut) if self.accumulated else None,
-                bidirectional={w: bidirectional_attention_sums(q, k, scaling, w) for w in self.bidirectional},
+                window_scores=window_attention_sums(q, k, scaling, self.windows, sinks) if self.windows else {},
+                accumulated=self._accumulated(q, k, scaling, logsumexp, cut, sinks) if self.accumulated else None,
+                bidirectional={
+                    w: bidirectional_attention_sums(q, k, scaling, w, sinks=sinks) for w in self.bidirectional
+                },
                 query_stats=self._query_stats(q),
                 recent_queries=q[:, max(cut - self.queries, 0) :].float().clone() if self.queries else None,
                 query_moments=self._query_moments(q),
@@ -421,7 +460,7 @@ def _decoding_attention(kernel, base: str, layer, module, query, key, value, **k
     FlexAttention or a mask (``RAGGED_KERNELS``). Nothing here reads a tensor back to the host."""
     observe = getattr(layer, "observe", None)
     if observe is not None:
-        observe(query, kwargs.get("scaling", module.scaling))
+        observe(query, kwargs.get("scaling", module.scaling), Architecture.sinks(module))
     groups = getattr(module, "num_key_value_groups", 1)
     if key.shape[1] == query.shape[1] and groups > 1:
         module = _OneSetPerQueryHead(module)
@@ -578,7 +617,12 @@ def _recording_attention(base: str):
         if recorder is not None and recorder.needed:
             scaling = kwargs.get("scaling", module.scaling)
             attend = getattr(recorder, "attend", None)  # a recorder that computes the attention itself (KVzip's)
-            if attend is not None and base in MASKED_KERNELS and not set(kwargs) - _PLAIN_PREFILL_KWARGS:
+            if (
+                attend is not None
+                and base in MASKED_KERNELS
+                and not set(kwargs) - _PLAIN_PREFILL_KWARGS
+                and Architecture.sinks(module) is None  # its fused output leaves sinks out: the model's kernel
+            ):
                 output = attend(module.layer_idx, query, key, value, scaling)
                 if output is not None:
                     return output, None

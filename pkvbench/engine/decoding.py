@@ -148,6 +148,7 @@ class BatchDecoder:
         layer_kinds: list[str] | None = None,
         windows: list[int | None] | None = None,
         interleaved: bool = False,
+        sinks: list | None = None,
     ):
         self.forward = forward
         self.tokenizer = tokenizer
@@ -157,6 +158,7 @@ class BatchDecoder:
         self.sync = sync
         self.rope = rope  # RoPE's cos, sin of positions (start, count): Expected Attention's cuts while decoding
         self.interleaved = interleaved  # how that RoPE pairs dimensions (``attention.rotate_half``)
+        self.sinks = sinks  # per layer: its attention sinks or None (the cuts' attention statistics)
         self.scaling = scaling  # the model's attention scale (the cuts' attention statistics)
         self.query_heads = query_heads or kv_heads
         self.layer_kinds = layer_kinds  # each layer's attention kind (architecture.FULL, SLIDING); None: all full
@@ -209,6 +211,7 @@ class BatchDecoder:
             self.query_heads,
             self.rope,
             self.interleaved,
+            self.sinks,
         )
         rows = [_Row(request, index) for index, request in enumerate(requests)]
         position = requests[0].position

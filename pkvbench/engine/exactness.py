@@ -17,10 +17,13 @@ import torch
 
 
 @contextlib.contextmanager
-def stock_attention(model, name: str = "sdpa"):
-    """Temporarily run ``model`` on a stock transformers kernel (no pkvbench wrapper)."""
+def stock_attention(model, name: str | None = None):
+    """Temporarily run ``model`` on a stock transformers kernel (no pkvbench wrapper): ``name``, else the one
+    pkvbench wraps (sdpa, or eager for a family without sdpa: gpt-oss)."""
+    from pkvbench.engine.attention import PREFIX
+
     ours = model.config._attn_implementation
-    model.set_attn_implementation(name)
+    model.set_attn_implementation(name or ours.removeprefix(PREFIX))
     try:
         yield
     finally:
@@ -91,4 +94,8 @@ def _masks_by_kind(config, visible: torch.Tensor, position: int, kept_whole: tup
         if kind == SLIDING:
             seen = seen & (entries > position - architecture.sliding_window)
         masks[kind] = seen[None, None, None]
+        if config._attn_implementation == "eager":  # eager adds its mask to the logits
+            masks[kind] = torch.zeros(masks[kind].shape, device=visible.device).masked_fill_(
+                ~masks[kind], torch.finfo(torch.float32).min
+            )
     return masks

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pkvbench import budgets
-from pkvbench.engine.attention import last_queries_sums, rotate_moments
+from pkvbench.engine.attention import attention_softmax, last_queries_sums, rotate_moments
 from pkvbench.engine.cache import RaggedCache
 from pkvbench.engine.sliding import PositionedLayer
 from pkvbench.policies.base import LayerStats, Needs, Policy
@@ -153,9 +153,10 @@ class ShrinkingLayer(PositionedLayer):
             extra = self._key_store.shape[2] - self._accumulated.shape[2]
             self._accumulated = torch.nn.functional.pad(self._accumulated, (0, extra))
 
-    def observe(self, query: torch.Tensor, scaling: float) -> None:
+    def observe(self, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None) -> None:
         """The attention wrapper's call with each decoding step's queries ``[batch, Hq, new, d]`` (post-RoPE),
-        after ``update``: keep the latest queries, add their attention to each entry's sum."""
+        after ``update``: keep the latest queries, add their attention to each entry's sum (the layer's attention
+        ``sinks`` in its denominator, ``attention.attention_softmax``)."""
         new = query.shape[2]
         if self._queries is not None:
             width = self._queries.shape[2]
@@ -170,7 +171,7 @@ class ShrinkingLayer(PositionedLayer):
             if mask is not None:
                 mask = mask.repeat_interleave(query_heads // mask.shape[1], dim=1)
                 logits = logits.masked_fill(~mask, float("-inf"))
-            self._accumulated[:, :, : keys.shape[2]] += logits.softmax(dim=-1).sum(dim=2)
+            self._accumulated[:, :, : keys.shape[2]] += attention_softmax(logits, sinks).sum(dim=2)
 
     def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
         super().select_rows(rows, host_rows)
@@ -180,8 +181,11 @@ class ShrinkingLayer(PositionedLayer):
         if self._accumulated is not None:
             self._accumulated = self._accumulated[rows]
 
-    def row_stats(self, row: int, layer: int, needs: Needs, scaling: float, end: int, query_heads: int) -> LayerStats:
-        """Row ``row``'s entries as a policy sees them at a cut (``end``: the position of the token to come)."""
+    def row_stats(
+        self, row: int, layer: int, needs: Needs, scaling: float, end: int, query_heads: int, sinks=None
+    ) -> LayerStats:
+        """Row ``row``'s entries as a policy sees them at a cut (``end``: the position of the token to come;
+        ``sinks``: the layer's attention sinks, ``attention.attention_softmax``)."""
         count = int(self.lengths[row, 0])
         if not bool((self.lengths[row] == count).all()):
             raise ValueError("a cache whose heads keep different numbers of entries cannot be cut while decoding")
@@ -195,7 +199,7 @@ class ShrinkingLayer(PositionedLayer):
             num_kv_heads=self.heads,
             num_query_heads=query_heads,
             layer=layer,
-            window_scores=last_queries_sums(queries, keys, scaling, set(needs.windows)) if needs.windows else {},
+            window_scores=last_queries_sums(queries, keys, scaling, set(needs.windows), sinks) if needs.windows else {},
             accumulated=self._accumulated[row, :, :count] if needs.accumulated else None,
             keys=keys,
             values=self._value_store[row, :, :count],
@@ -259,6 +263,7 @@ class MemoryTracker:
         query_heads: int,
         rope: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None,
         interleaved: bool = False,
+        sinks: list | None = None,
     ):
         self.cache = cache
         self.query_heads = query_heads
@@ -267,6 +272,7 @@ class MemoryTracker:
         self.scaling = scaling
         self.rope = rope
         self.interleaved = interleaved  # RoPE's pairing (``attention.rotate_half``)
+        self.sinks = sinks  # per layer: its attention sinks or None (``attention.attention_softmax``)
         self.live = list(range(len(schedules)))
         self.memory = [RowMemory() for _ in schedules]
         self.forwarded = False  # whether a forward has read the caches yet (their states from then on count)
@@ -303,7 +309,8 @@ class MemoryTracker:
         for index, (layer, target) in enumerate(zip(self.cache.layers, schedule.targets(end))):
             if int(layer.lengths[batch_row].max()) <= target:
                 continue
-            stats = layer.row_stats(batch_row, index, needs, self.scaling, end, self.query_heads)
+            sinks = self.sinks[index] if self.sinks else None
+            stats = layer.row_stats(batch_row, index, needs, self.scaling, end, self.query_heads, sinks)
             if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
                 moments = start.moments[index]
                 rotated = {
