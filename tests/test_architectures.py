@@ -85,6 +85,21 @@ ROWS = [
         },
         length=60,
     ),
+    # Interleaved RoPE (pairs 2i, 2i + 1), q/k layer norms, a logit scale, attention and MLP in parallel.
+    Row("cohere", "cohere", {"use_qk_norm": True, "logit_scale": 4.0, "initializer_range": 0.2}),
+    # Attention sinks, mixture of experts, eager attention; layer 0 local (window 48, kept whole), layer 1 global.
+    Row(
+        "gpt_oss",
+        "gpt_oss",
+        {
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 48,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "initializer_range": 0.2,
+        },
+    ),
 ]
 
 
@@ -160,7 +175,7 @@ def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(fam
 
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", spy)
     needs = Needs(windows=frozenset({8}), accumulated=True, queries=frozenset({row.length}))
-    recorder = StatsRecorder(needs, rope=engine.rope)
+    recorder = StatsRecorder(needs, rope=engine.rope, interleaved=engine.rotation.interleaved, sinks=engine.sinks)
     engine.recorded_forward(ids, recorder)
     with stock_attention(engine.model, "eager"), torch.inference_mode():
         weights = engine.model(ids, output_attentions=True).attentions
@@ -169,7 +184,8 @@ def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(fam
         stats = recorder.layers[row.length, layer]
         torch.testing.assert_close(stats.window_scores[8], attention[0, :, -8:].sum(1), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(stats.accumulated, attention[0].sum(1), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(unrotate(stats.recent_queries, cos, sin), before_rope[layer], atol=1e-5, rtol=1e-4)
+        plain = unrotate(stats.recent_queries, cos, sin, engine.rotation.interleaved)
+        torch.testing.assert_close(plain, before_rope[layer], atol=1e-5, rtol=1e-4)
 
 
 def test_a_batch_of_policies_decodes_as_each_alone(family):

@@ -1,5 +1,6 @@
 """The statistics the attention hook records, against the naive full softmax."""
 
+import pytest
 import torch
 
 from pkvbench.engine.attention import accumulated_attention, window_attention_sums
@@ -103,19 +104,23 @@ def test_bidirectional_sums_leave_only_the_window_block_causal():
     )
 
 
-def test_future_query_statistics_rotate_the_mean_and_covariance():
-    """Against the definition: unrotated queries' mean and covariance, under the average of the future rotations."""
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_future_query_statistics_rotate_the_mean_and_covariance(interleaved):
+    """Against the definition: unrotated queries' mean and covariance, under the average of the future rotations;
+    RoPE pairing dimension i with i + d/2 (llama) or 2i with 2i + 1 (cohere, its cos and sin interleaved too)."""
     from pkvbench.engine.attention import future_query_statistics, rotate_half
 
     gen = torch.Generator().manual_seed(4)
     plain = torch.randn(2, 50, 8, generator=gen)
-    angles = torch.arange(60.0)[:, None] * torch.tensor([1.0, 0.1, 0.01, 0.001]).repeat(2)[None]
+    frequencies = torch.tensor([1.0, 0.1, 0.01, 0.001])
+    frequencies = frequencies.repeat_interleave(2) if interleaved else frequencies.repeat(2)
+    angles = torch.arange(60.0)[:, None] * frequencies[None]
     cos, sin = angles.cos(), angles.sin()
-    rotated = plain * cos[:50] + rotate_half(plain) * sin[:50]
-    mean, covariance = future_query_statistics(rotated, cos[:50], sin[:50], 4, cos[50:], sin[50:])
+    rotated = plain * cos[:50] + rotate_half(plain, interleaved) * sin[:50]
+    mean, covariance = future_query_statistics(rotated, cos[:50], sin[:50], 4, cos[50:], sin[50:], interleaved)
 
     def turn(x, p):  # RoPE at position p
-        return x * cos[p] + rotate_half(x) * sin[p]
+        return x * cos[p] + rotate_half(x, interleaved) * sin[p]
 
     expected_mean = torch.stack([turn(plain[:, 4:].mean(1), p) for p in range(50, 60)]).mean(0)
     torch.testing.assert_close(mean, expected_mean, rtol=1e-5, atol=1e-5)
@@ -123,3 +128,46 @@ def test_future_query_statistics_rotate_the_mean_and_covariance():
     centred = plain[:, 4:] - plain[:, 4:].mean(1, keepdim=True)
     expected = matrix @ (centred.transpose(1, 2) @ centred / 46) @ matrix.T
     torch.testing.assert_close(covariance, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_sinks_join_every_statistics_denominator():
+    """gpt-oss's sinks (one learned logit per query head) as its eager kernel applies them: a column of the logits
+    softmaxed with the keys and dropped. Window sums, accumulated attention (chunked, and from the kernel's
+    log-sum-exp with the sink added), bidirectional sums and the last queries' sums while decoding."""
+    from pkvbench.engine.attention import (
+        StatsRecorder,
+        bidirectional_attention_sums,
+        flash_kernel,
+        last_queries_sums,
+    )
+    from pkvbench.policies.base import Needs
+
+    gen = torch.Generator().manual_seed(5)
+    query, key = torch.randn(4, 30, 8, generator=gen), torch.randn(2, 30, 8, generator=gen)
+    sinks = torch.randn(4, generator=gen) * 2
+
+    def with_sink_column(logits):  # [Hq, r, n] → the model's softmax over [logits, sink], the sink dropped
+        column = sinks.view(-1, 1, 1).expand(-1, logits.shape[1], 1)
+        return torch.cat([logits, column], dim=-1).softmax(-1)[..., :-1]
+
+    expanded = key.repeat_interleave(2, dim=0)
+    logits = query @ expanded.transpose(1, 2) * 0.3
+    causal = logits.masked_fill(torch.ones(30, 30, dtype=torch.bool).triu(1), float("-inf"))
+    probs = with_sink_column(causal)
+    assert float(probs.sum(-1).max()) < 0.999  # the sink takes a share
+
+    torch.testing.assert_close(window_attention_sums(query, key, 0.3, {8}, sinks)[8], probs[:, -8:].sum(1))
+    torch.testing.assert_close(last_queries_sums(query[:, -8:], key, 0.3, {8}, sinks)[8], probs[:, -8:].sum(1))
+    torch.testing.assert_close(accumulated_attention(query, key, 0.3, chunk_bytes=512, sinks=sinks), probs.sum(1))
+    _, logsumexp = flash_kernel(query.device, query.dtype)(query[None], expanded[None], expanded[None], True, 0.3)
+    from_logsumexp = StatsRecorder._accumulated(query, key, 0.3, logsumexp, 30, sinks)
+    torch.testing.assert_close(from_logsumexp, probs.sum(1), rtol=1e-4, atol=1e-5)
+    bidirectional = logits.clone()
+    bidirectional[:, -5:, -5:] = causal[:, -5:, -5:]
+    torch.testing.assert_close(
+        bidirectional_attention_sums(query, key, 0.3, 5, chunk_bytes=64, sinks=sinks),
+        with_sink_column(bidirectional).sum(1),
+    )
+    recorder = StatsRecorder(Needs(accumulated=True), sinks=[None, sinks])
+    recorder.observe(1, query[None], key[None], 0.3)
+    torch.testing.assert_close(recorder.layers[30, 1].accumulated, probs.sum(1))

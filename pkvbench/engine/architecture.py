@@ -65,12 +65,13 @@ FAMILIES: dict[str, Family] = {
         "each layer's own RoPE (un-rotation, decode-time rotation); local layers kept whole",
     ),
     "gpt_oss": Family(
-        "attention sinks in the softmax; half-width interleaved RoPE; local and global layers",
-        "",
-        refused="attention sinks are not yet in the statistics' softmax",
+        "attention sinks in the softmax; RoPE tables of one entry per pair; mixture-of-experts MLP; no sdpa kernel; "
+        "local and global layers",
+        "sinks in every statistic's denominator; eager kernel; RoPE as read from the model; local layers kept whole",
     ),
     "cohere": Family(
-        "interleaved RoPE", "", refused="interleaved RoPE: Expected Attention's un-rotation does not read it yet"
+        "interleaved RoPE (pairs 2i, 2i + 1); q/k layer norms; a logit scale; attention and MLP in parallel",
+        "RoPE's pairing read from the model's own apply_rotary_pos_emb; un-rotated as it pairs",
     ),
     "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused="MLA caches a compressed latent"),
     "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused="MLA caches a compressed latent"),
@@ -193,3 +194,55 @@ class Architecture:
         if "layer_type" in inspect.signature(rotary.forward).parameters:
             return rotary(like, positions, layer_type=self.layer_kinds[layer])
         return rotary(like, positions)
+
+    # --- RoPE's pairing, read from the loaded model ------------------------------------------------------------
+
+    def rotation(self, model) -> Rotation:
+        """How the model's RoPE turns a head, read by turning each unit vector of a head with the model's own
+        ``apply_rotary_pos_emb`` at position 1: dimension i turns towards its partner, and the dimensions that do
+        not turn lie beyond the rotary width."""
+        import torch
+
+        module = self.attention_modules(model)[0]
+        apply = inspect.getmodule(type(module)).apply_rotary_pos_emb
+        dim = module.head_dim
+        device = next(model.parameters()).device
+        positions = torch.ones(1, dim, dtype=torch.long, device=device)
+        cos, sin = self.rope(model, 0, torch.zeros(1, device=device), positions)
+        basis = torch.eye(dim, device=device)[None, None]  # [1, 1, d, d]: d "tokens", each a unit vector
+        turned = apply(basis, basis, cos.float(), sin.float())[0][0, 0].clone()  # row i: where e_i turns
+        turned.fill_diagonal_(0.0)
+        moving = turned.abs().sum(dim=-1) > 0
+        width = int(moving.nonzero().max()) + 1 if bool(moving.any()) else 0
+        return Rotation(interleaved=width > 2 and int(turned[0].abs().argmax()) == 1, width=width)
+
+    # --- attention sinks ----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def sinks(module):
+        """The attention module's sinks ``[Hq]`` (gpt-oss: a learned logit per head that joins the softmax's
+        denominator, no value attached), or None."""
+        return getattr(module, "sinks", None)
+
+    def layer_sinks(self, model) -> list:
+        """Each layer's attention sinks, or None per layer without."""
+        return [self.sinks(module) for module in self.attention_modules(model)]
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """How a model's RoPE turns a head: the first ``width`` dimensions in pairs, dimension i with i + width/2
+    (transformers' ``rotate_half``: llama and most) or, ``interleaved``, 2i with 2i + 1 (Cohere); the dimensions
+    beyond pass as they are (Phi-3's partial RoPE)."""
+
+    interleaved: bool
+    width: int
+
+    def tables(self, cos, sin):
+        """The rotary module's cos and sin ``[n, c]`` over the whole rotated width: a module that gives one per pair
+        (gpt-oss: c = width / 2) spread to both dimensions of each pair."""
+        if cos.shape[-1] == self.width:
+            return cos, sin
+        if self.interleaved:
+            return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+        return cos.repeat(1, 2), sin.repeat(1, 2)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from pkvbench.engine.architecture import Architecture
 from pkvbench.engine.cache import FLEX_BLOCK, RaggedLayer
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs
@@ -62,19 +63,45 @@ def soft_cap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits
 
 
+def attention_softmax(logits: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The softmax over the keys (the last axis) of ``logits`` ``[..., Hq, r, n]``. With attention sinks ``[Hq]``
+    (gpt-oss: one learned logit per head), each head's sink joins the denominator as in the model's own kernel:
+    p = exp(l − lse′), lse′ = logaddexp(lse, sink); the probabilities over the keys then sum to less than one."""
+    if sinks is None:
+        return logits.softmax(dim=-1)
+    return (logits - with_sinks(logits.logsumexp(dim=-1, keepdim=True), sinks)).exp()
+
+
+def with_sinks(logsumexp: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Log-sum-exps ``[..., Hq, r, 1]`` over the keys, with each head's sink added to the sum (``attention_softmax``)."""
+    if sinks is None:
+        return logsumexp
+    return torch.logaddexp(logsumexp, sinks.float().view(-1, 1, 1))
+
+
 def window_attention_probs(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int, softcap: float | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    rows: int,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[Hq, rows, T]``: the causal softmax attention of the last ``rows`` queries over all T keys.
 
-    ``query`` is ``[Hq, T, D]`` and ``key`` ``[Hkv, T, D]``, both post-RoPE; query heads share their KV head (GQA).
+    ``query`` is ``[Hq, T, D]`` and ``key`` ``[Hkv, T, D]``, both post-RoPE; query heads share their KV head (GQA);
+    ``sinks``: ``attention_softmax``.
     """
     length = query.shape[1]
-    return last_queries_attention(query[:, length - min(rows, length) :], key, scaling, softcap)
+    return last_queries_attention(query[:, length - min(rows, length) :], key, scaling, softcap, sinks)
 
 
 def last_queries_attention(
-    last: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None = None
+    last: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[Hq, r, n]``: the softmax attention of ``last`` ``[Hq, r, D]``, the queries of the tokens of the last r of
     the n entries ``key`` ``[Hkv, n, D]``, over all n, causal among the last r (a prompt's end, or while the answer is
@@ -86,26 +113,36 @@ def last_queries_attention(
     soft_cap_(logits, softcap)
     query_pos = torch.arange(length - rows, length, device=last.device)[:, None]
     logits.masked_fill_(torch.arange(length, device=last.device)[None, :] > query_pos, float("-inf"))
-    return logits.softmax(dim=-1)
+    return attention_softmax(logits, sinks)
 
 
 def last_queries_sums(
-    last: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int], softcap: float | None = None
+    last: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    windows: set[int],
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> dict[int, torch.Tensor]:
     """``window_attention_sums`` from the last queries themselves (``last_queries_attention``)."""
-    from_end = last_queries_attention(last, key, scaling, softcap).flip(1).cumsum(dim=1)
+    from_end = last_queries_attention(last, key, scaling, softcap, sinks).flip(1).cumsum(dim=1)
     rows = from_end.shape[1]
     return {w: from_end[:, min(w, rows) - 1] for w in windows}
 
 
 def window_attention_sums(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, windows: set[int], softcap: float | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    windows: set[int],
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> dict[int, torch.Tensor]:
     """For each w in ``windows``: ``[Hq, T]`` sums over the last w queries of their causal softmax attention.
 
     One softmax over the largest window's queries serves every smaller window.
     """
-    probs = window_attention_probs(query, key, scaling, max(windows), softcap)
+    probs = window_attention_probs(query, key, scaling, max(windows), softcap, sinks)
     rows = probs.shape[1]
     # Cumulative sums from the last query backwards: entry r holds the sum over the last r+1 queries.
     from_end = probs.flip(1).cumsum(dim=1)
@@ -113,7 +150,12 @@ def window_attention_sums(
 
 
 def accumulated_attention(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, chunk_bytes: int | None = None, softcap: float | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    chunk_bytes: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[Hq, T]``: for each key position, the sum over all T queries of their causal softmax attention to it.
 
@@ -134,7 +176,7 @@ def accumulated_attention(
         soft_cap_(logits, softcap)
         query_pos = torch.arange(start, end, device=query.device)[:, None]
         logits.masked_fill_(torch.arange(end, device=query.device)[None, :] > query_pos, float("-inf"))
-        totals[:, :end] += logits.softmax(dim=-1).sum(dim=1)
+        totals[:, :end] += attention_softmax(logits, sinks).sum(dim=1)
     return totals
 
 
@@ -145,6 +187,7 @@ def bidirectional_attention_sums(
     window: int,
     chunk_bytes: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[Hq, T]``: for each key position, the sum over all T queries of their softmax attention to it, where only
     the last ``window`` queries are causally masked (over the last ``window`` keys) and every earlier query sees all
@@ -166,25 +209,28 @@ def bidirectional_attention_sums(
         query_pos = torch.arange(start, end, device=query.device)[:, None]
         key_pos = torch.arange(length, device=query.device)[None, :]
         logits.masked_fill_((query_pos >= masked_from) & (key_pos > query_pos), float("-inf"))
-        totals += logits.softmax(dim=-1).sum(dim=1)
+        totals += attention_softmax(logits, sinks).sum(dim=1)
     return totals
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """RoPE's pairing of dimension i with i + d/2 (transformers' convention): (x1, x2) → (−x2, x1)."""
+def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """RoPE's pairing of dimension i with i + d/2 (transformers' convention): (x1, x2) → (−x2, x1); ``interleaved``
+    (Cohere's): of dimension 2i with 2i + 1, (x₂ᵢ, x₂ᵢ₊₁) → (−x₂ᵢ₊₁, x₂ᵢ)."""
+    if interleaved:
+        return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
     first, second = x.chunk(2, dim=-1)
     return torch.cat([-second, first], dim=-1)
 
 
-def unrotate(rotated: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def unrotate(rotated: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """The vectors before RoPE: RoPE maps x to x·cos + rotate_half(x)·sin (cos, sin per position, halves equal), so
     x = (y·cos − rotate_half(y)·sin) / (cos² + sin²) (cos² + sin² is the rope's attention scaling squared, 1 mostly).
     Where RoPE is narrower than the head (Phi-3's ``partial_rotary_factor``) the dimensions beyond it pass as they
-    are, as the model's ``apply_rotary_pos_emb`` passes them."""
+    are, as the model's ``apply_rotary_pos_emb`` passes them. ``interleaved``: the pairing of ``rotate_half``."""
     width = cos.shape[-1]
     if width < rotated.shape[-1]:
-        return torch.cat([unrotate(rotated[..., :width], cos, sin), rotated[..., width:]], dim=-1)
-    return (rotated * cos - rotate_half(rotated) * sin) / (cos * cos + sin * sin)
+        return torch.cat([unrotate(rotated[..., :width], cos, sin, interleaved), rotated[..., width:]], dim=-1)
+    return (rotated * cos - rotate_half(rotated, interleaved) * sin) / (cos * cos + sin * sin)
 
 
 def future_query_statistics(
@@ -194,31 +240,38 @@ def future_query_statistics(
     sink: int,
     future_cos: torch.Tensor,
     future_sin: torch.Tensor,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expected Attention's statistics of the queries to come (kvpress ``ExpectedAttentionPress``): the mean μ and
     (biased) covariance Σ of the pre-RoPE queries of positions ``sink`` onwards, per query head, rotated by the average
     of the RoPE rotations R_p of the next positions: (R̄μ, R̄ΣR̄ᵀ). ``queries`` is ``[Hq, c, d]`` after RoPE, with
-    ``cos``/``sin`` ``[c, d]`` of its positions and ``future_cos``/``future_sin`` ``[f, d]`` of the positions to come."""
-    return rotate_moments(*query_moments(queries, cos, sin, sink), future_cos, future_sin)
+    ``cos``/``sin`` ``[c, d]`` of its positions and ``future_cos``/``future_sin`` ``[f, d]`` of the positions to come
+    (``interleaved``: RoPE's pairing, ``rotate_half``)."""
+    moments = query_moments(queries, cos, sin, sink, interleaved)
+    return rotate_moments(*moments, future_cos, future_sin, interleaved)
 
 
 def query_moments(
-    queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sink: int
+    queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sink: int, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean ``[Hq, d]`` and (biased) covariance ``[Hq, d, d]`` of the pre-RoPE queries from position ``sink`` on
     (``queries`` after RoPE, ``cos``/``sin`` of their positions)."""
-    plain = unrotate(queries.float(), cos, sin)[:, sink:]
+    plain = unrotate(queries.float(), cos, sin, interleaved)[:, sink:]
     mean = plain.mean(dim=1)
     centred = plain - mean[:, None]
     return mean, centred.transpose(1, 2) @ centred / plain.shape[1]
 
 
 def rotate_moments(
-    mean: torch.Tensor, covariance: torch.Tensor, future_cos: torch.Tensor, future_sin: torch.Tensor
+    mean: torch.Tensor,
+    covariance: torch.Tensor,
+    future_cos: torch.Tensor,
+    future_sin: torch.Tensor,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(R̄μ, R̄ΣR̄ᵀ), R̄ the average RoPE rotation of the positions whose ``future_cos``/``future_sin`` are given."""
     dim, width = mean.shape[-1], future_cos.shape[-1]  # a partial RoPE turns the first `width` dimensions only
-    half_turn = rotate_half(torch.eye(width, device=mean.device)).T  # P with rotate_half(x) = P @ x
+    half_turn = rotate_half(torch.eye(width, device=mean.device), interleaved).T  # P with rotate_half(x) = P @ x
     rotation = torch.eye(dim, device=mean.device)
     rotation[:width, :width] = torch.diag(future_cos.mean(dim=0)) + torch.diag(future_sin.mean(dim=0)) @ half_turn
     return mean @ rotation.T, rotation @ covariance @ rotation.T
@@ -228,9 +281,12 @@ class StatsRecorder:
     """Collects ``LayerStats`` for every layer during one prefill: of the whole prompt, or of its first c tokens for
     each c in ``cuts`` (the prompt is causal: the first c queries and keys are those of a prefill of c tokens).
     ``rope(start, count, layer)`` gives the layer's RoPE cos and sin ``[count, d]`` of positions start… (query
-    statistics)."""
+    statistics), ``interleaved`` how it pairs dimensions (``rotate_half``); ``sinks`` each layer's attention sinks
+    ``[Hq]`` or None (``attention_softmax``)."""
 
-    def __init__(self, needs: Needs, cuts: tuple[int, ...] = (), rope=None):
+    def __init__(
+        self, needs: Needs, cuts: tuple[int, ...] = (), rope=None, interleaved: bool = False, sinks: list | None = None
+    ):
         self.windows = set(needs.windows)
         self.accumulated = needs.accumulated
         self.bidirectional = set(needs.bidirectional)
@@ -239,6 +295,8 @@ class StatsRecorder:
         self.query_moments = set(needs.query_moments)
         self.cuts = cuts
         self.rope = rope
+        self.interleaved = interleaved
+        self.sinks = sinks
         self.layers: dict[tuple[int, int], LayerStats] = {}  # (cut, layer) → statistics
 
     @property
@@ -253,12 +311,13 @@ class StatsRecorder:
         )
 
     @staticmethod
-    def _accumulated(q, k, scaling, logsumexp, cut, softcap) -> torch.Tensor:
+    def _accumulated(q, k, scaling, logsumexp, cut, softcap, sinks) -> torch.Tensor:
         # The first `cut` queries' log-sum-exps over their (causal) keys are those of a cut. The fused kernel that
         # gives them cannot soft-cap (the wrapper never asks it for a soft-capped call).
         if logsumexp is not None and softcap is None:
-            return accumulated_from_logsumexp(q, k, logsumexp[0, :, :cut], scaling)
-        return accumulated_attention(q, k, scaling, softcap=softcap)
+            total = with_sinks(logsumexp[0, :, :cut, None].float(), sinks)[..., 0]  # a sink's share joins each
+            return accumulated_from_logsumexp(q, k, total, scaling)
+        return accumulated_attention(q, k, scaling, softcap=softcap, sinks=sinks)
 
     def _query_stats(self, q: torch.Tensor, layer: int) -> dict:
         cut = q.shape[1]
@@ -268,14 +327,18 @@ class StatsRecorder:
         out = {}
         for sink, future in self.query_stats:
             future_cos, future_sin = self.rope(cut, future, layer)
-            out[sink, future] = future_query_statistics(q, cos, sin, min(sink, cut - 1), future_cos, future_sin)
+            out[sink, future] = future_query_statistics(
+                q, cos, sin, min(sink, cut - 1), future_cos, future_sin, self.interleaved
+            )
         return out
 
     def _query_moments(self, q: torch.Tensor, layer: int) -> dict:
         if not self.query_moments:
             return {}
         cos, sin = self.rope(0, q.shape[1], layer)
-        return {sink: query_moments(q, cos, sin, min(sink, q.shape[1] - 1)) for sink in self.query_moments}
+        return {
+            sink: query_moments(q, cos, sin, min(sink, q.shape[1] - 1), self.interleaved) for sink in self.query_moments
+        }
 
     @property
     def wants_logsumexp(self) -> bool:
@@ -294,15 +357,21 @@ class StatsRecorder:
         if query.shape[2] != key.shape[2]:
             return  # not a prefill of the whole prompt
         # Batch size is 1 in the engine; statistics drop that axis.
+        sinks = self.sinks[layer_idx] if self.sinks else None
         for cut in self.cuts or (key.shape[2],):
             q, k = query[0, :, :cut], key[0, :, :cut]
             self.layers[cut, layer_idx] = LayerStats(
                 context_len=cut,
                 num_kv_heads=k.shape[0],
-                window_scores=window_attention_sums(q, k, scaling, self.windows, softcap) if self.windows else {},
-                accumulated=self._accumulated(q, k, scaling, logsumexp, cut, softcap) if self.accumulated else None,
+                window_scores=(
+                    window_attention_sums(q, k, scaling, self.windows, softcap, sinks) if self.windows else {}
+                ),
+                accumulated=(
+                    self._accumulated(q, k, scaling, logsumexp, cut, softcap, sinks) if self.accumulated else None
+                ),
                 bidirectional={
-                    w: bidirectional_attention_sums(q, k, scaling, w, softcap=softcap) for w in self.bidirectional
+                    w: bidirectional_attention_sums(q, k, scaling, w, softcap=softcap, sinks=sinks)
+                    for w in self.bidirectional
                 },
                 query_stats=self._query_stats(q, layer_idx),
                 recent_queries=q[:, max(cut - self.queries, 0) :].float().clone() if self.queries else None,
@@ -433,7 +502,7 @@ def _decoding_attention(kernel, base: str, layer, module, query, key, value, **k
     FlexAttention or a mask (``RAGGED_KERNELS``). Nothing here reads a tensor back to the host."""
     observe = getattr(layer, "observe", None)
     if observe is not None:
-        observe(query, kwargs.get("scaling", module.scaling), kwargs.get("softcap"))
+        observe(query, kwargs.get("scaling", module.scaling), kwargs.get("softcap"), Architecture.sinks(module))
     groups = getattr(module, "num_key_value_groups", 1)
     if key.shape[1] == query.shape[1] and groups > 1:
         module = _OneSetPerQueryHead(module)
@@ -593,7 +662,13 @@ def _recording_attention(base: str):
             # The model's own soft-capping of the logits (Gemma 2), passed on only where it caps.
             capped = {"softcap": kwargs["softcap"]} if kwargs.get("softcap") is not None else {}
             attend = getattr(recorder, "attend", None)  # a recorder that computes the attention itself (KVzip's)
-            if attend is not None and base in MASKED_KERNELS and not capped and not set(kwargs) - _PLAIN_PREFILL_KWARGS:
+            if (
+                attend is not None
+                and base in MASKED_KERNELS
+                and not capped
+                and not set(kwargs) - _PLAIN_PREFILL_KWARGS
+                and Architecture.sinks(module) is None  # its fused output leaves sinks out: the model's kernel
+            ):
                 output = attend(module.layer_idx, query, key, value, scaling)
                 if output is not None:
                     return output, None

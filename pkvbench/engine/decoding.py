@@ -148,6 +148,8 @@ class BatchDecoder:
         softcap: float | None = None,
         layer_kinds: list[str] | None = None,
         windows: list[int | None] | None = None,
+        interleaved: bool = False,
+        sinks: list | None = None,
     ):
         self.forward = forward
         self.tokenizer = tokenizer
@@ -158,6 +160,8 @@ class BatchDecoder:
         self.rope = (
             rope  # RoPE's cos, sin of positions (start, count) of a layer: Expected Attention's cuts while decoding
         )
+        self.interleaved = interleaved  # how that RoPE pairs dimensions (``attention.rotate_half``)
+        self.sinks = sinks  # per layer: its attention sinks or None (the cuts' attention statistics)
         self.scaling = scaling  # the model's attention scale (the cuts' attention statistics)
         self.softcap = softcap  # the model's soft-capping of attention logits (Gemma 2), None where it has none
         self.query_heads = query_heads or kv_heads
@@ -211,6 +215,8 @@ class BatchDecoder:
             self.query_heads,
             self.rope,
             self.softcap,
+            self.interleaved,
+            self.sinks,
         )
         rows = [_Row(request, index) for index, request in enumerate(requests)]
         position = requests[0].position

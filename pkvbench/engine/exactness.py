@@ -18,8 +18,8 @@ import torch
 
 @contextlib.contextmanager
 def stock_attention(model, name: str | None = None):
-    """Temporarily run ``model`` on a stock transformers kernel (no pkvbench wrapper): ``name``, or the one the
-    wrapper wraps (sdpa; eager for a soft-capped model, ``Architecture.attention_kernel``)."""
+    """Temporarily run ``model`` on a stock transformers kernel (no pkvbench wrapper): ``name``, else the one
+    pkvbench wraps (sdpa, or eager for a soft-capped model or a family without sdpa: ``models.kernel_of_family``)."""
     from pkvbench.engine.attention import PREFIX
 
     ours = model.config._attn_implementation

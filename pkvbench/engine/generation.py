@@ -150,6 +150,8 @@ class Engine:
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
         self.stop_ids = self._stop_ids()
         self.output_weights = self.architecture.output_weights(self.model)
+        self.rotation = self.architecture.rotation(self.model)
+        self.sinks = self.architecture.layer_sinks(self.model)
         self.decoder = BatchDecoder(
             self._forward,
             self.tokenizer,
@@ -163,6 +165,8 @@ class Engine:
             query_heads=loaded.num_query_heads,
             layer_kinds=list(self.architecture.layer_kinds),
             windows=self.architecture.windows,
+            interleaved=self.rotation.interleaved,
+            sinks=self.sinks,
         )
 
     @property
@@ -182,11 +186,12 @@ class Engine:
         return self.model.dtype if self.model.dtype.itemsize == 2 else torch.float16
 
     def rope(self, start: int, count: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s RoPE cos and sin ``[count, head_dim]`` (float32) at positions start, start + 1, …
-        (``Architecture.rope``: Gemma 3's local and global layers rotate differently)."""
+        """Layer ``layer``'s RoPE cos and sin ``[count, rotary width]`` (float32) at positions start, start + 1, …
+        (``Architecture.rope``: Gemma 3's local and global layers rotate differently), paired as ``self.rotation``
+        says."""
         positions = torch.arange(start, start + count, device=self.device)[None]
         cos, sin = self.architecture.rope(self.model, layer, torch.zeros(1, device=self.device), positions)
-        return cos[0].float(), sin[0].float()
+        return self.rotation.tables(cos[0].float(), sin[0].float())
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -228,7 +233,7 @@ class Engine:
         input_ids = input_ids.to(self.device)
         cuts = tuple(sorted(set(cuts))) or (input_ids.shape[1],)
         needs = Needs.union([*(p.needs for p in policies), *(prefill_needs(p) for p in decoding)])
-        recorder = StatsRecorder(needs, cuts, self.rope)
+        recorder = StatsRecorder(needs, cuts, self.rope, self.rotation.interleaved, self.sinks)
         cache = DynamicCache()
         with too_big_for_memory("the prefill's statistics", input_ids.shape[1]):
             logits, seconds = self.recorded_forward(input_ids, recorder, cache)

@@ -365,6 +365,19 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
         raise PkvError(f"could not load the tokenizer of {name}: {first_line(exc)}") from None
 
 
+def kernel_of_family(config, requested: str) -> str:
+    """The attention kernel to load the model with: ``requested``, but eager where it is sdpa and the model
+    soft-caps its logits (``Architecture.attention_kernel``) or its family has no sdpa kernel (gpt-oss, whose sinks
+    only its eager kernel adds); the stock reference runs on the same one (``exactness.stock_attention``)."""
+    from transformers import AutoModelForCausalLM
+
+    requested = Architecture.of(config).attention_kernel(requested)
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if requested == "sdpa" and model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+        return "eager"
+    return requested
+
+
 def load_model(
     name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"
 ) -> LoadedModel:
@@ -384,7 +397,7 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise PkvError(f"could not load model {name}: {first_line(exc)}") from None
     check_architecture(config, name)
-    attn_implementation = Architecture.of(config).attention_kernel(attn_implementation)
+    attn_implementation = kernel_of_family(config, attn_implementation)
     try:
         tokenizer = _tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pkvbench import budgets
-from pkvbench.engine.attention import last_queries_sums, rotate_moments, soft_cap_
+from pkvbench.engine.attention import attention_softmax, last_queries_sums, rotate_moments, soft_cap_
 from pkvbench.engine.cache import RaggedCache
 from pkvbench.engine.sliding import PositionedLayer
 from pkvbench.policies.base import LayerStats, Needs, Policy
@@ -153,10 +153,12 @@ class ShrinkingLayer(PositionedLayer):
             extra = self._key_store.shape[2] - self._accumulated.shape[2]
             self._accumulated = torch.nn.functional.pad(self._accumulated, (0, extra))
 
-    def observe(self, query: torch.Tensor, scaling: float, softcap: float | None = None) -> None:
+    def observe(
+        self, query: torch.Tensor, scaling: float, softcap: float | None = None, sinks: torch.Tensor | None = None
+    ) -> None:
         """The attention wrapper's call with each decoding step's queries ``[batch, Hq, new, d]`` (post-RoPE),
         after ``update``: keep the latest queries, add their attention to each entry's sum (with the model's scale
-        and soft-capping)."""
+        and soft-capping, the layer's attention ``sinks`` in its denominator, ``attention.attention_softmax``)."""
         new = query.shape[2]
         if self._queries is not None:
             width = self._queries.shape[2]
@@ -172,7 +174,7 @@ class ShrinkingLayer(PositionedLayer):
             if mask is not None:
                 mask = mask.repeat_interleave(query_heads // mask.shape[1], dim=1)
                 logits = logits.masked_fill(~mask, float("-inf"))
-            self._accumulated[:, :, : keys.shape[2]] += logits.softmax(dim=-1).sum(dim=2)
+            self._accumulated[:, :, : keys.shape[2]] += attention_softmax(logits, sinks).sum(dim=2)
 
     def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
         super().select_rows(rows, host_rows)
@@ -191,8 +193,10 @@ class ShrinkingLayer(PositionedLayer):
         end: int,
         query_heads: int,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> LayerStats:
-        """Row ``row``'s entries as a policy sees them at a cut (``end``: the position of the token to come)."""
+        """Row ``row``'s entries as a policy sees them at a cut (``end``: the position of the token to come;
+        ``sinks``: the layer's attention sinks, ``attention.attention_softmax``)."""
         count = int(self.lengths[row, 0])
         if not bool((self.lengths[row] == count).all()):
             raise ValueError("a cache whose heads keep different numbers of entries cannot be cut while decoding")
@@ -206,7 +210,7 @@ class ShrinkingLayer(PositionedLayer):
             num_kv_heads=self.heads,
             num_query_heads=query_heads,
             layer=layer,
-            window_scores=last_queries_sums(queries, keys, scaling, set(needs.windows), softcap)
+            window_scores=last_queries_sums(queries, keys, scaling, set(needs.windows), softcap, sinks)
             if needs.windows
             else {},
             accumulated=self._accumulated[row, :, :count] if needs.accumulated else None,
@@ -272,6 +276,8 @@ class MemoryTracker:
         query_heads: int,
         rope: Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None,
         softcap: float | None = None,
+        interleaved: bool = False,
+        sinks: list | None = None,
     ):
         self.cache = cache
         self.query_heads = query_heads
@@ -280,6 +286,8 @@ class MemoryTracker:
         self.scaling = scaling
         self.rope = rope  # (start, count, layer) → the layer's RoPE cos, sin
         self.softcap = softcap
+        self.interleaved = interleaved  # RoPE's pairing (``attention.rotate_half``)
+        self.sinks = sinks  # per layer: its attention sinks or None (``attention.attention_softmax``)
         self.live = list(range(len(schedules)))
         self.memory = [RowMemory() for _ in schedules]
         self.forwarded = False  # whether a forward has read the caches yet (their states from then on count)
@@ -316,11 +324,12 @@ class MemoryTracker:
         for index, (layer, target) in enumerate(zip(self.cache.layers, schedule.targets(end))):
             if int(layer.lengths[batch_row].max()) <= target:
                 continue
-            stats = layer.row_stats(batch_row, index, needs, self.scaling, end, self.query_heads, self.softcap)
+            sinks = self.sinks[index] if self.sinks else None
+            stats = layer.row_stats(batch_row, index, needs, self.scaling, end, self.query_heads, self.softcap, sinks)
             if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
                 moments = start.moments[index]
                 rotated = {
-                    (sink, future): rotate_moments(*moments[sink], *self.rope(end, future, index))
+                    (sink, future): rotate_moments(*moments[sink], *self.rope(end, future, index), self.interleaved)
                     for sink, future in needs.query_stats
                 }
                 stats = dataclasses.replace(stats, query_stats=rotated)
