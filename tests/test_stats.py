@@ -156,11 +156,11 @@ def test_attention_sinks_join_every_statistics_denominator():
     probs = with_sink_column(causal)
     assert float(probs.sum(-1).max()) < 0.999  # the sink takes a share
 
-    torch.testing.assert_close(window_attention_sums(query, key, 0.3, {8}, sinks)[8], probs[:, -8:].sum(1))
-    torch.testing.assert_close(last_queries_sums(query[:, -8:], key, 0.3, {8}, sinks)[8], probs[:, -8:].sum(1))
+    torch.testing.assert_close(window_attention_sums(query, key, 0.3, {8}, sinks=sinks)[8], probs[:, -8:].sum(1))
+    torch.testing.assert_close(last_queries_sums(query[:, -8:], key, 0.3, {8}, sinks=sinks)[8], probs[:, -8:].sum(1))
     torch.testing.assert_close(accumulated_attention(query, key, 0.3, chunk_bytes=512, sinks=sinks), probs.sum(1))
     _, logsumexp = flash_kernel(query.device, query.dtype)(query[None], expanded[None], expanded[None], True, 0.3)
-    from_logsumexp = StatsRecorder._accumulated(query, key, 0.3, logsumexp, 30, sinks)
+    from_logsumexp = StatsRecorder._accumulated(query, key, 0.3, logsumexp, 30, None, sinks)
     torch.testing.assert_close(from_logsumexp, probs.sum(1), rtol=1e-4, atol=1e-5)
     bidirectional = logits.clone()
     bidirectional[:, -5:, -5:] = causal[:, -5:, -5:]
