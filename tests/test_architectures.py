@@ -175,7 +175,12 @@ def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(fam
 
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", spy)
     needs = Needs(windows=frozenset({8}), accumulated=True, queries=frozenset({row.length}))
-    recorder = StatsRecorder(needs, rope=engine.rope, interleaved=engine.rotation.interleaved, sinks=engine.sinks)
+    recorder = StatsRecorder(
+        needs,
+        rope=engine.rope,
+        interleaved=engine.rotation.interleaved,
+        sinks=[softmax.sinks for softmax in engine.softmaxes],
+    )
     engine.recorded_forward(ids, recorder)
     with stock_attention(engine.model, "eager"), torch.inference_mode():
         weights = engine.model(ids, output_attentions=True).attentions

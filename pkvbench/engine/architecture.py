@@ -164,9 +164,13 @@ class Architecture:
         """Each layer's attention output projection's weight (VATP-style value scores)."""
         return [module.o_proj.weight for module in self.attention_modules(model)]
 
-    def scalings(self, model) -> list[float]:
-        """The softmax scale each attention module applies (granite's multiplier, not always 1/sqrt(d))."""
-        return [float(module.scaling) for module in self.attention_modules(model)]
+    def softmaxes(self, model) -> list[LayerSoftmax]:
+        """How each layer turns its logits into attention: its module's own scale (granite's multiplier, not always
+        1/sqrt(d)), the model's soft-cap, the module's sinks."""
+        return [
+            LayerSoftmax(float(module.scaling), self.softcap, self.sinks(module))
+            for module in self.attention_modules(model)
+        ]
 
     @staticmethod
     def rotary(model):
@@ -224,9 +228,16 @@ class Architecture:
         denominator, no value attached), or None."""
         return getattr(module, "sinks", None)
 
-    def layer_sinks(self, model) -> list:
-        """Each layer's attention sinks, or None per layer without."""
-        return [self.sinks(module) for module in self.attention_modules(model)]
+
+@dataclass(frozen=True)
+class LayerSoftmax:
+    """How a layer turns q·k into attention weights, as the statistics must too: the logits scaled by ``scaling``,
+    soft-capped to softcap·tanh(logits / softcap) where ``softcap`` (Gemma 2), and each head's ``sinks`` logit ``[Hq]``
+    joining the denominator where the module has them (gpt-oss; ``attention.attention_softmax``)."""
+
+    scaling: float
+    softcap: float | None = None
+    sinks: object = None  # a tensor [Hq] or None
 
 
 @dataclass(frozen=True)

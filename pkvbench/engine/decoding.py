@@ -143,13 +143,11 @@ class BatchDecoder:
         device: torch.device,
         sync: Callable[[], None],
         rope: Callable | None = None,
-        scaling: float = 1.0,
+        softmaxes: list | None = None,
         query_heads: int | None = None,
-        softcap: float | None = None,
         layer_kinds: list[str] | None = None,
         windows: list[int | None] | None = None,
         interleaved: bool = False,
-        sinks: list | None = None,
     ):
         self.forward = forward
         self.tokenizer = tokenizer
@@ -161,9 +159,8 @@ class BatchDecoder:
             rope  # RoPE's cos, sin of positions (start, count) of a layer: Expected Attention's cuts while decoding
         )
         self.interleaved = interleaved  # how that RoPE pairs dimensions (``attention.rotate_half``)
-        self.sinks = sinks  # per layer: its attention sinks or None (the cuts' attention statistics)
-        self.scaling = scaling  # the model's attention scale (the cuts' attention statistics)
-        self.softcap = softcap  # the model's soft-capping of attention logits (Gemma 2), None where it has none
+        # Per layer, how it turns logits into attention (``architecture.LayerSoftmax``): the cuts' statistics.
+        self.softmaxes = softmaxes
         self.query_heads = query_heads or kv_heads
         self.layer_kinds = layer_kinds  # each layer's attention kind (architecture.FULL, SLIDING); None: all full
         self.windows = windows  # each layer's sliding window (None: full attention)
@@ -211,12 +208,10 @@ class BatchDecoder:
             cache,
             [r.schedule for r in requests],
             [r.start for r in requests],
-            self.scaling,
+            self.softmaxes,
             self.query_heads,
             self.rope,
-            self.softcap,
             self.interleaved,
-            self.sinks,
         )
         rows = [_Row(request, index) for index, request in enumerate(requests)]
         position = requests[0].position

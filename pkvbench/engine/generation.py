@@ -151,7 +151,7 @@ class Engine:
         self.stop_ids = self._stop_ids()
         self.output_weights = self.architecture.output_weights(self.model)
         self.rotation = self.architecture.rotation(self.model)
-        self.sinks = self.architecture.layer_sinks(self.model)
+        self.softmaxes = self.architecture.softmaxes(self.model)
         self.decoder = BatchDecoder(
             self._forward,
             self.tokenizer,
@@ -160,13 +160,11 @@ class Engine:
             self.device,
             self._sync,
             rope=self.rope,
-            scaling=self.architecture.scalings(self.model)[0],
-            softcap=self.architecture.softcap,
+            softmaxes=self.softmaxes,
             query_heads=loaded.num_query_heads,
             layer_kinds=list(self.architecture.layer_kinds),
             windows=self.architecture.windows,
             interleaved=self.rotation.interleaved,
-            sinks=self.sinks,
         )
 
     @property
@@ -233,7 +231,9 @@ class Engine:
         input_ids = input_ids.to(self.device)
         cuts = tuple(sorted(set(cuts))) or (input_ids.shape[1],)
         needs = Needs.union([*(p.needs for p in policies), *(prefill_needs(p) for p in decoding)])
-        recorder = StatsRecorder(needs, cuts, self.rope, self.rotation.interleaved, self.sinks)
+        recorder = StatsRecorder(
+            needs, cuts, self.rope, self.rotation.interleaved, [softmax.sinks for softmax in self.softmaxes]
+        )
         cache = DynamicCache()
         with too_big_for_memory("the prefill's statistics", input_ids.shape[1]):
             logits, seconds = self.recorded_forward(input_ids, recorder, cache)

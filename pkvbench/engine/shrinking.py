@@ -272,22 +272,18 @@ class MemoryTracker:
         cache: RaggedCache,
         schedules: list[DecodeSchedule | None],
         starts: list[DecodeStart | None],
-        scaling: float,
+        softmaxes: list,
         query_heads: int,
         rope: Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None,
-        softcap: float | None = None,
         interleaved: bool = False,
-        sinks: list | None = None,
     ):
         self.cache = cache
         self.query_heads = query_heads
         self.schedules = schedules
         self.starts = starts
-        self.scaling = scaling
+        self.softmaxes = softmaxes  # per layer: ``architecture.LayerSoftmax``
         self.rope = rope  # (start, count, layer) → the layer's RoPE cos, sin
-        self.softcap = softcap
         self.interleaved = interleaved  # RoPE's pairing (``attention.rotate_half``)
-        self.sinks = sinks  # per layer: its attention sinks or None (``attention.attention_softmax``)
         self.live = list(range(len(schedules)))
         self.memory = [RowMemory() for _ in schedules]
         self.forwarded = False  # whether a forward has read the caches yet (their states from then on count)
@@ -324,8 +320,10 @@ class MemoryTracker:
         for index, (layer, target) in enumerate(zip(self.cache.layers, schedule.targets(end))):
             if int(layer.lengths[batch_row].max()) <= target:
                 continue
-            sinks = self.sinks[index] if self.sinks else None
-            stats = layer.row_stats(batch_row, index, needs, self.scaling, end, self.query_heads, self.softcap, sinks)
+            softmax = self.softmaxes[index]
+            stats = layer.row_stats(
+                batch_row, index, needs, softmax.scaling, end, self.query_heads, softmax.softcap, softmax.sinks
+            )
             if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
                 moments = start.moments[index]
                 rotated = {
