@@ -686,9 +686,13 @@ def list_(include_paths) -> None:
     for name, alias in ALIASES.items():
         click.echo(f"  {name:14} {alias.description} (from {alias.distribution}=={alias.version})")
     click.echo("  or any Hugging Face id / local folder / .gguf file of a family below (docs/models.md)")
-    click.echo("Model families (config model_type: what is special; how pkvbench handles it, or why it refuses it):")
+    click.echo(
+        "Model families (config model_type: what is special; its layer kinds; how pkvbench handles it, "
+        "or why it refuses it):"
+    )
     for name, family in FAMILIES.items():
-        click.echo(f"  {name:14} {family.special}\n  {'':14} {family.handled or 'refused: ' + family.refused}")
+        click.echo(f"  {name:14} {family.special}\n  {'':14} layers: {family.layers}")
+        click.echo(f"  {'':14} {family.handled or 'refused: ' + family.refused}")
 
 
 @cli.command()

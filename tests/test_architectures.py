@@ -366,3 +366,19 @@ def test_a_family_pkvbench_cannot_run_is_refused_in_one_line_before_the_model_lo
         main(["run", "--model", str(tmp_path), "--out", str(tmp_path / "run"), "--quiet"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and reason in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_pkvbench_list_shows_every_family_its_layer_kinds_and_what_is_refused(capsys):
+    """Every family of the seam's table, admitted or refused, with its layer kinds; each admitted family has its row
+    in this matrix (a family is admitted only with one)."""
+    from pkvbench.cli import main
+    from pkvbench.engine.architecture import FAMILIES
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["list"])
+    assert exit_info.value.code == 0
+    listed = capsys.readouterr().out
+    for name, family in FAMILIES.items():
+        assert f"  {name} " in listed and f"layers: {family.layers}" in listed
+        assert (family.handled if family.admitted else f"refused: {family.refused}") in listed
+    assert {name for name, family in FAMILIES.items() if family.admitted} == {row.model_type for row in ROWS}

@@ -33,6 +33,7 @@ class Family:
     special: str
     handled: str
     refused: str = ""  # the reason, in one line, where pkvbench does not run it
+    layers: str = "full"  # the layer kinds its configs declare (``pkvbench list``)
 
     @property
     def admitted(self) -> bool:
@@ -40,41 +41,56 @@ class Family:
 
 
 HALF_ROPE = "RoPE over the whole head (rotate-half)"
+EVERY_LAYER_SLIDES = "full, or sliding on every layer (sliding_window)"
+WINDOW_LAYERS = "full, or sliding from max_window_layers on (use_sliding_window)"
+LOCAL_AND_GLOBAL = "local (sliding, kept whole) and global (full) per layer_types"
+MLA = "MLA caches a compressed latent"
 FAMILIES: dict[str, Family] = {
     "llama": Family(HALF_ROPE + "; Llama 3.1 and YaRN scaling", "the reference layout"),
     "mistral": Family(
         "a sliding window on every layer (Mistral-7B-v0.1)",
         "compressed as any model; the window applied while decoding; prompts up to the window",
+        layers=EVERY_LAYER_SLIDES,
     ),
     "qwen2": Family(
         "a sliding window on the layers from max_window_layers on, where use_sliding_window",
         "every layer sliding: as mistral; some: the local layers kept whole",
+        layers=WINDOW_LAYERS,
     ),
-    "qwen3": Family("q/k norms; an optional sliding window as qwen2", "as qwen2"),
-    "qwen3_moe": Family("mixture-of-experts MLP; q/k norms", "attention as qwen3"),
-    "phi3": Family("fused qkv projection; partial RoPE (partial_rotary_factor)", "RoPE un-rotated over its width"),
+    "qwen3": Family("q/k norms; an optional sliding window as qwen2", "as qwen2", layers=WINDOW_LAYERS),
+    "qwen3_moe": Family("mixture-of-experts MLP; q/k norms", "attention as qwen3", layers=WINDOW_LAYERS),
+    "phi3": Family(
+        "fused qkv projection; partial RoPE (partial_rotary_factor)",
+        "RoPE un-rotated over its width",
+        layers=EVERY_LAYER_SLIDES,
+    ),
     "olmo2": Family("q/k norms over all heads, after the projection", "attention as llama"),
-    "starcoder2": Family("projection biases; an optional sliding window", "as mistral where it slides"),
+    "starcoder2": Family(
+        "projection biases; an optional sliding window", "as mistral where it slides", layers=EVERY_LAYER_SLIDES
+    ),
     "granite": Family("attention, residual and logit multipliers", "the module's own scaling"),
     "gemma2": Family(
         "soft-capped attention logits (attn_logit_softcapping); query_pre_attn_scalar; local and global layers",
         "statistics soft-cap the logits as the model does; the eager kernel (sdpa cannot soft-cap); local layers kept whole",
+        layers=LOCAL_AND_GLOBAL,
     ),
     "gemma3_text": Family(
         "per-layer RoPE (local layers at rope_local_base_freq); q/k norms; local and global layers",
         "each layer's own RoPE (un-rotation, decode-time rotation); local layers kept whole",
+        layers=LOCAL_AND_GLOBAL,
     ),
     "gpt_oss": Family(
         "attention sinks in the softmax; RoPE tables of one entry per pair; mixture-of-experts MLP; no sdpa kernel; "
         "local and global layers",
         "sinks in every statistic's denominator; eager kernel; RoPE as read from the model; local layers kept whole",
+        layers=LOCAL_AND_GLOBAL,
     ),
     "cohere": Family(
         "interleaved RoPE (pairs 2i, 2i + 1); q/k layer norms; a logit scale; attention and MLP in parallel",
         "RoPE's pairing read from the model's own apply_rotary_pos_emb; un-rotated as it pairs",
     ),
-    "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused="MLA caches a compressed latent"),
-    "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused="MLA caches a compressed latent"),
+    "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
+    "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
 }
 # Layer kinds of transformers' cache_utils that hold no per-token keys and values (hybrid linear attention).
 RECURRENT_KINDS = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba")
