@@ -574,8 +574,7 @@ def _attention_with_logsumexp(base: str, module, query, key, value, attention_ma
         or query.shape[2] != key.shape[2]
         or kwargs.get("dropout", 0.0)
         or kwargs.get("is_causal", True) is False
-        or kwargs.get("softcap") is not None  # the fused kernel cannot soft-cap logits
-        or set(kwargs) - _PLAIN_PREFILL_KWARGS
+        or set(kwargs) - _PLAIN_PREFILL_KWARGS  # extras the fused kernel cannot apply: softcap, s_aux (sinks), …
     ):
         return None
     group = query.shape[1] // key.shape[1]
@@ -665,8 +664,7 @@ def _recording_attention(base: str):
             if (
                 attend is not None
                 and base in MASKED_KERNELS
-                and not capped
-                and not set(kwargs) - _PLAIN_PREFILL_KWARGS
+                and not set(kwargs) - _PLAIN_PREFILL_KWARGS  # a soft-capped call passes softcap: the model's kernel
                 and Architecture.sinks(module) is None  # its fused output leaves sinks out: the model's kernel
             ):
                 output = attend(module.layer_idx, query, key, value, scaling)
