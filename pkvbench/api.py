@@ -16,9 +16,11 @@ from typing import Any
 
 import pandas as pd
 
-from pkvbench import budgets as budget_rules
-from pkvbench import kv_formats
-from pkvbench.budgets import Budget, parse_budgets, parse_decode_budgets, parse_memory_budgets, rounding_for
+from pkvbench.cell import budgets as budget_rules
+from pkvbench.cell import kv_formats
+from pkvbench.cell.budgets import Budget, parse_budgets, parse_decode_budgets, parse_memory_budgets, rounding_for
+from pkvbench.cell.kv_formats import KVFormat
+from pkvbench.cell.schema import PROTOCOLS, QUERY_MODES
 from pkvbench.config import (
     MAX_LAYERS,
     as_list,
@@ -36,20 +38,19 @@ from pkvbench.engine.models import (
     model_slug,
 )
 from pkvbench.errors import PkvError
-from pkvbench.kv_formats import KVFormat
 from pkvbench.options import EXECUTORS, FunnelConfig, RunConfig, SampleConfig
 from pkvbench.policies.base import Policy
 from pkvbench.policies.spec import parse_policies
-from pkvbench.provenance import git_commit, make_deterministic, package_version, provenance, versions
-from pkvbench.results import ResultStore, decode_budget_label
-from pkvbench.runner import Cell, RunSettings, RunStats, Shard, work_items
-from pkvbench.schema import PROTOCOLS, QUERY_MODES
+from pkvbench.reports.summary import summarize
+from pkvbench.run.provenance import git_commit, make_deterministic, package_version, provenance, versions
+from pkvbench.run.runner import Cell, RunSettings, RunStats, Shard, work_items
+from pkvbench.store.results import ResultStore, decode_budget_label
 from pkvbench.tasks.base import TaskOptions, TaskSpec
 from pkvbench.tasks.registry import (
-    check_sample_options,
     expand_tasks,
     parse_task_args,
     requested_prompt_tokens,
+    unshaped_sample_options,
     with_task_args,
 )
 
@@ -87,7 +88,12 @@ def fit_to_model(
     task's default lengths, ``--max-length``) that with the task's answer (``decodes``) exceeds the model's context
     window. A 10-million-token request fails here in a second instead of tokenizing gigabytes. Returns ``options``
     with the window, which tasks that cut their data to fit read."""
-    check_sample_options(tasks, options)
+    for option, generators in unshaped_sample_options(tasks, options):
+        raise PkvError(
+            f"{options_of(SampleConfig)[option].flag} shapes none of the tasks asked for "
+            f"({', '.join(t.name for t in tasks)}); it shapes the tasks made by the generators {', '.join(generators)} "
+            "(see `pkvbench list`)"
+        )
     window = model_context_window(model)
     if window is None:
         return options
@@ -376,7 +382,7 @@ def evaluate(config: RunConfig | ResolvedRun, *, on_row: Callable[[dict], None] 
     run = config if isinstance(config, ResolvedRun) else resolve(config)
     config = run.config
     if config.executor == "ray":
-        from pkvbench.ray_executor import check_ray
+        from pkvbench.run.ray_executor import check_ray
 
         check_ray()
     run.options = fit_to_model(config.model, run.tasks, run.options, config.max_new_tokens)
@@ -410,9 +416,9 @@ def evaluate(config: RunConfig | ResolvedRun, *, on_row: Callable[[dict], None] 
         except BaseException:
             if store.started:  # the finished rows still get their summary; the error is what is reported
                 with contextlib.suppress(PkvError):
-                    store.write_summary()
+                    store.write_summary(summarize(store.rows()))
             raise
-        summary = store.write_summary()
+        summary = store.write_summary(summarize(store.rows()))
         rows = store.rows()
     notes = [*store.notes, *([note] if (note := store.duplicate_note()) else [])]
     return EvalResult(run.out, pd.DataFrame(rows), summary, stats, info, notes)
@@ -423,7 +429,7 @@ def check_model_fit(run: ResolvedRun, items: list) -> None:
     ``--overwrite`` deletes anything: a KIVI group that does not divide the head size, a memory budget below what a
     cell needs. (A model whose config cannot be read here is checked once loaded, before its first row.)"""
     from pkvbench.engine.models import model_shape
-    from pkvbench.runner import check_formats, check_memory
+    from pkvbench.run.runner import check_formats, check_memory
 
     shape = model_shape(run.config.model, native_bits(run.config))
     if shape is None:
@@ -444,14 +450,14 @@ def _execute(
     grid = (run.tasks, run.cells, run.options, store)
     how = {"shard": run.shard, "settings": run.settings, "quiet": config.quiet, "on_row": on_row, "items": items}
     if config.executor == "ray":
-        from pkvbench.ray_executor import ModelSpec, RaySettings, run_grid_on_ray
+        from pkvbench.run.ray_executor import ModelSpec, RaySettings, run_grid_on_ray
 
         workers = RaySettings(config.ray_address, config.workers, config.gpus_per_worker)
         model = ModelSpec(config.model, config.device, config.dtype, config.attn_implementation, config.seed)
         return run_grid_on_ray(workers, model, *grid, on_model=record, **how)
     from pkvbench.engine.generation import Engine
     from pkvbench.engine.models import load_model
-    from pkvbench.runner import run_grid
+    from pkvbench.run.runner import run_grid
 
     loaded = load_model(
         config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation
@@ -499,10 +505,10 @@ class FunnelResult:
 def measure_funnel(config: FunnelConfig) -> FunnelResult:
     """Prefill each sample once and measure attention concentration per layer and head; write the tables, the
     figure and the verdict into ``config.out`` (rerunning resumes)."""
-    from pkvbench import funnel
     from pkvbench.engine.generation import Engine
     from pkvbench.engine.models import load_model
-    from pkvbench.plots import plot_funnel
+    from pkvbench.reports.figures.plots import plot_funnel
+    from pkvbench.run import funnel
 
     expect_config(config, FunnelConfig, "measure_funnel")
     config = checked(config)
@@ -545,7 +551,7 @@ def layer_budget_table(
     protocol: str = PROTOCOLS[0],
 ) -> list[dict[str, Any]]:
     """``pkvbench budgets``: per policy × budget, the per-layer entries the engine would keep on a T-token prompt."""
-    from pkvbench.budgets import plan
+    from pkvbench.cell.budgets import plan
 
     context = parse_int(context, "--context", minimum=1)
     layers = parse_int(layers, "--layers", 1, MAX_LAYERS)

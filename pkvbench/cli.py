@@ -12,6 +12,8 @@ from pathlib import Path
 import click
 
 from pkvbench._version import __version__
+from pkvbench.cell.models import ALIASES
+from pkvbench.cell.schema import FORMATS
 from pkvbench.config import (
     FLAG,
     LIST,
@@ -27,23 +29,16 @@ from pkvbench.config import (
     whole,
 )
 from pkvbench.engine.architecture import FAMILIES
-from pkvbench.engine.models import ALIASES
 from pkvbench.errors import PkvError
 from pkvbench.lm_eval import BOOTSTRAP_ITERS
 from pkvbench.lm_eval import POLICY as LM_EVAL_POLICY
 from pkvbench.options import (
-    EXPORT_FORMATS,
-    MIN_OVERLAP,
-    PAPER_REFERENCE,
-    SELECTION,
-    TOLERANCE,
-    VIEWS,
     BudgetsConfig,
     FunnelConfig,
     RunConfig,
     SampleConfig,
 )
-from pkvbench.schema import FORMATS
+from pkvbench.reports.choices import EXPORT_FORMATS, MIN_OVERLAP, PAPER_REFERENCE, SELECTION, TOLERANCE, VIEWS
 
 
 def _options(*options):
@@ -219,7 +214,7 @@ def run(**options) -> None:
     config, html_file = _run_config(options)
     run = resolve(config)  # once: the page's path is checked against the run's folder before the run starts
     if html_file is not None:
-        from pkvbench.html_report import check_html_target
+        from pkvbench.reports.html_report import check_html_target
 
         check_html_target(html_file, [run.out])  # before the run: a bad path must not cost the run
     result = evaluate(run)
@@ -243,7 +238,7 @@ def run(**options) -> None:
 @click.option("--out", required=True, type=PathType(file_okay=False), help="New (or empty) folder for the merged run.")
 def merge(folders, out) -> None:
     """Combine run folders (the shards of one run) into one, without duplicate rows."""
-    from pkvbench.results import merge_runs
+    from pkvbench.run.merge import merge_runs
 
     written, duplicates, missing = merge_runs(list(folders), out)
     click.echo(f"{written} rows from {len(folders)} folders → {out}/samples.jsonl ({duplicates} duplicates dropped)")
@@ -265,11 +260,11 @@ def merge(folders, out) -> None:
 def budgets(policies, budgets, policy_args, layers, context, protocol, as_json, plot_file) -> None:
     """Per-layer budgets (entries per KV head) a policy would keep: the function the engine uses."""
     from pkvbench.api import layer_budget_table
-    from pkvbench.budgets import budget_label
+    from pkvbench.cell.budgets import budget_label
 
     entries = layer_budget_table(policies, budgets, policy_args, context, layers, protocol)
     if plot_file:
-        from pkvbench.plots import plot_layer_budgets
+        from pkvbench.reports.figures.plots import plot_layer_budgets
 
         plot_layer_budgets(entries, plot_file)  # under the writing rule (outputs.py), as every file
     if as_json:
@@ -332,7 +327,7 @@ def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> 
     cell's bytes against its score, the Pareto front marked, and per memory target its best cell against every
     other (--view memory-diff: that comparison as a table). Runs with --decode-budget also get each policy's answer
     length and largest cache while decoding, against the full cache's (--drift)."""
-    from pkvbench.report import load_runs, render, report_table, uneven_counts
+    from pkvbench.reports.report import load_runs, render, report_table, uneven_counts
 
     if html_file is not None:
         _check_html_with_table(html_file, out_file)
@@ -343,7 +338,7 @@ def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> 
         if out_file is None:
             return
     if view != "table":
-        from pkvbench import frontier
+        from pkvbench.reports import frontier
 
         if not frontier.has_frontier(runs.rows):
             raise PkvError(f"--view {view}: the runs have no storage bits or memory budgets (--kv-bits, --memory)")
@@ -358,18 +353,18 @@ def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> 
         return
     text = render(report_table(runs.rows, intervals=intervals), fmt)
     if fmt == "markdown":
-        from pkvbench import frontier
+        from pkvbench.reports import frontier
 
         if frontier.has_frontier(runs.rows):
             text += "\n" + frontier.frontier_markdown(runs.rows)
     if power is not None:
-        from pkvbench.paired import pairwise, power_table
+        from pkvbench.reports.paired import pairwise, power_table
 
         needed = power_table(pairwise(runs.rows), power)
         heading = f"\nSamples needed to resolve {power:g} points (paired, alpha 0.05, power 0.8):\n\n"
         text += (heading if fmt == "markdown" else "\n") + render(needed, fmt)
     if drift or (drift is None and (runs.rows["decode_budget"] != "none").any()):
-        from pkvbench.drift import length_table
+        from pkvbench.reports.drift import length_table
 
         lengths = length_table(runs.rows)
         if lengths is not None:
@@ -389,9 +384,9 @@ def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> 
 def plot(folders, out_dir) -> None:
     """Figures from run folders: needle heatmaps (depth × length, one per model × policy × budget, and one grid of
     policies side by side per budget) and score-vs-budget curves (a panel per task and for the average)."""
-    from pkvbench.outputs import Outputs
-    from pkvbench.plots import plot_runs
-    from pkvbench.report import load_runs
+    from pkvbench.reports.figures.plots import plot_runs
+    from pkvbench.reports.report import load_runs
+    from pkvbench.store.outputs import Outputs
 
     runs = load_runs(list(folders))
     outputs = Outputs("--out", [*folders, *runs.folders])
@@ -416,9 +411,9 @@ def plot(folders, out_dir) -> None:
 @click.option("--out", "out_dir", required=True, type=PathType(file_okay=False), help="Folder to write into.")
 def export(folders, fmt, out_dir) -> None:
     """Results in another harness's layout, from run folders alone."""
-    from pkvbench.export import export_kvpress, write_ranking
-    from pkvbench.outputs import Outputs
-    from pkvbench.report import load_runs, to_markdown
+    from pkvbench.reports.export import export_kvpress, write_ranking
+    from pkvbench.reports.report import load_runs, to_markdown
+    from pkvbench.store.outputs import Outputs
 
     runs = load_runs(list(folders))
     outputs = Outputs("--out", [*folders, *runs.folders])
@@ -443,9 +438,9 @@ def export(folders, fmt, out_dir) -> None:
 @table_format
 def compare(folders, reference, paper_model, fmt) -> None:
     """Measured vs the paper per task and average (score × 100, delta = measured − paper), for the cells both have."""
-    from pkvbench.paper_compare import compare as compare_runs
-    from pkvbench.paper_compare import load_reference
-    from pkvbench.report import load_runs, render
+    from pkvbench.reports.paper_compare import compare as compare_runs
+    from pkvbench.reports.paper_compare import load_reference
+    from pkvbench.reports.report import load_runs, render
 
     result = compare_runs(load_runs(list(folders)), load_reference(reference), paper_model)
     for statement in result.statements:  # before the table, so nobody reads the deltas without them
@@ -465,8 +460,8 @@ def diff(folders, policies, against, fmt, out_file) -> None:
     Markdown shows one matrix per budget and task (row − column); CSV and LaTeX the long table. A pair is called
     only where its interval excludes 0 and the adjusted p is below 0.05."""
     from pkvbench.api import as_list
-    from pkvbench.paired import matrix_markdown, pairwise
-    from pkvbench.report import load_runs, render
+    from pkvbench.reports.paired import matrix_markdown, pairwise
+    from pkvbench.reports.report import load_runs, render
 
     runs = load_runs(list(folders))
     outputs = _outputs_for(out_file, [*folders, *runs.folders])
@@ -510,8 +505,8 @@ def _check_html_with_table(html_file: str, out_file: str | None) -> None:
 
 
 def _write_html_report(folders: list, html_file: str, runs=None) -> None:
-    from pkvbench.html_report import write_html_report
-    from pkvbench.report import uneven_counts
+    from pkvbench.reports.html_report import write_html_report
+    from pkvbench.reports.report import uneven_counts
 
     page = write_html_report(folders, html_file, runs)
     for note in page.runs.notes + uneven_counts(page.runs.rows):
@@ -521,7 +516,7 @@ def _write_html_report(folders: list, html_file: str, runs=None) -> None:
 
 def _outputs_for(out_file: str | None, reads: list):
     """The writing rule (``outputs.py``) for a command's ``--out FILE``, its path checked now, before any work."""
-    from pkvbench.outputs import Outputs
+    from pkvbench.store.outputs import Outputs
 
     if out_file is None:
         return None
@@ -625,7 +620,14 @@ def check(baseline, results, tolerance, per_cell, selection, min_overlap, exact,
     entries than in the baseline, or the kept entries in common fall below --min-overlap. Improvements and new
     cells pass.
     """
-    from pkvbench.check import SelectionRule, check_run, format_failures, prediction_lines, samples_path, write_baseline
+    from pkvbench.reports.check import (
+        SelectionRule,
+        check_run,
+        format_failures,
+        prediction_lines,
+        samples_path,
+        write_baseline,
+    )
 
     folders = [Path(folder).resolve() for folder in results]
     twice = next((given for given, folder in zip(results, folders) if folders.count(folder) > 1), None)
@@ -654,7 +656,7 @@ def check(baseline, results, tolerance, per_cell, selection, min_overlap, exact,
 @config_option(options_of(SampleConfig)["include_paths"])
 def list_(include_paths) -> None:
     """Tasks, policies (with their options), model aliases and supported architectures."""
-    from pkvbench.metric_registry import METRICS
+    from pkvbench.metrics.registry import METRICS
     from pkvbench.policies.registry import registry
     from pkvbench.tasks.registry import GENERATORS, catalog
 
@@ -710,8 +712,8 @@ def funnel(**options) -> None:
     Example:
       pkvbench funnel --task needle,trec-fewshot --data-dir ../shared/data/trec --lengths 2000 --limit 5
     """
-    from pkvbench import funnel as measure
     from pkvbench.api import measure_funnel
+    from pkvbench.run import funnel as measure
 
     result = measure_funnel(FunnelConfig(**options))
     if not options["quiet"]:

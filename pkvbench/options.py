@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pkvbench import kv_formats
+from pkvbench.cell import kv_formats
+from pkvbench.cell.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES
+from pkvbench.cell.schema import DEFAULT_QUERY_MODE, PROTOCOLS
 from pkvbench.config import (
     FLAG,
     LIST,
@@ -33,8 +35,6 @@ from pkvbench.config import (
     read_run_config,
     whole,
 )
-from pkvbench.engine.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES
-from pkvbench.schema import DEFAULT_QUERY_MODE, PROTOCOLS
 
 EXECUTORS = ("local", "ray")
 
@@ -313,23 +313,6 @@ class BudgetsConfig:
         choices=PROTOCOLS[:2],  # exact, reference
         help="reference: the budgets the PyramidKV paper's code computes (docs/protocol.md).",
     )
-
-
-# --- the other commands' choices and defaults: here, where the command line reads them at start, because the modules
-# whose meaning they are import pandas
-
-# pkvbench check (check.py): the points a cell's score may fall before it can fail; whether the kept sets are compared
-# with the baseline's (on, off); the least share of kept entries a cell has in common with the baseline's.
-TOLERANCE = 2.0
-SELECTION = ("on", "off")
-MIN_OVERLAP = 0.99
-# pkvbench report --view (frontier.py): the score table, each cell's bytes and score, the memory targets' comparisons.
-VIEWS = ("table", "frontier", "memory-diff")
-# pkvbench export --format (export.py): the other harnesses whose layout pkvbench writes.
-EXPORT_FORMATS = ("kvpress",)
-# pkvbench compare --reference and the HTML report's comparison: the paper's table shipped with pkvbench
-# (paper_compare.REFERENCES).
-PAPER_REFERENCE = "pyramidkv-table1"
 
 
 def implied(name: str) -> Any:

@@ -2,7 +2,7 @@
 
 Each kind has a registry: its built-in entries as a dict of name → ``"module:attr"`` (in listing order), and those of
 other installed packages, found through a Python entry point group (``pkvbench.policies``, ``pkvbench.tasks``,
-``pkvbench.metrics``) and listed after the built-ins, by name. Names are known without importing anything; an entry
+``pkvbench.metrics.functions``) and listed after the built-ins, by name. Names are known without importing anything; an entry
 is imported the first time it is asked for, so a broken plugin stops only what uses it, with one line that names it.
 """
 

@@ -47,13 +47,13 @@ import click
 import pandas as pd
 import torch
 
-from pkvbench.budgets import Budget
+from pkvbench.cell.budgets import Budget
+from pkvbench.cell.kv_formats import KVFormat
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import load_model
 from pkvbench.engine.reconstruction import repeat_inputs
-from pkvbench.kv_formats import KVFormat
 from pkvbench.policies import parse_policy
-from pkvbench.runner import Cell, RunSettings, run_sample
+from pkvbench.run.runner import Cell, RunSettings, run_sample
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 
@@ -535,7 +535,7 @@ def leaderboard_prompts(tasks: str, length: int, limit: int) -> list[dict]:
     """The RULER samples ``pkvbench run --task TASKS --lengths LENGTH --limit LIMIT`` builds, as kvpress's prompts."""
     from pkvbench.api import RunConfig, fit_to_model, resolve
     from pkvbench.engine.models import load_tokenizer
-    from pkvbench.runner import work_items
+    from pkvbench.run.runner import work_items
 
     run = resolve(RunConfig(tasks=tasks, lengths=(length,), limit=limit))
     options = fit_to_model(run.config.model, run.tasks, run.options, None)

@@ -56,13 +56,13 @@ import click
 import pandas as pd
 import torch
 
-from pkvbench.budgets import Budget
+from pkvbench.cell.budgets import Budget
+from pkvbench.cell.kv_formats import KVFormat
 from pkvbench.engine import attention
 from pkvbench.engine.decoding import plan_batches
 from pkvbench.engine.exactness import generate_reference, masked_reference
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import LoadedModel
-from pkvbench.kv_formats import KVFormat
 from pkvbench.policies import parse_policy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "gpu"

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pkvbench.results import read_rows, row_key
+from pkvbench.store.results import read_rows, row_key
 
 GRID = [
     "--task",

@@ -19,7 +19,7 @@ cd "$work"  # nothing of the checkout is importable from here
 expected=$(find "$OLDPWD/tasks" -name '*.yaml' | wc -l)
 listed=$("$work/venv/bin/pkvbench" list | awk '/^Tasks:/{on=1; next} /^Task groups/{on=0} on' | wc -l)
 [ "$listed" -eq "$expected" ] || { echo "wheel lists $listed tasks, the checkout has $expected"; exit 1; }
-"$work/venv/bin/python" -c "from pkvbench.paper_compare import load_reference; assert load_reference('pyramidkv-table1').models"
+"$work/venv/bin/python" -c "from pkvbench.reports.paper_compare import load_reference; assert load_reference('pyramidkv-table1').models"
 HF_HUB_OFFLINE=1 "$work/venv/bin/pkvbench" run --task needle --lengths 500 --depths 50 --policy full,pyramidkv \
     --budget 64 --out "$work/run" --quiet
 [ "$(wc -l < "$work/run/samples.jsonl")" -eq 2 ]

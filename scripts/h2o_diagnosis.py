@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 import torch
 
-from pkvbench.budgets import parse_budgets
+from pkvbench.cell.budgets import parse_budgets
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import load_model
 from pkvbench.policies import parse_policy

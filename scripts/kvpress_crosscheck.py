@@ -29,7 +29,7 @@ import click
 import numpy as np
 import torch
 
-from pkvbench.budgets import Budget
+from pkvbench.cell.budgets import Budget
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import load_model, model_path
 from pkvbench.engine.reconstruction import SINK, chat_frame

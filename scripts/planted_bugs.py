@@ -26,8 +26,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from planted import BUGS, BUGS_BY_NAME, baseline_for, check_with_bug  # noqa: E402
 
-from pkvbench.check import MIN_OVERLAP, CheckResult, SelectionRule, check_run  # noqa: E402
-from pkvbench.stats import ALPHA  # noqa: E402
+from pkvbench.reports.check import MIN_OVERLAP, CheckResult, SelectionRule, check_run  # noqa: E402
+from pkvbench.reports.stats import ALPHA  # noqa: E402
 
 CONFIG = ROOT / "configs" / "smoke.yaml"
 BASELINE = ROOT / "results" / "baselines" / "smollm2-smoke.csv"
@@ -73,7 +73,7 @@ def try_bug(name: str, folder: Path, tolerance: float, rule: SelectionRule) -> d
 
 def try_rerun(label: str, folder: Path, scratch: Path, tolerance: float, rule: SelectionRule) -> dict:
     """An unchanged-code rerun against the whole baseline (cut to the policies it ran)."""
-    from pkvbench.report import load_runs
+    from pkvbench.reports.report import load_runs
 
     policies = tuple(load_runs([str(folder)]).rows["policy"].unique())
     scratch.mkdir(parents=True, exist_ok=True)

@@ -26,13 +26,13 @@ import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pkvbench.budgets import Budget
+from pkvbench.cell.budgets import Budget
 from pkvbench.engine.attention import decoding
 from pkvbench.engine.decoding import plan_batches
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import load_model
 from pkvbench.policies import parse_policy
-from pkvbench.runner import Cell, RunSettings, run_sample
+from pkvbench.run.runner import Cell, RunSettings, run_sample
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 

@@ -22,7 +22,7 @@ import click
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from pkvbench.budgets import Budget
+from pkvbench.cell.budgets import Budget
 from pkvbench.engine import reconstruction
 from pkvbench.engine.generation import Engine
 from pkvbench.engine.models import load_model

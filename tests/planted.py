@@ -17,10 +17,10 @@ from unittest import mock
 
 import pandas as pd
 
-from pkvbench import budgets as budget_rules
-from pkvbench.check import CheckResult, SelectionRule, check_run, samples_path
+from pkvbench.cell import budgets as budget_rules
 from pkvbench.policies import base, pyramidkv, snapkv, streamingllm
 from pkvbench.policies.base import Needs
+from pkvbench.reports.check import CheckResult, SelectionRule, check_run, samples_path
 
 
 @dataclass(frozen=True)

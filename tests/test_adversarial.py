@@ -28,8 +28,8 @@ from pkvbench import api
 from pkvbench.api import FunnelConfig, RunConfig
 from pkvbench.cli import main
 from pkvbench.errors import PkvError
-from pkvbench.lock import FolderLock
-from pkvbench.outputs import write_file
+from pkvbench.store.lock import FolderLock
+from pkvbench.store.outputs import write_file
 
 # --- folders as pkvbench writes them -----------------------------------------------------------------------------
 
@@ -323,9 +323,9 @@ def recorded_run(versions: dict | None = None, rows: list[dict] = ROWS) -> Calla
 
 
 def task_file(name: str = "mine", prompt: str = "{context} {question}", extra: str = "") -> Callable[[Context], None]:
-    """A folder ``tasks`` with a user's needle task (the one ``tests/test_architecture.py`` checks), named ``name``,
+    """A folder ``tasks`` with a user's needle task (the one ``tests/test_codebase.py`` checks), named ``name``,
     with this prompt template."""
-    from tests.test_architecture import NEEDLE
+    from tests.test_codebase import NEEDLE
 
     def setup(ctx: Context) -> None:
         text = NEEDLE.format(name=name).replace('prompt: "{context} {question}"', f'prompt: "{prompt}"')
@@ -925,7 +925,7 @@ TIMINGS = ("prefill_s", "extra_pass_s", "selection_s", "decode_s", "decode_batch
 
 def outcome_rows(folder: Path) -> list[str]:
     """A folder's rows without their timings, in a fixed order: what an interrupted run must reproduce."""
-    from pkvbench.results import read_rows
+    from pkvbench.store.results import read_rows
 
     return sorted(
         json.dumps({k: v for k, v in row.items() if k not in TIMINGS}, sort_keys=True) for row in read_rows(folder)
@@ -942,7 +942,7 @@ def test_a_grid_killed_mid_run_resumes_to_the_rows_of_an_uninterrupted_run(grid,
     import sys
     import time
 
-    from pkvbench.results import read_rows
+    from pkvbench.store.results import read_rows
 
     args = ["run", "--task", "needle", "--lengths", "300", "--depths", "0,100", "--max-new-tokens", "8", "--quiet",
             *KILLED_GRIDS[grid]]  # fmt: skip

@@ -9,11 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from pkvbench.cell.fingerprints import fingerprint
 from pkvbench.errors import PkvError
-from pkvbench.fingerprints import fingerprint
-from pkvbench.metrics import final_number
-from pkvbench.report import to_latex, to_markdown
-from pkvbench.results import ResultStore
+from pkvbench.metrics.functions import final_number
+from pkvbench.reports.report import to_latex, to_markdown
+from pkvbench.store.results import ResultStore
 from pkvbench.tasks.base import Sample, TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 from tests.test_cli import pkvbench_in_process

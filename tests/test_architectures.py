@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from pkvbench.budgets import Budget
+from pkvbench.cell.budgets import Budget
 from pkvbench.engine.exactness import generate_reference, masked_reference
 from pkvbench.policies.spec import parse_policy
 
@@ -222,11 +222,11 @@ def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage
     """Rows of kept entries at scattered original positions (each head its own), one new token at position 60 with a
     window of 32: every row and head sees its kept entries at positions 29 … 59 and the new token, nothing else —
     kept in the model's dtype, or packed in 4 bits (then the window reaches into the packed part and the residual)."""
+    from pkvbench.cell.kv_formats import KVFormat
     from pkvbench.engine.architecture import SLIDING
     from pkvbench.engine.decoding import DecodeRequest, KeptEntries
     from pkvbench.engine.layers import build_cache
     from pkvbench.engine.quantized import StoredEntries
-    from pkvbench.kv_formats import KVFormat
 
     heads, dim, start, window = 2, 16, 60, 32
     generator = torch.Generator().manual_seed(3)

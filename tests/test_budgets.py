@@ -2,8 +2,8 @@ import itertools
 
 import pytest
 
-from pkvbench import budgets
-from pkvbench.budgets import Budget, parse_budgets
+from pkvbench.cell import budgets
+from pkvbench.cell.budgets import Budget, parse_budgets
 from pkvbench.errors import PkvError
 from pkvbench.policies import parse_policy
 from pkvbench.policies.pyramidkv import pyramid

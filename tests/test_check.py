@@ -4,10 +4,10 @@ a fall beyond the tolerance *and* the baseline's interval, or one a paired test 
 import numpy as np
 import pytest
 
-from pkvbench.check import MIN_OVERLAP
+from pkvbench.cell.fingerprints import fingerprint
 from pkvbench.cli import check, main
-from pkvbench.fingerprints import fingerprint
-from pkvbench.results import ResultStore
+from pkvbench.reports.check import MIN_OVERLAP
+from pkvbench.store.results import ResultStore
 
 LAYERS, POOL = 3, 200
 

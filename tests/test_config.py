@@ -194,7 +194,7 @@ def test_smoke_config_parses_as_a_real_run(tmp_path):
 def test_leaderboard_runs_each_policy_as_kvpress_s_press():
     """The leaderboard config passes the run command's checks, and its policies are kvpress's presses (the names
     ``pkvbench export --format kvpress`` gives them)."""
-    from pkvbench.export import kvpress_name
+    from pkvbench.reports.export import kvpress_name
 
     run = invoke_run(["--config", str(CONFIGS / "leaderboard.yaml")])
     assert run.config.protocol == "kvpress"

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from pkvbench.budgets import Budget
+from pkvbench.cell.budgets import Budget
 from pkvbench.policies import parse_policy, registry
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
@@ -124,7 +124,8 @@ def decode_rows():
 
 
 def test_rows_of_different_decode_budgets_are_different_rows(tmp_path):
-    from pkvbench.results import ResultStore, row_key, summarize, unique_rows
+    from pkvbench.reports.summary import summarize
+    from pkvbench.store.results import ResultStore, row_key, unique_rows
 
     rows = decode_rows()
     assert len({row_key(r) for r in rows}) == len(rows)
@@ -142,8 +143,8 @@ def test_rows_of_different_decode_budgets_are_different_rows(tmp_path):
 
 def test_report_shows_score_length_and_peak_per_decode_budget(tmp_path, capsys):
     from pkvbench.cli import main
-    from pkvbench.drift import length_table
-    from pkvbench.report import load_runs, report_table
+    from pkvbench.reports.drift import length_table
+    from pkvbench.reports.report import load_runs, report_table
 
     folder = tmp_path / "run"
     folder.mkdir()
@@ -164,8 +165,8 @@ def test_report_shows_score_length_and_peak_per_decode_budget(tmp_path, capsys):
 
 
 def test_the_html_report_draws_the_cache_over_the_answer(tmp_path):
-    from pkvbench.html_figures import decode_memory_figures
-    from pkvbench.report import load_runs
+    from pkvbench.reports.figures.html_figures import decode_memory_figures
+    from pkvbench.reports.report import load_runs
 
     folder = tmp_path / "run"
     folder.mkdir()

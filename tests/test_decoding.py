@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pkvbench.budgets import Budget
+from pkvbench.cell.budgets import Budget
 from pkvbench.engine import attention
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
 from pkvbench.engine.decoding import DecodeRequest, KeptEntries, greedy_rows, plan_batches
@@ -109,8 +109,8 @@ def test_batched_decoding_gives_the_tokens_of_one_at_a_time(engine, loaded):
     """Every policy × budget on a needle prompt, with a stop string and a minimum length in play, some of them
     stored in fewer bits, and rows that cut their caches while decoding on their own schedules: decoding all
     configurations of a sample together yields exactly the tokens (and cache sizes) each gives alone."""
-    from pkvbench.budgets import Budget
-    from pkvbench.kv_formats import KVFormat
+    from pkvbench.cell.budgets import Budget
+    from pkvbench.cell.kv_formats import KVFormat
     from pkvbench.policies import parse_policy, registry
     from pkvbench.tasks.base import TaskOptions
     from pkvbench.tasks.registry import build_samples, get_task
@@ -301,7 +301,7 @@ def test_a_decode_step_reads_back_nothing_but_its_tokens_and_rows_get_their_toke
 def test_a_decode_step_over_stored_caches_reads_back_nothing_and_rows_get_their_tokens_alone(tiny_cells, monkeypatch):
     """The same for caches stored in 16 bits and in KIVI's 8/4/2-bit integers (``engine/quantized.py``): uniform,
     per-layer and per-head budgets, packed parts of different widths and rows with none, a fed question."""
-    from pkvbench.kv_formats import KVFormat
+    from pkvbench.cell.kv_formats import KVFormat
 
     engine, cells = tiny_cells
     guard = NoHostReads()
@@ -338,8 +338,8 @@ def test_a_step_builds_each_mask_once_for_layers_of_the_same_lengths():
 def test_stored_layers_of_the_same_counts_share_their_step_mask():
     """Caches stored in 4 bits (``engine/quantized.py``): rows of different packed counts need a mask, built once per
     step for every layer whose counts are the same."""
+    from pkvbench.cell.kv_formats import KVFormat
     from pkvbench.engine.quantized import QuantizedLayer, store_layer
-    from pkvbench.kv_formats import KVFormat
 
     torch.manual_seed(0)
     fmt = KVFormat(4, group=16, residual=4)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pkvbench.budgets import Budget
+from pkvbench.cell.budgets import Budget
 from pkvbench.engine.attention import StatsRecorder, recording
 from pkvbench.engine.decoding import KeptEntries
 from pkvbench.engine.exactness import generate_reference, masked_reference

@@ -58,8 +58,8 @@ def test_export_writes_kvpress_folders(tmp_path, capsys):
 
 
 def test_ranking_averages_task_means_per_ratio_and_ranks_against_the_full_cache(tmp_path):
-    from pkvbench.axes import order_axes
-    from pkvbench.export import leaderboard_ranking
+    from pkvbench.reports.axes import order_axes
+    from pkvbench.reports.export import leaderboard_ranking
 
     rows = order_axes(
         pd.DataFrame(
@@ -92,7 +92,7 @@ def test_ranking_averages_task_means_per_ratio_and_ranks_against_the_full_cache(
 
 
 def test_a_policy_is_named_as_kvpress_s_press_only_with_the_presss_settings():
-    from pkvbench.export import kvpress_name
+    from pkvbench.reports.export import kvpress_name
 
     assert kvpress_name("snapkv:window=64:kernel=5:pooling=avg") == "snapkv"
     assert kvpress_name("snapkv") == "pkvbench_snapkv"  # window 8, max-pooling: pkvbench's own SnapKV

@@ -1,4 +1,4 @@
-"""The numbers both renderers draw (pkvbench/figure_data.py), on hand-made rows: no model, no plotting library."""
+"""The numbers both renderers draw (pkvbench/reports/figures/figure_data.py), on hand-made rows: no model, no plotting library."""
 
 import subprocess
 import sys
@@ -6,8 +6,8 @@ import sys
 import pandas as pd
 import pytest
 
-from pkvbench.axes import order_axes
-from pkvbench.figure_data import full_reference, needle_cells
+from pkvbench.reports.axes import order_axes
+from pkvbench.reports.figures.figure_data import full_reference, needle_cells
 
 
 def rows(*records):
@@ -59,5 +59,5 @@ def test_needle_squares_hold_the_mean_and_the_count():
 
 def test_the_html_report_needs_no_plotting_library():
     # The page is Vega-Lite; its colours come from figure_data, so matplotlib and seaborn stay unloaded.
-    code = "import sys, pkvbench.html_report; print(sorted({'matplotlib', 'seaborn'} & set(sys.modules)))"
+    code = "import sys, pkvbench.reports.html_report; print(sorted({'matplotlib', 'seaborn'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"

@@ -1,10 +1,10 @@
-"""Selection fingerprints (pkvbench/fingerprints.py): exact where nothing changed, a fair estimate of the entries in
+"""Selection fingerprints (pkvbench/cell/fingerprints.py): exact where nothing changed, a fair estimate of the entries in
 common where something did, compact enough to commit."""
 
 import numpy as np
 import pytest
 
-from pkvbench.fingerprints import Fingerprint, compare, fingerprint
+from pkvbench.cell.fingerprints import Fingerprint, compare, fingerprint
 
 
 def random_layers(rng, layers=30, heads=3, keep=64, length=1000):

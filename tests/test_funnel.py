@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 import torch
 
+from pkvbench.cell.schema import FUNNEL_STATISTICS
 from pkvbench.cli import main
-from pkvbench.funnel import (
-    STATISTICS,
+from pkvbench.run.funnel import (
     FunnelRecorder,
     attention_statistics,
     change_point,
@@ -88,7 +88,7 @@ def test_recorder_measures_the_last_window_of_causal_softmax_attention():
     recorder.observe(7, query[None], key[None], 0.3)
     expected = attention_statistics(naive_attention(query, key, 0.3)[:, -5:], torch.arange(36, 41), 2, 3)
     assert set(recorder.layers) == {7}
-    for name in STATISTICS:
+    for name in FUNNEL_STATISTICS:
         torch.testing.assert_close(recorder.layers[7][name], expected[name])
 
 
@@ -96,7 +96,7 @@ def records(curve_per_sample):
     """Sample records whose two heads have entropy curve ± 0.1 (other statistics follow the curve)."""
     out = []
     for number, curve in enumerate(curve_per_sample):
-        stats = {name: [[value - 0.1, value + 0.1] for value in curve] for name in STATISTICS}
+        stats = {name: [[value - 0.1, value + 0.1] for value in curve] for name in FUNNEL_STATISTICS}
         out.append({"task": "t", "sample_id": str(number), "context_tokens": 100, "stats": stats})
     return out
 
@@ -112,7 +112,7 @@ def test_tables_average_heads_then_samples_with_spread():
         [0.8, 0.4]
     )
     assert entropy["samples"].tolist() == [2, 2]
-    assert list(dict.fromkeys(per_layer["statistic"])) == list(STATISTICS)
+    assert list(dict.fromkeys(per_layer["statistic"])) == list(FUNNEL_STATISTICS)
     heads = per_head[(per_head["statistic"] == "entropy") & (per_head["layer"] == 0)]
     assert heads["mean"].tolist() == pytest.approx([0.6, 0.8])
 
@@ -163,14 +163,14 @@ def test_funnel_command_on_the_embedded_model(tmp_path, capsys):
     assert (out / "funnel.png").stat().st_size > 10_000
     lines = (out / "funnel_samples.jsonl").read_text().splitlines()
     assert len(lines) == 2
-    for name in STATISTICS:
+    for name in FUNNEL_STATISTICS:
         assert len(json.loads(lines[0])["stats"][name]) == 30  # layers
         assert len(json.loads(lines[0])["stats"][name][0]) == 9  # query heads
     per_layer = pd.read_csv(out / "funnel.csv")
-    assert len(per_layer) == 30 * len(STATISTICS) and set(per_layer["samples"]) == {2}
+    assert len(per_layer) == 30 * len(FUNNEL_STATISTICS) and set(per_layer["samples"]) == {2}
     shares = per_layer[per_layer["statistic"] != "keys_for_90"]
     assert shares["mean"].between(0, 1).all()
-    assert len(pd.read_csv(out / "funnel_heads.csv")) == 30 * 9 * len(STATISTICS)
+    assert len(pd.read_csv(out / "funnel_heads.csv")) == 30 * 9 * len(FUNNEL_STATISTICS)
 
     with pytest.raises(SystemExit) as exit_info:  # the same command again measures nothing new
         main([*args, "--quiet"])

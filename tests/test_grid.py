@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from pkvbench.budgets import Budget
+from pkvbench.cell.budgets import Budget
 from pkvbench.cli import main
 from pkvbench.policies import parse_policy
-from pkvbench.results import read_rows
-from pkvbench.runner import Cell, RunSettings, run_sample
+from pkvbench.run.runner import Cell, RunSettings, run_sample
+from pkvbench.store.results import read_rows
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 

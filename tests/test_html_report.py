@@ -10,8 +10,13 @@ from pathlib import Path
 import pytest
 
 from pkvbench.errors import PkvError
-from pkvbench.html_figures import budget_axis, budget_curve_figures, curve_points, needle_heatmap_figures
-from pkvbench.html_report import (
+from pkvbench.reports.figures.html_figures import (
+    budget_axis,
+    budget_curve_figures,
+    curve_points,
+    needle_heatmap_figures,
+)
+from pkvbench.reports.html_report import (
     CONTEXT_EXCERPT_CHARS,
     build_page,
     check_html_target,
@@ -20,7 +25,7 @@ from pkvbench.html_report import (
     summary_table,
     write_html_report,
 )
-from pkvbench.report import load_runs
+from pkvbench.reports.report import load_runs
 
 FIXTURE_RUNS = Path(__file__).parent / "fixtures" / "runs"
 MODEL = "smollm2-135m"

@@ -71,7 +71,7 @@ def lm_eval_samples(out: Path, label: str, task: str) -> list[dict]:
 
 @pytest.mark.model
 def test_grid_in_one_lm_eval_run(grid_run, capsys):
-    from pkvbench.results import read_rows
+    from pkvbench.store.results import read_rows
 
     run, prefills = grid_run
     assert list(run.results) == ["full-b16", "snapkv-b16"]
@@ -103,7 +103,7 @@ def test_rerun_skips_finished_configurations(grid_run, engine):
     """Each configuration's rows are written last: a rerun into the folder (after an interruption) runs only the
     configurations without rows — here none."""
     from pkvbench.lm_eval.run import evaluate_grid
-    from pkvbench.results import read_rows
+    from pkvbench.store.results import read_rows
 
     run, _ = grid_run
     before = read_rows(run.out)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pkvbench.errors import PkvError
-from pkvbench.metric_registry import METRICS
-from pkvbench.metrics import answer_lines, line_sequence, longest_common_subsequence, word_sequence
+from pkvbench.metrics.functions import answer_lines, line_sequence, longest_common_subsequence, word_sequence
+from pkvbench.metrics.registry import METRICS
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 

@@ -7,15 +7,15 @@ import pandas as pd
 import pytest
 import torch
 
-from pkvbench.axes import order_axes
-from pkvbench.budgets import Budget, keeps_fixed_set, parse_budgets, parse_memory
+from pkvbench.cell.budgets import Budget, keeps_fixed_set, parse_budgets, parse_memory
+from pkvbench.cell.kv_formats import CacheGeometry, KVFormat, MemoryTooSmall, memory_plan, planned_bytes
+from pkvbench.codecs.kivi import dequantize_keys, dequantize_values
 from pkvbench.engine.decoding import KeptEntries
 from pkvbench.engine.generation import kept_bytes
 from pkvbench.engine.quantized import StoredEntries, quantized_layers
 from pkvbench.errors import PkvError
-from pkvbench.kv_formats import CacheGeometry, KVFormat, MemoryTooSmall, memory_plan, planned_bytes
 from pkvbench.policies import parse_policy
-from pkvbench.quantize import dequantize_keys, dequantize_values
+from pkvbench.reports.axes import order_axes
 
 GEOMETRY = CacheGeometry(layers=4, kv_heads=3, head_dim=64)
 FORMATS = [KVFormat(16), KVFormat(8), KVFormat(4, group=16, residual=5), KVFormat(2, group=32, residual=0)]
@@ -246,7 +246,7 @@ def frontier_rows() -> pd.DataFrame:
 
 
 def test_the_frontier_marks_the_pareto_front_and_compares_each_target_with_its_best():
-    from pkvbench import frontier
+    from pkvbench.reports import frontier
 
     rows = frontier_rows()
     assert frontier.has_frontier(rows)

@@ -4,8 +4,7 @@ import math
 
 import pytest
 
-from pkvbench.metric_registry import METRICS
-from pkvbench.metrics import (
+from pkvbench.metrics.functions import (
     classification_one,
     code_sim_one,
     count_one,
@@ -25,6 +24,7 @@ from pkvbench.metrics import (
     rouge_l_one,
     rouge_zh_one,
 )
+from pkvbench.metrics.registry import METRICS
 
 
 def f_lcs(p: float, r: float) -> float:

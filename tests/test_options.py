@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from pkvbench import cli
 from pkvbench.config import LIST, options_of, read_run_config
 from pkvbench.options import BudgetsConfig, FunnelConfig, RunConfig, SampleConfig
-from pkvbench.runner import RunSettings
+from pkvbench.run.runner import RunSettings
 
 # The command's own options, which are no configuration field.
 COMMAND_ONLY = {"run": {"config_file", "html_file"}, "funnel": set(), "budgets": {"as_json", "plot_file"}}

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from pkvbench.outputs import MANIFEST
-from pkvbench.report import load_runs
+from pkvbench.reports.report import load_runs
+from pkvbench.store.outputs import MANIFEST
 
 RUNS = Path(__file__).parent / "fixtures" / "runs"
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -22,7 +22,7 @@ def pngs(folder: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory):
-    from pkvbench.plots import plot_runs
+    from pkvbench.reports.figures.plots import plot_runs
 
     out = tmp_path_factory.mktemp("figs")
     paths = plot_runs(load_runs([RUNS / "needle_a", RUNS / "needle_more", RUNS / "longbench_llama"]), out)
@@ -59,7 +59,7 @@ def test_curves_one_figure_per_model(rendered):
 
 
 def test_curve_points_and_full_reference():
-    from pkvbench.figure_data import curve_table, full_reference
+    from pkvbench.reports.figures.figure_data import curve_table, full_reference
 
     rows = load_runs([RUNS / "longbench_llama"]).rows
     points = curve_table(rows)

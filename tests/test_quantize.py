@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pkvbench.quantize import (
+from pkvbench.codecs.kivi import (
     dequantize_keys,
     dequantize_values,
     levels,

@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
-from pkvbench.budgets import Budget, parse_memory
+from pkvbench.cell.budgets import Budget, parse_memory
+from pkvbench.cell.kv_formats import KVFormat, planned_bytes
 from pkvbench.cli import main
 from pkvbench.errors import PkvError
-from pkvbench.kv_formats import KVFormat, planned_bytes
 from pkvbench.policies import parse_policy
-from pkvbench.results import read_rows
-from pkvbench.runner import Cell, check_formats, check_memory
+from pkvbench.run.runner import Cell, check_formats, check_memory
+from pkvbench.store.results import read_rows
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 

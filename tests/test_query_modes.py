@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pkvbench.budgets import Budget
+from pkvbench.cell.budgets import Budget
 from pkvbench.policies import parse_policy
-from pkvbench.runner import Cell, RunSettings, run_sample
+from pkvbench.run.runner import Cell, RunSettings, run_sample
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 

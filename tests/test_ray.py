@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pkvbench.cli import main
-from pkvbench.results import read_rows, row_key
+from pkvbench.store.results import read_rows, row_key
 
 GRID = [
     "--task",

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pkvbench.budgets import Budget, plan
+from pkvbench.cell.budgets import Budget, plan
 from pkvbench.engine.attention import accumulated_attention, bidirectional_attention_sums, window_attention_sums
 from pkvbench.policies import LayerStats, parse_policy
 from pkvbench.policies.pyramidkv import pyramid_reference
@@ -224,7 +224,7 @@ def test_the_reference_overspends_and_exact_does_not():
 
 
 def test_fraction_budgets_round_half_to_even_under_the_reference_protocol():
-    from pkvbench.budgets import parse_budgets
+    from pkvbench.cell.budgets import parse_budgets
 
     assert parse_budgets("0.125", "half-even")[0].entries(100) == 12  # round(12.5) = 12, as Python's round
     assert parse_budgets("0.125")[0].entries(100) == 13  # pkvbench: half up

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 
 from pkvbench.errors import PkvError
-from pkvbench.paper_compare import compare, load_reference
-from pkvbench.report import (
+from pkvbench.reports.paper_compare import compare, load_reference
+from pkvbench.reports.report import (
     length_bucket,
     load_runs,
     render,

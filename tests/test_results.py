@@ -3,7 +3,8 @@ import json
 import pytest
 
 from pkvbench.errors import PkvError
-from pkvbench.results import ResultStore, read_rows, summarize
+from pkvbench.reports.summary import summarize
+from pkvbench.store.results import ResultStore, read_rows
 
 
 def row(sample, policy="snapkv", budget=128, score=0.5):
@@ -23,7 +24,7 @@ def test_append_resume_and_summary(tmp_path):
         ("needle", "s2", "snapkv", "128", "aware"),
         ("needle", "s1", "full", "0.12", "aware"),
     }
-    table = again.write_summary()
+    table = again.write_summary(summarize(again.rows()))
     assert table.to_dict("records") == [
         # two samples: a resample's mean is one of 50, 75, 100, so the interval spans the two scores
         {

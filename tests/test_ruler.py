@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from pkvbench.errors import PkvError
-from pkvbench.metric_registry import METRICS
-from pkvbench.metrics import string_match_all, string_match_part
+from pkvbench.metrics.functions import string_match_all, string_match_part
+from pkvbench.metrics.registry import METRICS
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import all_tasks, build_samples, expand_tasks, get_task
 from pkvbench.tasks.ruler import DEPTHS, _singular, fit_length, split_sentences, zeta

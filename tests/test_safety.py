@@ -15,11 +15,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pkvbench import results
 from pkvbench.cli import main
 from pkvbench.errors import PkvError
-from pkvbench.lock import LOCK_NAME, FolderLock
-from pkvbench.results import ResultStore, differing_options, read_rows, row_key
+from pkvbench.reports.summary import summarize
+from pkvbench.run import merge
+from pkvbench.store.lock import LOCK_NAME, FolderLock
+from pkvbench.store.results import ResultStore, differing_options, read_rows, row_key
 from tests.test_adversarial import OPTIONS, ROWS, make_run, snapshot, write
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -137,7 +138,7 @@ def test_two_merges_into_one_new_folder_write_each_row_once(tmp_path, monkeypatc
     merged = tmp_path / "merged"
     assert cli(capsys, "merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(merged))[0] == 0
     before = snapshot(tmp_path)
-    monkeypatch.setattr(results, "_check_merge_target", lambda out, folders: None)
+    monkeypatch.setattr(merge, "_check_merge_target", lambda out, folders: None)
     code, _, err = cli(capsys, "merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(merged))
     assert code == 2 and "is not empty" in err
     assert snapshot(tmp_path) == before and len(read_rows(merged)) == 3
@@ -181,8 +182,8 @@ def test_a_resume_under_other_versions_is_refused_or_noted_and_the_record_keeps_
 
 
 def test_the_writing_rule_recognises_what_pkvbench_wrote_and_nothing_else(tmp_path):
-    from pkvbench.funnel import funnel_store
-    from pkvbench.outputs import MANIFEST, RESULTS_FILES, Outputs, write_file
+    from pkvbench.run.funnel import funnel_store
+    from pkvbench.store.outputs import MANIFEST, RESULTS_FILES, Outputs, write_file
 
     assert {path.name for path in funnel_store(tmp_path / "f").own_paths} <= RESULTS_FILES
     report = tmp_path / "out" / "report.md"
@@ -208,7 +209,7 @@ def test_the_writing_rule_recognises_what_pkvbench_wrote_and_nothing_else(tmp_pa
 # --- one writer per folder -----------------------------------------------------------------------------------------
 
 HOLD = (
-    "import sys, time\nfrom pkvbench.lock import FolderLock\n"
+    "import sys, time\nfrom pkvbench.store.lock import FolderLock\n"
     "FolderLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(600)\n"
 )
 
@@ -286,7 +287,7 @@ def test_rows_written_twice_count_once_with_a_note(tmp_path, capsys):
     make_run(tmp_path / "run", ROWS + ROWS)
     store = ResultStore(tmp_path / "run")
     assert store.rows() == ROWS and store.duplicates == 3
-    assert list(store.write_summary()["n"]) == [2, 1]  # not 4 and 2
+    assert list(store.write_summary(summarize(store.rows()))["n"]) == [2, 1]  # not 4 and 2
     code, _, err = cli(capsys, "report", str(tmp_path / "run"))
     assert code == 0 and "samples.jsonl: 3 row(s) repeat the key of an earlier row" in err
 
@@ -335,7 +336,7 @@ def test_a_failed_rewrite_leaves_the_previous_version(tmp_path, monkeypatch, fai
     monkeypatch.setattr(os, failing, full)
     store = ResultStore(run)
     with pytest.raises(PkvError, match=r"cannot write .*summary.csv: No space left on device"):
-        store.write_summary()
+        store.write_summary(summarize(store.rows()))
     with pytest.raises(PkvError, match=r"cannot write .*run.json: No space left on device"):
         store.record({"options": OPTIONS, "model": {"name": "other"}})
     monkeypatch.undo()
@@ -357,7 +358,7 @@ def test_appending_to_a_full_disk_is_one_line_and_keeps_the_rows(tmp_path, monke
 
 def test_atomic_writes_keep_permissions(tmp_path):
     make_run(tmp_path / "run").joinpath("summary.csv").chmod(0o640)
-    ResultStore(tmp_path / "run").write_summary()
+    ResultStore(tmp_path / "run").write_summary(summarize([]))
     assert (tmp_path / "run" / "summary.csv").stat().st_mode & 0o777 == 0o640
     ResultStore(tmp_path / "new").open({"options": OPTIONS})
     assert (tmp_path / "new" / "run.json").stat().st_mode & 0o777 == 0o666 & ~_umask()
@@ -398,7 +399,7 @@ def test_a_full_disk_during_a_run_is_one_line_and_keeps_the_summary(tmp_path, mo
 
 
 def test_needle_takes_sample_ids_and_refuses_unknown_ones(tokenizer):
-    from pkvbench.runner import work_items
+    from pkvbench.run.runner import work_items
     from pkvbench.tasks.base import TaskOptions
     from pkvbench.tasks.registry import get_task
 

@@ -1,4 +1,4 @@
-"""The result row's schema (pkvbench/schema.py) is the one place its fields and the query modes are spelled: the
+"""The result row's schema (pkvbench/cell/schema.py) is the one place its fields and the query modes are spelled: the
 runner's rows have exactly its fields, in its order, and the store, the reports and the page derive from it."""
 
 import ast
@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 import pkvbench
-from pkvbench import runner, schema
-from pkvbench.budgets import Budget
-from pkvbench.html_report import CONFIG_FIELDS, sample_fields
-from pkvbench.kv_formats import KVFormat
+from pkvbench.cell import schema
+from pkvbench.cell.budgets import Budget
+from pkvbench.cell.kv_formats import KVFormat
 from pkvbench.policies import parse_policy
-from pkvbench.results import row_key
+from pkvbench.reports.html_report import CONFIG_FIELDS, sample_fields
+from pkvbench.run import runner
+from pkvbench.store.results import row_key
 from pkvbench.tasks.base import Question, Sample, TaskSpec
 
 EXTRAS = {"length": 500, "needle": 0, "depth": 50.0}  # a task's own columns: after the schema's
@@ -70,7 +71,9 @@ def test_a_stored_cache_writes_its_storage_with_the_key():
 
 
 def test_a_column_the_schema_does_not_declare_is_refused():
-    with pytest.raises(KeyError, match="new_column: not a field of the result row; declare it in pkvbench/schema.py"):
+    with pytest.raises(
+        KeyError, match="new_column: not a field of the result row; declare it in pkvbench/cell/schema.py"
+    ):
         schema.arrange({"task": "needle", "new_column": 1})
 
 

@@ -52,7 +52,7 @@ def test_deterministic_kernels_are_asked_for_without_importing_the_compiler():
     # never compiles. make_deterministic sets the same switches without it.
     script = (
         "import os, sys, torch\n"
-        "from pkvbench.provenance import make_deterministic\n"
+        "from pkvbench.run.provenance import make_deterministic\n"
         "make_deterministic(0)\n"
         "assert torch.are_deterministic_algorithms_enabled()\n"
         "assert torch.is_deterministic_algorithms_warn_only_enabled()\n"

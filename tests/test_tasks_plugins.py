@@ -1,5 +1,5 @@
 """Task generators and metrics register like policies: built-in ones by name, those of other packages through the
-entry point groups ``pkvbench.tasks`` and ``pkvbench.metrics``, each imported when a task names it; a broken plugin
+entry point groups ``pkvbench.tasks`` and ``pkvbench.metrics.functions``, each imported when a task names it; a broken plugin
 is one line that names it."""
 
 import importlib.metadata
@@ -11,9 +11,9 @@ from plugin_package import install_plugin, pkvbench_with
 
 from pkvbench import plugins
 from pkvbench.errors import PkvError
-from pkvbench.metric_registry import BUILTIN as BUILTIN_METRICS
-from pkvbench.metric_registry import METRICS
-from pkvbench.metrics import rouge1
+from pkvbench.metrics.functions import rouge1
+from pkvbench.metrics.registry import BUILTIN as BUILTIN_METRICS
+from pkvbench.metrics.registry import METRICS
 from pkvbench.tasks.needle import NEEDLE_GENERATOR
 from pkvbench.tasks.registry import GENERATORS, catalog
 
@@ -165,7 +165,7 @@ def installed(monkeypatch):
 
 
 def test_plugins_follow_the_built_ins_and_load_when_asked_for(installed):
-    installed("pkvbench.metrics", zz_rouge="pkvbench.metrics:rouge1", broken="no_such_module:metric")
+    installed("pkvbench.metrics", zz_rouge="pkvbench.metrics.functions:rouge1", broken="no_such_module:metric")
     assert list(METRICS) == [*BUILTIN_METRICS, "broken", "zz_rouge"]
     assert "broken" in METRICS and "bleu" not in METRICS
     assert METRICS["zz_rouge"] is rouge1  # the broken one, never asked for, stops nothing
@@ -182,7 +182,7 @@ def test_a_plugin_cannot_take_a_name_already_taken(installed):
 
 def test_a_task_file_names_a_plugin_generator_and_metric(installed, tmp_path):
     installed("pkvbench.tasks", needle_again="pkvbench.tasks.needle:NEEDLE_GENERATOR")
-    installed("pkvbench.metrics", rouge_again="pkvbench.metrics:rouge1")
+    installed("pkvbench.metrics", rouge_again="pkvbench.metrics.functions:rouge1")
     (tmp_path / "mine.yaml").write_text(
         Path(catalog().get("needle").source)
         .read_text()

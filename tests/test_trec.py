@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from pkvbench.errors import PkvError
-from pkvbench.metric_registry import METRICS
-from pkvbench.metrics import prepare_prediction
+from pkvbench.metrics.functions import prepare_prediction
+from pkvbench.metrics.registry import METRICS
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
 from pkvbench.tasks.trec import read_trec

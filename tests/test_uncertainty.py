@@ -1,4 +1,4 @@
-"""Intervals, paired tests, Holm and sample sizes (pkvbench.stats, pkvbench.paired) on known cases. No model."""
+"""Intervals, paired tests, Holm and sample sizes (pkvbench.reports.stats, pkvbench.reports.paired) on known cases. No model."""
 
 import json
 import math
@@ -7,10 +7,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pkvbench import stats
 from pkvbench.cli import main
-from pkvbench.paired import ALL_TASKS, matrix_markdown, pairwise, power_table
-from pkvbench.report import load_runs, render, report_table
+from pkvbench.reports import stats
+from pkvbench.reports.paired import ALL_TASKS, matrix_markdown, pairwise, power_table
+from pkvbench.reports.report import load_runs, render, report_table
 
 
 def test_identical_columns_differ_by_zero_with_p_one():

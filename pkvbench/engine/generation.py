@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pkvbench import budgets, kv_formats
+from pkvbench.cell import budgets, kv_formats
 from pkvbench.engine.architecture import Architecture
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries

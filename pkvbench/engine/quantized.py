@@ -2,7 +2,7 @@
 
 A policy selects its entries from full-precision statistics; ``StoredEntries.store`` then keeps them in a
 ``kv_formats.KVFormat``: 16 bits (every entry, widened for attention where the model computes in float32), or KIVI's
-8/4/2-bit integers (``pkvbench.quantize``) for all but each head's last R entries, which stay in 16 bits (the
+8/4/2-bit integers (``pkvbench.codecs.kivi``) for all but each head's last R entries, which stay in 16 bits (the
 residual). The stored tensors are all there is: ``nbytes`` is their sum, what a row's ``kv_bytes`` records.
 
 ``QuantizedLayer`` (in the style of transformers' ``cache_utils`` quantized layers) holds one layer of a batch of
@@ -21,10 +21,10 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from pkvbench.cell.kv_formats import KVFormat
+from pkvbench.codecs.kivi import Quantized, dequantize_keys, dequantize_values, quantize_keys, quantize_values
 from pkvbench.engine.cache import RaggedLayer, host_copy
 from pkvbench.errors import PkvError
-from pkvbench.kv_formats import KVFormat
-from pkvbench.quantize import Quantized, dequantize_keys, dequantize_values, quantize_keys, quantize_values
 
 
 @dataclass

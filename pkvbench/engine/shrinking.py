@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pkvbench import budgets
+from pkvbench.cell import budgets
 from pkvbench.engine.attention import attention_softmax, last_queries_sums, rotate_moments, soft_cap_
 from pkvbench.engine.cache import RaggedCache
 from pkvbench.engine.sliding import PositionedLayer

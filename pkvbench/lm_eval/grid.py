@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pkvbench import api
-from pkvbench.budgets import parse_decode_budgets
+from pkvbench.cell.budgets import parse_decode_budgets
+from pkvbench.cell.models import DEFAULT_MODEL
+from pkvbench.cell.schema import AGNOSTIC, AWARE, arrange
 from pkvbench.config import whole
-from pkvbench.engine.models import DEFAULT_MODEL, check_model_name
+from pkvbench.engine.models import check_model_name
 from pkvbench.errors import PkvError
 from pkvbench.policies.spec import parse_policies
-from pkvbench.results import row_key
-from pkvbench.runner import Cell, RunSettings, check_formats, check_memory, row_identity, run_sample
-from pkvbench.schema import AGNOSTIC, AWARE, arrange
+from pkvbench.run.runner import Cell, RunSettings, check_formats, check_memory, row_identity, run_sample
+from pkvbench.store.results import row_key
 from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec
 
 # Model args that take a grid's values. Through ``lm_eval --model_args`` (whose values cannot hold a comma) they are

@@ -22,7 +22,8 @@ from typing import Any
 from pkvbench.errors import PkvError, first_line
 from pkvbench.lm_eval import BOOTSTRAP_ITERS, require_lm_eval
 from pkvbench.lm_eval.grid import Grid, GridSpec, cell_key, result_row
-from pkvbench.results import ResultStore
+from pkvbench.reports.summary import summarize
+from pkvbench.store.results import ResultStore
 
 LM_EVAL_FOLDER = "lm_eval"  # under --out: one folder per configuration
 
@@ -91,7 +92,7 @@ def evaluate_grid(
 
     from pkvbench import api
     from pkvbench.lm_eval.backend import PkvbenchLM
-    from pkvbench.provenance import provenance
+    from pkvbench.run.provenance import provenance
 
     spec = grid.spec if grid is not None else GridSpec.parse(model_args)
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its INFO lines per task and configuration bury ours
@@ -141,7 +142,7 @@ def evaluate_grid(
             run.results[label] = results
             store.extend(rows)  # last, in one write: a configuration with rows is done, and a rerun skips it
             run.rows += len(rows)
-        run.summary = store.write_summary()
+        run.summary = store.write_summary(summarize(store.rows()))
     run.notes = list(dict.fromkeys(run.notes))
     return run
 

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from pkvbench import budgets
+from pkvbench.cell import budgets
 from pkvbench.config import option_text
 
 

@@ -6,11 +6,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pkvbench.cell.schema import PROTOCOLS
 from pkvbench.config import as_list, excerpt, option_text, parse_float, parse_int
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import Policy
 from pkvbench.policies.registry import default_grid, registry
-from pkvbench.schema import PROTOCOLS
 
 
 def parse_option_pairs(pairs: list[str]) -> dict[str, str]:

@@ -12,7 +12,7 @@ on the answer's own previous line), for measuring compression while the answer i
   words. Each line starts with the previous line's last word (the answer's own tokens) and ends with a word found only
   by looking that fact up.
 
-The lists are scored by ``line_sequence`` (metrics.py): the longest common subsequence of the answer's lines and the
+The lists are scored by ``line_sequence`` (metrics/functions.py): the longest common subsequence of the answer's lines and the
 prediction's, over the answer's lines, so a skipped or repeated line costs one line, not the rest of the list; the
 passage by ``word_sequence``, the same over words. The words are wonderwords' nouns, passages' starts drawn per sample
 from a generator seeded by ``--seed`` and the sample's number.

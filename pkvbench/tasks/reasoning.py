@@ -9,7 +9,7 @@ saying where to put the file.
 Prompt: the YAML's ``prompt`` with ``{question}`` as the one user turn of the model's chat template (DeepSeek-R1's
 recommended instruction: reason step by step and put the final answer in ``\\boxed{}``); the problem is the context,
 the instruction after it the question (what ``--query-mode agnostic`` adds after compression). The answer is scored by the task's metric
-(metrics.py: ``gsm8k_number``, ``math_equivalence``); the reference answer is extracted as the set's own code does
+(metrics/functions.py: ``gsm8k_number``, ``math_equivalence``); the reference answer is extracted as the set's own code does
 (GSM8K: the number after ``####``; MATH-500 and AIME: the ``answer`` field).
 """
 

@@ -6,7 +6,7 @@ The built-in definitions are the YAML files of the project's ``tasks/`` folder, 
 known generator and metric, the generator's own keys, no name defined twice. An error names the file.
 
 Generators are registered by name like policies (``pkvbench.plugins``): the built-in ones in ``BUILTIN_GENERATORS``,
-other packages' through the entry point group ``pkvbench.tasks``; metrics likewise in ``pkvbench.metric_registry``.
+other packages' through the entry point group ``pkvbench.tasks``; metrics likewise in ``pkvbench.metrics.registry``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from pkvbench.config import options_of
 from pkvbench.errors import PkvError
 from pkvbench.io import parse_yaml
-from pkvbench.metric_registry import METRICS
-from pkvbench.metrics import PREDICTION_RULES
-from pkvbench.options import SampleConfig
+from pkvbench.metrics.functions import PREDICTION_RULES
+from pkvbench.metrics.registry import METRICS
 from pkvbench.plugins import Registry
 from pkvbench.tasks.base import Generator, Sample, TaskOptions, TaskSpec, refuse_repeated_samples
 
@@ -303,17 +301,15 @@ def build_samples(spec: TaskSpec, tokenizer, options: TaskOptions) -> list[Sampl
     return refuse_repeated_samples(spec.name, GENERATORS[spec.generator].build(tokenizer, spec, options))
 
 
-def check_sample_options(tasks: list[TaskSpec], options: TaskOptions) -> None:
-    """A sample option that none of the tasks is shaped by would be ignored without a word: refuse it."""
+def unshaped_sample_options(tasks: list[TaskSpec], options: TaskOptions) -> list[tuple[str, list[str]]]:
+    """The sample options given that shape none of ``tasks`` (they would be ignored without a word), each with the
+    generators it does shape: ``(option, generators)``, for the caller to refuse in its own spelling of the option."""
     taken = {option for task in tasks for option in GENERATORS[task.generator].shaped_by}
-    for option in SHAPING_OPTIONS:
-        if getattr(options, option) is not None and option not in taken:
-            flag = options_of(SampleConfig)[option].flag
-            users = [name for name in GENERATORS if option in _shaped_by(name)]
-            raise PkvError(
-                f"{flag} shapes none of the tasks asked for ({', '.join(t.name for t in tasks)}); it shapes the "
-                f"tasks made by the generators {', '.join(users)} (see `pkvbench list`)"
-            )
+    return [
+        (option, [name for name in GENERATORS if option in _shaped_by(name)])
+        for option in SHAPING_OPTIONS
+        if getattr(options, option) is not None and option not in taken
+    ]
 
 
 def _shaped_by(generator: str) -> tuple[str, ...]:

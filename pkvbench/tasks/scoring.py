@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 from pkvbench.errors import PkvError
-from pkvbench.metric_registry import METRICS
-from pkvbench.metrics import LENGTH_BUCKETS, dataset_score, length_bucket, prepare_prediction
+from pkvbench.metrics.functions import LENGTH_BUCKETS, dataset_score, length_bucket, prepare_prediction
+from pkvbench.metrics.registry import METRICS
 from pkvbench.tasks.longbench import is_string_list
 from pkvbench.tasks.registry import all_tasks
 

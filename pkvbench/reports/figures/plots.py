@@ -24,12 +24,19 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import LinearSegmentedColormap, Normalize
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-from pkvbench.axes import AGNOSTIC_SUFFIX, SERIES, is_full, present, with_query_modes
 from pkvbench.errors import PkvError
-from pkvbench.figure_data import NEEDLE_COLOURS, curve_table, full_reference, needle_cells, needle_rows, policy_colour
 from pkvbench.io import atomic_write
-from pkvbench.outputs import Outputs
-from pkvbench.report import Runs, model_display_name
+from pkvbench.reports.axes import AGNOSTIC_SUFFIX, SERIES, is_full, present, with_query_modes
+from pkvbench.reports.figures.figure_data import (
+    NEEDLE_COLOURS,
+    curve_table,
+    full_reference,
+    needle_cells,
+    needle_rows,
+    policy_colour,
+)
+from pkvbench.reports.report import Runs, model_display_name
+from pkvbench.store.outputs import Outputs
 
 NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", NEEDLE_COLOURS)
 DPI = 100
@@ -349,9 +356,9 @@ def plot_funnel(per_layer: pd.DataFrame, overlays: dict[str, dict], title: str, 
     """Per-layer attention statistics (mean, shaded ± one std over samples), one panel per task, with the per-layer
     budget PyramidKV would give that task's prompts as bars on a second axis (``overlays[task]``: ``per_layer``,
     ``uniform``, ``label``)."""
-    from pkvbench.funnel import STATISTICS
+    from pkvbench.cell.schema import FUNNEL_STATISTICS
 
-    shares = [name for name in STATISTICS if name != "keys_for_90"]  # the ones on a 0–1 scale
+    shares = [name for name in FUNNEL_STATISTICS if name != "keys_for_90"]  # the ones on a 0–1 scale
     tasks = list(dict.fromkeys(per_layer["task"]))
     fig, axes = plt.subplots(len(tasks), 1, figsize=(10, 4.2 * len(tasks)), squeeze=False)
     palette = {name: policy_colour(i) for i, name in enumerate(shares)}

@@ -2,7 +2,7 @@
 or KIVI's 8/4/2-bit integers), the bytes a cache of some entries takes in one (``CacheGeometry``, ``planned_bytes``),
 and how many entries a memory budget buys (``memory_plan``).
 
-Pure arithmetic, no tensors: ``quantize.py`` is the quantizer itself, and a test holds these byte counts against the
+Pure arithmetic, no tensors: ``codecs/kivi.py`` is the quantizer itself, and a test holds these byte counts against the
 stored tensors' own sizes (docs/memory.md). A memory budget's parsing is a budget's (``budgets.py``).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pkvbench.budgets import MEMORY_PREFIX, Budget, LayerPlan, layer_budgets
+from pkvbench.cell.budgets import MEMORY_PREFIX, Budget, LayerPlan, layer_budgets
 from pkvbench.errors import PkvError
 
 KV_BITS = (2, 4, 8, 16, 32)  # what --kv-bits accepts; below 16 KIVI's integers, 32 only where the model computes so
@@ -46,7 +46,7 @@ class KVFormat:
     ``bits`` 16 (where the model computes wider): every entry in 16 bits, widened for attention. ``bits`` 8/4/2:
     KIVI — per head, the last ``residual`` kept entries in 16 bits, the ones before them as packed integers, keys per
     channel in groups of ``group`` tokens, values per token in groups of ``group`` channels, each group's scale and
-    minimum in 16 bits (``pkvbench.quantize``)."""
+    minimum in 16 bits (``pkvbench.codecs.kivi``)."""
 
     bits: int
     group: int = DEFAULT_GROUP

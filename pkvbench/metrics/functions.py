@@ -1,7 +1,7 @@
 """Scoring functions: pure, each maps (prediction, answers, meta) to a score in [0, 1].
 
 ``meta`` carries what a metric needs besides the answers (e.g. a classification task's ``all_classes``). A task's
-``metric:`` names one through ``pkvbench.metric_registry``.
+``metric:`` names one through ``pkvbench.metrics.registry``.
 """
 
 from __future__ import annotations

@@ -38,10 +38,10 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from pkvbench.axes import present
+from pkvbench.cell.schema import AWARE, CELL_KEY, DEFAULT_QUERY_MODE
 from pkvbench.errors import PkvError
-from pkvbench.outputs import Outputs
-from pkvbench.report import (
+from pkvbench.reports.axes import present
+from pkvbench.reports.report import (
     Runs,
     interval_columns,
     model_display_name,
@@ -49,8 +49,8 @@ from pkvbench.report import (
     to_csv,
     to_markdown,
 )
-from pkvbench.schema import AWARE, CELL_KEY, DEFAULT_QUERY_MODE
-from pkvbench.stats import group_interval
+from pkvbench.reports.stats import group_interval
+from pkvbench.store.outputs import Outputs
 
 # kvpress's presses (the names of its evaluation/evaluate_registry.py) and the pkvbench policy that is each one under
 # the ``kvpress`` preset (``--protocol kvpress``; the pairs ``docs/kvpress-crosscheck.md`` compares, kept sets

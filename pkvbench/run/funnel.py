@@ -20,12 +20,13 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from pkvbench.budgets import Budget, plan
+from pkvbench.cell.budgets import Budget, plan
+from pkvbench.cell.schema import FUNNEL_STATISTICS
 from pkvbench.engine.attention import window_attention_probs
 from pkvbench.errors import PkvError
 from pkvbench.io import atomic_write
 from pkvbench.policies.spec import parse_policy
-from pkvbench.results import ResultStore
+from pkvbench.store.results import ResultStore
 
 SAMPLES = "funnel_samples.jsonl"
 INFO = "funnel.json"
@@ -35,14 +36,6 @@ VERDICT = "verdict.txt"
 FIGURE = "funnel.png"
 
 # What each statistic means, in the order tables and plots show them. All lie in [0, 1] except keys_for_90.
-STATISTICS = {
-    "entropy": "entropy of the attention / log(keys it sees): 1 = uniform, 0 = one key",
-    "top1pct_mass": "share of the attention on the top 1% of keys",
-    "topk_mass": "share of the attention on the top k keys (k = --top-k)",
-    "sink_mass": "share of the attention on the first s tokens (s = --sink)",
-    "keys_for_90_frac": "fewest keys holding 90% of the attention, as a share of the keys seen",
-    "keys_for_90": "fewest keys holding 90% of the attention",
-}
 MASS_TARGET = 0.9
 
 
@@ -54,8 +47,8 @@ def check_record(record: dict, where: str) -> None:
     """A line of funnel_samples.jsonl as ``run_funnel`` writes it."""
     if not isinstance(record.get("task"), str) or not isinstance(record.get("sample_id"), (str, int)):
         raise PkvError(f"{where}: not a funnel record (needs task and sample_id)")
-    if not isinstance(record.get("stats"), dict) or not set(STATISTICS) <= set(record["stats"]):
-        raise PkvError(f"{where}: not a funnel record (needs stats with {', '.join(STATISTICS)})")
+    if not isinstance(record.get("stats"), dict) or not set(FUNNEL_STATISTICS) <= set(record["stats"]):
+        raise PkvError(f"{where}: not a funnel record (needs stats with {', '.join(FUNNEL_STATISTICS)})")
 
 
 def funnel_store(out: str | Path) -> ResultStore:
@@ -71,7 +64,7 @@ def funnel_store(out: str | Path) -> ResultStore:
 
 
 def attention_statistics(probs: torch.Tensor, visible: torch.Tensor, sink: int, top_k: int) -> dict[str, torch.Tensor]:
-    """Per head, each statistic of ``STATISTICS`` averaged over the rows of ``probs``.
+    """Per head, each statistic of ``FUNNEL_STATISTICS`` averaged over the rows of ``probs``.
 
     ``probs`` is ``[H, R, T]``: R attention distributions per head over T keys, row r non-zero only on its first
     ``visible[r]`` keys (a causal query sees the keys up to itself). Returns ``{statistic: [H]}``.
@@ -101,7 +94,7 @@ def attention_statistics(probs: torch.Tensor, visible: torch.Tensor, sink: int, 
         "keys_for_90_frac": for_90 / seen,
         "keys_for_90": for_90.double(),
     }
-    return {name: values[name].mean(dim=1).float() for name in STATISTICS}
+    return {name: values[name].mean(dim=1).float() for name in FUNNEL_STATISTICS}
 
 
 @dataclass
@@ -131,7 +124,7 @@ def measure_sample(engine, input_ids: list[int], window: int, sink: int, top_k: 
     layers = [recorder.layers[i] for i in range(engine.loaded.num_layers)]
     # Six significant digits are far beyond what differs between samples, and keep the per-sample log small.
     return {
-        name: [[float(f"{v:.6g}") for v in layer[name].tolist()] for layer in layers] for name in STATISTICS
+        name: [[float(f"{v:.6g}") for v in layer[name].tolist()] for layer in layers] for name in FUNNEL_STATISTICS
     }, seconds
 
 
@@ -149,7 +142,7 @@ def sample_frame(records: list[dict]) -> pd.DataFrame:
                         "context_tokens": record["context_tokens"],
                         "layer": layer,
                         "head": head,
-                        **{name: stats[name][layer][head] for name in STATISTICS},
+                        **{name: stats[name][layer][head] for name in FUNNEL_STATISTICS},
                     }
                 )
     return pd.DataFrame(rows)
@@ -162,7 +155,7 @@ def funnel_tables(frame: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     ``head_std``/``head_min``/``head_max`` over heads (each a mean over samples) — PyramidKV sets one budget per
     layer for all its heads, so how far heads differ matters.
     """
-    names = list(STATISTICS)
+    names = list(FUNNEL_STATISTICS)
     long = frame.melt(id_vars=["task", "sample_id", "layer", "head"], value_vars=names, var_name="statistic")
     per_sample = long.groupby(["task", "statistic", "layer", "sample_id"], sort=False)["value"]
     layer_values = per_sample.agg(value="mean", head_std="std", head_min="min", head_max="max").reset_index()

@@ -5,7 +5,7 @@ partial last line (a kill mid-write) is cut off when the folder is opened again.
 skips the rows already there.
 
 A store touches nothing it did not write. ``claim`` checks the folder before anything slow and locks it for one
-writer (``pkvbench.lock``); the folder changes only when the run's first row is written (or the run ends with
+writer (``pkvbench.store.lock``); the folder changes only when the run's first row is written (or the run ends with
 nothing left to compute): a folder being replaced (``--overwrite``) loses its previous pkvbench files then, never a
 file of anyone else's, and a run refused or failed before its first row leaves the folder as it was (a folder it
 made is removed again). ``run.json`` and
@@ -24,7 +24,9 @@ from typing import Any
 
 import pandas as pd
 
-from pkvbench.budgets import ALL, MEMORY_PREFIX, REMOVED_PREFIX, Budget, budget_label
+from pkvbench.cell.budgets import ALL, MEMORY_PREFIX, REMOVED_PREFIX, Budget, budget_label
+from pkvbench.cell.kv_formats import KVFormat
+from pkvbench.cell.schema import DEFAULT_QUERY_MODE, QUERY_MODES
 from pkvbench.errors import PkvError
 from pkvbench.io import (
     atomic_write,
@@ -35,9 +37,7 @@ from pkvbench.io import (
     read_json_lines,
     remove_file,
 )
-from pkvbench.kv_formats import KVFormat
-from pkvbench.lock import LOCK_NAME, FolderLock
-from pkvbench.schema import CELL_KEY, DEFAULT_QUERY_MODE, QUERY_MODES
+from pkvbench.store.lock import LOCK_NAME, FolderLock
 
 ROWS = "samples.jsonl"
 SUMMARY = "summary.csv"
@@ -437,55 +437,15 @@ class ResultStore:
         finally:
             os.close(fd)
 
-    def write_summary(self) -> pd.DataFrame:
+    def write_summary(self, table: pd.DataFrame) -> pd.DataFrame:
+        """Write ``table`` (``reports.summary.summarize`` of the rows) as ``summary.csv``, recording the run first
+        where nothing has yet."""
         self._write_record()
-        table = summarize(self.rows())
         atomic_write(self.dir / SUMMARY, table.to_csv(index=False))
         return table
 
 
-def summarize(rows: list[Row]) -> pd.DataFrame:
-    """``task, policy, budget, [query_mode,] [decode_budget,] n, score, ci_low, ci_high``: score the mean × 100, two
-    decimals (LongBench's convention), with its 95% bootstrap interval over samples (``stats.mean_interval``);
-    ``query_mode`` when the rows record it, ``decode_budget`` when any row has one."""
-    from pkvbench.stats import cell_scores
-
-    stored = any(stored_as(row) for row in rows)
-    # rows read back from disk say "none" (or NaN) where no budget was set: only a real one is an axis
-    decoding = any(decode_budget_label(row.get("decode_budget")) != "none" for row in rows)
-    present = {"query_mode": any("query_mode" in row for row in rows), "decode_budget": decoding}
-    # the cell's key where the rows have it (one run: one model), its storage as the bits beside the policy
-    key = [name for name in CELL_KEY if name not in ("model", "kv_stored") and present.get(name, True)]
-    at = key.index("policy") + 1
-    axes = [*key[:at], *(["kv_bits"] if stored else []), *key[at:]]
-    columns = [*axes, "n", "score", "ci_low", "ci_high"]
-    if not rows:
-        return pd.DataFrame(columns=columns)
-    frame = pd.DataFrame(rows)
-    frame["budget"] = [budget_label(row["budget"]) for row in rows]
-    if stored:  # the bits each value was stored in are an axis of the grid (docs/memory.md)
-        frame["kv_bits"] = [bits_label(row) for row in rows]
-    if "query_mode" in axes:
-        frame["query_mode"] = frame["query_mode"].fillna(DEFAULT_QUERY_MODE)
-    if decoding:
-        frame["decode_budget"] = [decode_budget_label(row.get("decode_budget")) for row in rows]
-    frame["score"] = pd.to_numeric(frame["score"], errors="coerce")
-    return cell_scores(frame, axes)
-
-
 # --- merging ---------------------------------------------------------------------------------------------------------
-
-
-def _check_merge_target(out: Path, folders: list[Path]) -> None:
-    """``--out`` is a new (or empty) folder that is none of the inputs and holds none of them."""
-    target = out.resolve()
-    for folder in folders:
-        source = folder.resolve()
-        if target == source or target in source.parents:
-            relation = "is" if target == source else "contains"
-            raise PkvError(f"--out {out} {relation} the input {folder}; merge into a new folder")
-    if out.is_dir() and any(out.iterdir()):
-        raise PkvError(f"--out {out} is not empty; merge writes a new folder and leaves existing ones alone")
 
 
 def shards_held(folder: Path, record: dict[str, Any]) -> tuple[int, set[int]] | None:
@@ -510,85 +470,3 @@ def missing_shards(record: dict[str, Any]) -> str | None:
     if not isinstance(shards, dict) or not shards.get("missing"):
         return None
     return ", ".join(f"{i}/{shards['count']}" for i in shards["missing"])
-
-
-def _split(sources: list[Path], records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """What a merge of ``sources`` holds of their split: ``{count, merged, missing}``; None where one of them is a
-    whole run (or none is a shard). Shards of splits into different counts are refused: they take other samples."""
-    first, covered, whole = None, set(), False
-    for folder, record in zip(sources, records):
-        held = shards_held(folder, record)
-        if held is None:
-            whole = True
-            continue
-        if first is not None and held[0] != first[1]:
-            raise PkvError(
-                f"{folder} is a shard of a split into {held[0]}, {first[0]} of one into {first[1]}: shards of two "
-                "splits take other samples; merge the shards of one split"
-            )
-        first = first or (folder, held[0])
-        covered |= held[1]
-    if first is None or whole:
-        return None
-    count = first[1]
-    return {"count": count, "merged": sorted(covered), "missing": sorted(set(range(1, count + 1)) - covered)}
-
-
-def merge_runs(folders: list[str | os.PathLike], out: str | os.PathLike) -> tuple[int, int, str | None]:
-    """Combine run folders (typically the shards of one run) into the new folder ``out``; returns (rows written,
-    duplicates dropped, the shards missing: ``missing_shards``).
-
-    The folders must come from the same run options, shard aside, and no run may be writing them; shards must be of
-    one split (``1/2`` with ``3/3`` is refused), and the shards a merge lacks are recorded in its ``run.json``
-    (``shards``: count, merged, missing) and said. A key present in two folders is kept once; if the two rows
-    disagree on the prediction the merge is refused, since that means the runs were not the same. A merge that
-    fails leaves no files in ``out``.
-    """
-    out, sources = Path(out), [Path(f) for f in folders]
-    _check_merge_target(out, sources)
-    records = []
-    for folder in sources:
-        holder = FolderLock(folder).holder()
-        if holder:
-            raise PkvError(f"{folder} is being written by a running pkvbench ({holder}); merge it once that run ends")
-        if not (folder / RUN).is_file():
-            raise PkvError(f"{folder} is not a run folder (no {RUN})")
-        records.append(read_run_record(folder / RUN))
-
-    def unsharded(options: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in comparable_options(options).items() if k != "shard"}
-
-    base = unsharded(records[0]["options"])
-    for folder, record in zip(sources, records):
-        changed = differing_keys(base, unsharded(record["options"]))
-        if changed:
-            raise PkvError(f"{folder} was run with other options than {sources[0]} ({', '.join(changed)} differ)")
-        decisive = version_changes(records[0], record)[0]
-        if decisive:
-            raise PkvError(f"{folder} was run under other versions than {sources[0]} ({', '.join(decisive)})")
-    split = _split(sources, records)
-    merged: dict[tuple, Row] = {}
-    duplicates = 0
-    for folder in sources:
-        for row in read_rows(folder):
-            key = row_key(row)
-            if key in merged:
-                if (merged[key].get("pred"), merged[key]["score"]) != (row.get("pred"), row["score"]):
-                    raise PkvError(f"{folder}: row {key} disagrees with an earlier folder's; not merging")
-                duplicates += 1
-                continue
-            merged[key] = row
-    options = {k: v for k, v in records[0]["options"].items() if k != "shard"}
-    with ResultStore(out).claim(options) as store:
-        if not store.is_empty():  # checked again under the lock: another merge may have filled it meanwhile
-            raise PkvError(f"--out {out} is not empty; merge writes a new folder and leaves existing ones alone")
-        try:
-            record = {**records[0], "options": options, "merged_from": [str(f) for f in sources]}
-            record.pop("shards", None)  # an input's: this merge's own, if any, below
-            store.record({**record, **({"shards": split} if split else {})})
-            store.extend(list(merged.values()))
-            store.write_summary()
-        except BaseException:
-            store.discard()
-            raise
-    return len(merged), duplicates, missing_shards({"shards": split})

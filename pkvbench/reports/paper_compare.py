@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from pkvbench.axes import KEY, present, task_order
 from pkvbench.config import option_text
 from pkvbench.errors import PkvError
-from pkvbench.options import PAPER_REFERENCE
-from pkvbench.report import Runs, model_display_name
-from pkvbench.stats import group_interval, mean_interval
+from pkvbench.reports.axes import KEY, present, task_order
+from pkvbench.reports.choices import PAPER_REFERENCE
+from pkvbench.reports.report import Runs, model_display_name
+from pkvbench.reports.stats import group_interval, mean_interval
 
 REFERENCE_PACKAGE = "pkvbench.reference_tables"  # the project's results/reference/, installed as package data
 REFERENCES = {PAPER_REFERENCE: "pyramidkv_table1.csv"}

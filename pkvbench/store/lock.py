@@ -1,4 +1,4 @@
-"""One writer per folder: an advisory lock on ``<folder>/.pkvbench.lock``, held for as long as a process writes there.
+"""One writer per folder: an advisory lock on ``<folder>/.pkvbench.store.lock``, held for as long as a process writes there.
 
 The lock is ``flock`` on the file: it belongs to the open file and goes with the process, so a run killed by SIGKILL
 never leaves a stale lock behind. The file says who holds it (pid, host, command, since when), so a second process

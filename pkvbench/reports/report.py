@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from pkvbench.axes import ROW_AXES, order_axes, present
-from pkvbench.budgets import budget_label
+from pkvbench.cell.budgets import budget_label
+from pkvbench.cell.schema import AWARE, DEFAULT_QUERY_MODE, FORMATS, REQUIRED, TABLE_KEY
 from pkvbench.errors import PkvError
-from pkvbench.lock import FolderLock
-from pkvbench.results import (
+from pkvbench.reports.axes import ROW_AXES, order_axes, present
+from pkvbench.reports.stats import group_interval, mean_interval
+from pkvbench.store.lock import FolderLock
+from pkvbench.store.results import (
     ROWS,
     RUN,
     bits_label,
@@ -34,8 +36,6 @@ from pkvbench.results import (
     stored_as,
     unique_rows,
 )
-from pkvbench.schema import AWARE, DEFAULT_QUERY_MODE, FORMATS, REQUIRED, TABLE_KEY
-from pkvbench.stats import group_interval, mean_interval
 
 # LongBench-E buckets of the sample's ``length`` field, as LongBench's own eval.py cuts them.
 LENGTH_BUCKETS = (("0-4k", 0, 4000), ("4-8k", 4000, 8000), ("8k+", 8000, math.inf))
@@ -65,7 +65,7 @@ def run_folders(paths: list[str | os.PathLike]) -> list[Path]:
 
 def model_display_name(model: str) -> str:
     """A readable model name for titles: the alias's real name, or the last part of a Hugging Face id."""
-    from pkvbench.engine.models import ALIASES  # light: no torch at import time
+    from pkvbench.cell.models import ALIASES
 
     if model in ALIASES:
         return ALIASES[model].filename.split(".")[0]

@@ -15,10 +15,10 @@ import math
 
 import pandas as pd
 
-from pkvbench.axes import ROW_AXES
 from pkvbench.errors import PkvError
-from pkvbench.report import markdown_escape, row_axes
-from pkvbench.stats import ALPHA, holm, paired_difference, samples_needed
+from pkvbench.reports.axes import ROW_AXES
+from pkvbench.reports.report import markdown_escape, row_axes
+from pkvbench.reports.stats import ALPHA, holm, paired_difference, samples_needed
 
 ALL_TASKS = "all tasks"  # the group row: every task of the model, each weighted equally
 COLUMNS = [

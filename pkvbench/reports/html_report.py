@@ -25,12 +25,14 @@ import pandas as pd
 import vl_convert
 from altair.utils.html import vl_version_for_vl_convert
 
-from pkvbench import frontier
 from pkvbench._version import __version__
-from pkvbench.axes import LINE_KEY, ROW_AXES, SERIES, is_full, present
+from pkvbench.cell.schema import DEFAULT_QUERY_MODE, FIELDS, LOADED, SAMPLE, TEXT, fields_of
 from pkvbench.errors import PkvError
-from pkvbench.figure_data import full_reference
-from pkvbench.html_figures import (
+from pkvbench.reports import frontier
+from pkvbench.reports.axes import LINE_KEY, ROW_AXES, SERIES, is_full, present
+from pkvbench.reports.choices import PAPER_REFERENCE
+from pkvbench.reports.figures.figure_data import full_reference
+from pkvbench.reports.figures.html_figures import (
     budget_curve_figures,
     curve_points,
     decode_memory_figures,
@@ -41,11 +43,10 @@ from pkvbench.html_figures import (
     query_modes,
     rounded,
 )
-from pkvbench.options import PAPER_REFERENCE
-from pkvbench.paper_compare import compare, load_reference
-from pkvbench.report import Runs, load_runs, model_display_name, report_table, uneven_counts
-from pkvbench.results import ROWS, RUN, read_run_record, summarize
-from pkvbench.schema import DEFAULT_QUERY_MODE, FIELDS, LOADED, SAMPLE, TEXT, fields_of
+from pkvbench.reports.paper_compare import compare, load_reference
+from pkvbench.reports.report import Runs, load_runs, model_display_name, report_table, uneven_counts
+from pkvbench.reports.summary import summarize
+from pkvbench.store.results import ROWS, RUN, read_run_record
 
 ASSETS = "html_assets"  # inside the pkvbench package: the page's skeleton, style sheet and script
 # Row fields that name or measure one policy × budget, not the sample: every field of the schema but the sample's and
@@ -77,7 +78,7 @@ def check_html_target(path: str | os.PathLike, reads: list[str | os.PathLike] = 
     """Refuse, before any work, a page path that cannot be written or may not be: it must end in .html (so it is
     never a run's samples.jsonl, run.json or summary.csv), sit under a folder that exists, or can be made, and is
     writable, and pass the writing rule (``outputs.py``: no file pkvbench did not write is replaced)."""
-    from pkvbench.outputs import Outputs
+    from pkvbench.store.outputs import Outputs
 
     if not str(path).lower().endswith((".html", ".htm")):
         raise PkvError(f"--html {path or repr('')}: give a file name ending in .html")
@@ -95,7 +96,7 @@ def write_html_report(
 ) -> HtmlReport:
     """Read the run folders (or folders above them; or take ``runs`` read from them) and write their page to
     ``path`` under the writing rule (atomically)."""
-    from pkvbench.outputs import Outputs
+    from pkvbench.store.outputs import Outputs
 
     runs = runs if runs is not None else load_runs(folders)
     reads = [*folders, *runs.folders]
@@ -194,7 +195,7 @@ def _ranks(values: list[str]) -> dict[str, int]:
 
 
 def summary_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """summary.csv's table (task, policy, budget, [query_mode,] n, score and whatever ``results.summarize`` adds,
+    """summary.csv's table (task, policy, budget, [query_mode,] n, score and whatever ``summary.summarize`` adds,
     such as intervals) per model, in the report's order, with ``vs full``: the score minus the full cache's on the
     same task and query mode."""
     parts = []

@@ -61,7 +61,7 @@ ROW: tuple[Field, ...] = (
     Field("kv_kept", MEASURE, "entries kept per layer"),
     Field("kv_bytes", MEASURE, "bytes of the compressed cache as stored"),
     Field("kv_entries", MEASURE, "entries kept, summed over layers and heads"),
-    Field("kept_fingerprint", MEASURE, "which entries each head kept (pkvbench/fingerprints.py)"),
+    Field("kept_fingerprint", MEASURE, "which entries each head kept (pkvbench/cell/fingerprints.py)"),
     Field("kv_native", IDENTITY, "whether the cache was the model's own, in its dtype"),
     Field("kv_bits", IDENTITY, "bits per stored value"),
     Field("kv_group", IDENTITY, "KIVI's quantization group"),
@@ -129,6 +129,17 @@ def arrange(values: dict[str, Any]) -> dict[str, Any]:
     is refused, so a new column cannot reach the rows without its line in ``ROW``."""
     unknown = [name for name in values if name not in _DECLARED]
     if unknown:
-        raise KeyError(f"{', '.join(unknown)}: not a field of the result row; declare it in pkvbench/schema.py")
+        raise KeyError(f"{', '.join(unknown)}: not a field of the result row; declare it in pkvbench/cell/schema.py")
     order = _STORED_ORDER if values.get("kv_native") is False else FIELDS
     return {name: values[name] for name in order if name in values}
+
+
+# pkvbench funnel's per-head statistics (funnel.csv's columns, funnel_samples.jsonl's stats), each with what it means.
+FUNNEL_STATISTICS = {
+    "entropy": "entropy of the attention / log(keys it sees): 1 = uniform, 0 = one key",
+    "top1pct_mass": "share of the attention on the top 1% of keys",
+    "topk_mass": "share of the attention on the top k keys (k = --top-k)",
+    "sink_mass": "share of the attention on the first s tokens (s = --sink)",
+    "keys_for_90_frac": "fewest keys holding 90% of the attention, as a share of the keys seen",
+    "keys_for_90": "fewest keys holding 90% of the attention",
+}

@@ -16,7 +16,7 @@ Improvements and new cells are reported, never failed.
 
 Accuracy on a few samples cannot see a bug that changes *which* entries a policy keeps without moving its score
 much, so the per-sample file also records each row's prediction and selection fingerprint
-(``pkvbench/fingerprints.py``): a cell also fails when any layer keeps another number of entries than the
+(``pkvbench/cell/fingerprints.py``): a cell also fails when any layer keeps another number of entries than the
 baseline's (its budget arithmetic changed), or when the share of kept entries in common falls below ``min_overlap``
 (set from what a change of thread count, decode batch, sample order and CPU family does, docs/ci-gate.md). Where a
 head-wise policy (AdaKV) splits a layer's entries among its heads by one top-k over all of them, a near-tie can move
@@ -35,15 +35,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pkvbench.axes import sort_rows
+from pkvbench.cell.fingerprints import Fingerprint, compare
+from pkvbench.cell.schema import CELL_DEFAULTS, CELL_KEY
 from pkvbench.errors import PkvError
-from pkvbench.fingerprints import Fingerprint, compare
 from pkvbench.io import read_yaml
-from pkvbench.options import MIN_OVERLAP
-from pkvbench.outputs import Kind, Outputs, csv_with_columns
-from pkvbench.report import load_runs, run_folders
-from pkvbench.schema import CELL_DEFAULTS, CELL_KEY
-from pkvbench.stats import ALPHA, cell_scores, holm, paired_difference
+from pkvbench.reports.axes import sort_rows
+from pkvbench.reports.choices import MIN_OVERLAP
+from pkvbench.reports.report import load_runs, run_folders
+from pkvbench.reports.stats import ALPHA, cell_scores, holm, paired_difference
+from pkvbench.store.outputs import Kind, Outputs, csv_with_columns
 
 # A cell: the schema's, so that a storage format, a memory target (a ``mem`` budget) or a decode budget is a cell of
 # its own, never pooled with another. A baseline written before a column of it reads as that column's default.

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pkvbench.errors import PkvError, first_line
-from pkvbench.runner import RowWriter, RunSettings, RunStats, pending_cells, plan_grid, run_sample
+from pkvbench.run.runner import RowWriter, RunSettings, RunStats, pending_cells, plan_grid, run_sample
 
 RAY_HINT = "--executor ray needs Ray: pip install 'pkvbench[ray]'"
 CPUS_PER_WORKER = 1  # also the worker's torch threads
@@ -60,7 +60,7 @@ class SampleWorker:
 
         from pkvbench.engine.generation import Engine
         from pkvbench.engine.models import load_model
-        from pkvbench.provenance import make_deterministic
+        from pkvbench.run.provenance import make_deterministic
 
         torch.set_num_threads(threads)
         make_deterministic(spec.seed)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from pkvbench.axes import KEY, is_full, present
-from pkvbench.schema import DEFAULT_QUERY_MODE
-from pkvbench.stats import group_interval, mean_interval
+from pkvbench.cell.schema import DEFAULT_QUERY_MODE
+from pkvbench.reports.axes import KEY, is_full, present
+from pkvbench.reports.stats import group_interval, mean_interval
 
 # seaborn's "colorblind" palette, written out: a policy's colour is the same on a PNG and on the HTML page.
 POLICY_COLOURS = (

@@ -17,11 +17,11 @@ import math
 
 import pandas as pd
 
-from pkvbench.axes import ROW_AXES, present
-from pkvbench.budgets import MEMORY_PREFIX
-from pkvbench.paired import ALL_TASKS, pairwise
-from pkvbench.report import report_table, row_axes, stores_formats
-from pkvbench.schema import AWARE, SAMPLE_KEY
+from pkvbench.cell.budgets import MEMORY_PREFIX
+from pkvbench.cell.schema import AWARE, SAMPLE_KEY
+from pkvbench.reports.axes import ROW_AXES, present
+from pkvbench.reports.paired import ALL_TASKS, pairwise
+from pkvbench.reports.report import report_table, row_axes, stores_formats
 
 TARGET = "target"  # the memory target a comparison is made at
 CELL = [axis for axis in ROW_AXES if axis not in ("query_mode", "decode_budget")]  # a stored cell: policy, bits, budget
@@ -137,7 +137,7 @@ def comparisons(rows: pd.DataFrame) -> pd.DataFrame:
     if not tables:
         return pd.DataFrame()
     # One family for Holm: every comparison the view shows.
-    from pkvbench.stats import holm
+    from pkvbench.reports.stats import holm
 
     table = pd.concat(tables, ignore_index=True)
     table["p_holm"] = holm(table["p"]).round(4)
@@ -153,7 +153,7 @@ def comparisons(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def _verdict(row: dict) -> str:
-    from pkvbench.stats import ALPHA
+    from pkvbench.reports.stats import ALPHA
 
     decided = (row["ci_low"] > 0 or row["ci_high"] < 0) and row["p_holm"] < ALPHA
     if not decided:
@@ -164,7 +164,7 @@ def _verdict(row: dict) -> str:
 def frontier_markdown(rows: pd.DataFrame) -> str:
     """The view as ``pkvbench report`` prints it: the points (Pareto front marked), then each memory target's
     comparisons with its best cell over all tasks (or the one task)."""
-    from pkvbench.report import to_markdown
+    from pkvbench.reports.report import to_markdown
 
     table = points(rows)
     tasks = present(rows["task"])

@@ -13,10 +13,10 @@ import math
 
 import pandas as pd
 
-from pkvbench.axes import is_full
-from pkvbench.report import interval_columns, row_axes
-from pkvbench.schema import SAMPLE_KEY
-from pkvbench.stats import mean_interval
+from pkvbench.cell.schema import SAMPLE_KEY
+from pkvbench.reports.axes import is_full
+from pkvbench.reports.report import interval_columns, row_axes
+from pkvbench.reports.stats import mean_interval
 
 
 def length_table(rows: pd.DataFrame) -> pd.DataFrame | None:

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from pkvbench.errors import PkvError
 from pkvbench.io import atomic_write, os_error
-from pkvbench.lock import command_line
-from pkvbench.results import RUN_FOLDER_FILES
+from pkvbench.store.lock import command_line
+from pkvbench.store.results import RUN_FOLDER_FILES
 
 MANIFEST = ".pkvbench-outputs.json"
 # A folder holding one of these is a results folder (a run's or a funnel's).

@@ -16,8 +16,8 @@ import math
 
 import pandas as pd
 
+from pkvbench.cell.schema import AGNOSTIC, QUERY_MODES, TABLE_KEY
 from pkvbench.policies.registry import policy_order
-from pkvbench.schema import AGNOSTIC, QUERY_MODES, TABLE_KEY
 
 # LongBench v1's 21 tasks in the order of its own tables (the paper's 16 English tasks keep their Table 1 order).
 LONGBENCH_ORDER = (

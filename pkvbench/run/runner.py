@@ -15,20 +15,20 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from pkvbench import budgets, kv_formats
-from pkvbench.budgets import Budget
+from pkvbench.cell import budgets, kv_formats
+from pkvbench.cell.budgets import Budget
+from pkvbench.cell.fingerprints import fingerprint
+from pkvbench.cell.kv_formats import KVFormat
+from pkvbench.cell.schema import AGNOSTIC, AWARE, DEFAULT_QUERY_MODE, arrange
 from pkvbench.config import int_text
 from pkvbench.engine.generation import CompressedCache, Engine, Prefill
 from pkvbench.engine.models import ModelShape
 from pkvbench.errors import PkvError
-from pkvbench.fingerprints import fingerprint
-from pkvbench.kv_formats import KVFormat
-from pkvbench.metric_registry import METRICS
-from pkvbench.metrics import prepare_prediction
+from pkvbench.metrics.functions import prepare_prediction
+from pkvbench.metrics.registry import METRICS
 from pkvbench.options import implied
 from pkvbench.policies.base import LayerStats, Policy
-from pkvbench.results import ResultStore, row_key
-from pkvbench.schema import AGNOSTIC, AWARE, DEFAULT_QUERY_MODE, arrange
+from pkvbench.store.results import ResultStore, row_key
 from pkvbench.tasks.base import Question, Sample, TaskOptions, TaskSpec
 from pkvbench.tasks.registry import build_samples, check_selection
 
@@ -244,7 +244,9 @@ def _row(
         "kv_kept": cache.kept_per_layer,
         "kv_bytes": cache.nbytes,
         "kv_entries": cache.kept.entries,
-        "kept_fingerprint": fingerprint(cache.kept_positions()),  # what the gate compares (pkvbench/fingerprints.py)
+        "kept_fingerprint": fingerprint(
+            cache.kept_positions()
+        ),  # what the gate compares (pkvbench/cell/fingerprints.py)
         # how the entries are stored, and the bytes against the full cache's at 16 bits per value (docs/memory.md)
         "kv_native": job.fmt.native,
         **kv_fields(dataclasses.replace(job.fmt, group=settings.kv_group, residual=settings.kv_residual)),
@@ -267,7 +269,7 @@ def _row(
         "decode_batch": answer.batch,
         **texts[question.question_id],
     }
-    # the schema (pkvbench/schema.py) orders the fields and refuses one it does not declare; the task's own columns
+    # the schema (pkvbench/cell/schema.py) orders the fields and refuses one it does not declare; the task's own columns
     # (length, depth, ...) come after them
     return {**arrange(row), **sample.extras, **question.extras}
 

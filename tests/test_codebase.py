@@ -1,4 +1,5 @@
-"""The codebase's shape: no import cycles, the Python API, tasks as validated package data, local GGUF models."""
+"""The codebase's shape: folders by role and which way their imports point, no import cycles, the Python API, tasks
+as validated package data, local GGUF models, the documents' links."""
 
 import ast
 import json
@@ -85,36 +86,75 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_module_imports_another_that_imports_it_back():
     graph = import_graph()
-    assert "pkvbench.api" in graph and "pkvbench.engine.generation" in graph["pkvbench.runner"]
+    assert "pkvbench.api" in graph and "pkvbench.engine.generation" in graph["pkvbench.run.runner"]
     assert cycles(graph) == []
 
 
-def test_the_arrows_point_from_the_cli_down_to_the_engine():
+# The folders by role (CONTRIBUTING's Layout), and what each may not import. The arrows point from the entry points
+# (cli, api, lm_eval) down through run/ and reports/ to the engine, the policies, the tasks, the store and the cell's
+# vocabulary; options (the run options, declared once) sit above everything that is run.
+FOLDERS = ("cell", "codecs", "policies", "engine", "tasks", "metrics", "store", "run", "reports", "lm_eval")
+ENTRY_POINTS = {"pkvbench", "pkvbench.api", "pkvbench.cli", "pkvbench.__main__"}
+UPPER = {"run", "reports", "options", "lm_eval"}
+MAY_NOT_IMPORT = {
+    "cell": UPPER | {"codecs", "policies", "engine", "tasks", "metrics", "store"},
+    "codecs": UPPER | {"cell", "policies", "engine", "tasks", "metrics", "store"},
+    "policies": UPPER | {"engine", "tasks", "metrics", "store", "codecs"},
+    "engine": UPPER | {"tasks", "metrics", "store"},
+    "metrics": UPPER | {"cell", "policies", "engine", "tasks", "store"},
+    "tasks": UPPER | {"engine", "policies", "store"},
+    "store": UPPER | {"engine", "policies", "tasks", "metrics", "codecs"},
+    "reports": {"run", "options", "lm_eval", "engine", "codecs"},
+    "run": {"lm_eval"},
+    "lm_eval": set(),  # an entry point of its own (`pkvbench lm-eval`, lm-eval's backend), it runs through the API
+}
+
+
+def role(module: str) -> str:
+    """The folder a module sits in (``cell``, ``engine``, ...), or the module itself at the package's root."""
+    if module in ENTRY_POINTS:
+        return "entry"
+    return module.split(".")[1]
+
+
+def test_every_module_sits_in_a_folder_of_its_role_and_few_at_the_root():
+    """``ls pkvbench`` shows the architecture: the folders by role, and at the root only the entry points and the few
+    modules everything uses."""
     graph = import_graph()
-    importers = {name for name, targets in graph.items() if "pkvbench.cli" in targets}
-    assert importers <= {"pkvbench.__main__"}, "nothing but `python -m pkvbench` imports the CLI"
-    for low in (
-        "pkvbench.engine.generation",
-        "pkvbench.engine.attention",
-        "pkvbench.policies.base",
-        "pkvbench.budgets",
-        "pkvbench.kv_formats",
-        "pkvbench.metrics",
-    ):
-        assert not graph[low] & {
-            "pkvbench.api",
-            "pkvbench.cli",
-            "pkvbench.runner",
-            "pkvbench.report",
-            "pkvbench.paper_compare",
-        }, low
+    folders = {role(name) for name in graph} - {"entry"}
+    root = {name for name in folders if not (PACKAGE / name).is_dir()}
+    assert root == {"_version", "config", "errors", "io", "options", "plugins"}, root  # and the entry points
+    assert folders - root == set(FOLDERS)
 
 
-def test_the_row_schema_sits_at_the_bottom():
-    """Every layer reads the result row's vocabulary (pkvbench/schema.py): it imports no pkvbench module, and
-    nothing heavy, so the store, the reports and the runner can all import it."""
-    assert import_graph()["pkvbench.schema"] == set()
-    code = "import sys, pkvbench.schema; assert not {'torch', 'pandas', 'numpy'} & set(sys.modules), sys.modules.keys()"
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_each_folder_imports_only_what_sits_below_it(folder):
+    graph = import_graph()
+    forbidden = MAY_NOT_IMPORT[folder] | ({"entry"} if folder != "lm_eval" else set())
+    for name, targets in graph.items():
+        if role(name) != folder:
+            continue
+        crossing = sorted(target for target in targets if role(target) in forbidden)
+        assert not crossing, f"{name} imports {crossing}: {folder}/ may not import {sorted(forbidden)}"
+
+
+def test_nothing_but_python_dash_m_imports_the_cli():
+    importers = {name for name, targets in import_graph().items() if "pkvbench.cli" in targets}
+    assert importers <= {"pkvbench.__main__"}
+
+
+def test_a_cells_vocabulary_sits_at_the_bottom_and_is_light():
+    """Every layer reads a cell's vocabulary (pkvbench/cell/: the row's fields, budgets, storage formats,
+    fingerprints): it imports nothing of pkvbench above errors, config and io, and nothing heavy, so the command line,
+    the store, the reports and the runner can all import it. (Fingerprints hash with numpy; nothing else
+    needs it.)"""
+    graph = import_graph()
+    assert graph["pkvbench.cell.schema"] == set()
+    for name, targets in graph.items():
+        if role(name) == "cell":
+            assert {role(target) for target in targets} <= {"cell", "errors", "config", "io"}, name
+    modules = ", ".join(f"pkvbench.cell.{p.stem}" for p in (PACKAGE / "cell").glob("*.py") if p.stem != "__init__")
+    code = f"import sys, {modules}; assert not {{'torch', 'pandas'}} & set(sys.modules), sys.modules.keys()"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

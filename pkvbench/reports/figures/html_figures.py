@@ -14,16 +14,23 @@ from typing import Any
 import altair as alt
 import pandas as pd
 
-from pkvbench.axes import (
+from pkvbench.cell.budgets import ALL, MEMORY_PREFIX, Budget
+from pkvbench.cell.schema import DEFAULT_QUERY_MODE
+from pkvbench.reports.axes import (
     LINE_KEY,
     SERIES,
     is_full,
     present,
 )
-from pkvbench.budgets import ALL, MEMORY_PREFIX, Budget
-from pkvbench.figure_data import NEEDLE_COLOURS, curve_table, full_reference, needle_cells, needle_rows, policy_colour
-from pkvbench.report import model_display_name
-from pkvbench.schema import DEFAULT_QUERY_MODE
+from pkvbench.reports.figures.figure_data import (
+    NEEDLE_COLOURS,
+    curve_table,
+    full_reference,
+    needle_cells,
+    needle_rows,
+    policy_colour,
+)
+from pkvbench.reports.report import model_display_name
 
 FULL_CACHE = "full cache"  # the reference line of the curves
 
