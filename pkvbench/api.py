@@ -535,7 +535,9 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
         )
         engine = Engine(loaded)
         stats = funnel.run_funnel(engine, items, store, config.window, config.sink, config.top_k, quiet=config.quiet)
-        report = funnel.write_reports(out, store.rows(), loaded.name, loaded.num_layers, overlay[0], config.sink)
+        report = funnel.write_reports(
+            out, store.rows(), loaded.name, engine.geometry.num_layers, overlay[0], config.sink
+        )
         plot_funnel(report.per_layer, report.overlays, loaded.name, out / funnel.FIGURE)
     return FunnelResult(
         out, report.per_layer, report.per_head, report.verdicts, stats.written, stats.skipped, stats.seconds

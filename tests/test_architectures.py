@@ -37,6 +37,16 @@ TINY = {
 }
 
 
+# A small gated-delta-rule layer (Qwen3-Next, Qwen3.5, OLMo-hybrid)
+LINEAR_ATTENTION = {
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+
+
 @dataclass(frozen=True)
 class Row:
     """One family's tiny model and the prompt it is checked on."""
@@ -100,6 +110,21 @@ ROWS = [
             "initializer_range": 0.2,
         },
     ),
+    # Hybrids: recurrent (gated delta rule) layers keep a state, kept whole; the attention layers between them are
+    # compressed. Layer 0 recurrent: the attention layers are not the model's first.
+    Row(
+        "qwen3_next",
+        "qwen3_next",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            **LINEAR_ATTENTION,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
+    ),
 ]
 
 
@@ -144,11 +169,22 @@ def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
     visible[: streaming.sink] = True
     visible[row.length - (row.budget - streaming.sink) :] = True
     architecture = engine.architecture
-    for layer in range(architecture.num_layers):  # a mixed model's local layers keep every entry
-        assert compressed.kept.stored(layer) == (row.budget if architecture.compressible(layer) else row.length)
-    whole = tuple({kind for i, kind in enumerate(architecture.layer_kinds) if not architecture.compressible(i)})
+    for index, layer in enumerate(architecture.attention_layers):  # a mixed model's local layers keep every entry
+        assert compressed.kept.stored(index) == (row.budget if architecture.compressible(layer) else row.length)
+    assert set(compressed.kept.states) == set(architecture.state_layers)  # a hybrid's recurrent states, kept whole
+    whole = tuple(
+        {architecture.layer_kinds[i] for i in architecture.attention_layers if not architecture.compressible(i)}
+    )
     masked = masked_reference(
-        engine.model, prefill.keys, prefill.values, visible, prefill.first_token, row.new_tokens, engine.stop_ids, whole
+        engine.model,
+        prefill.keys,
+        prefill.values,
+        visible,
+        prefill.first_token,
+        row.new_tokens,
+        engine.stop_ids,
+        whole,
+        prefill.states_at[row.length],
     )
     assert streamed == masked
     assert streamed != reference  # the masked check proves something only where dropping entries changes the answer
@@ -175,22 +211,24 @@ def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(fam
 
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", spy)
     needs = Needs(windows=frozenset({8}), accumulated=True, queries=frozenset({row.length}))
+    attention_layers = engine.architecture.attention_layers
     recorder = StatsRecorder(
         needs,
         rope=engine.rope,
         interleaved=engine.rotation.interleaved,
-        sinks=[softmax.sinks for softmax in engine.softmaxes],
+        sinks={layer: softmax.sinks for layer, softmax in zip(attention_layers, engine.softmaxes)},
     )
     engine.recorded_forward(ids, recorder)
     with stock_attention(engine.model, "eager"), torch.inference_mode():
-        weights = engine.model(ids, output_attentions=True).attentions
-    for layer, attention in enumerate(weights):
+        weights = engine.model(ids, output_attentions=True).attentions  # of the attention layers, in depth order
+    assert len(weights) == len(engine.architecture.attention_layers)
+    for index, (layer, attention) in enumerate(zip(engine.architecture.attention_layers, weights)):
         cos, sin = engine.rope(0, row.length, layer)  # each layer's own (Gemma 3's local and global differ)
         stats = recorder.layers[row.length, layer]
         torch.testing.assert_close(stats.window_scores[8], attention[0, :, -8:].sum(1), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(stats.accumulated, attention[0].sum(1), atol=1e-4, rtol=1e-4)
         plain = unrotate(stats.recent_queries, cos, sin, engine.rotation.interleaved)
-        torch.testing.assert_close(plain, before_rope[layer], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(plain, before_rope[index], atol=1e-5, rtol=1e-4)
 
 
 def test_a_batch_of_policies_decodes_as_each_alone(family):

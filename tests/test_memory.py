@@ -17,7 +17,7 @@ from pkvbench.errors import PkvError
 from pkvbench.policies import parse_policy
 from pkvbench.reports.axes import order_axes
 
-GEOMETRY = CacheGeometry(layers=4, kv_heads=3, head_dim=64)
+GEOMETRY = CacheGeometry.uniform(layers=4, kv_heads=3, head_dim=64)
 FORMATS = [KVFormat(16), KVFormat(8), KVFormat(4, group=16, residual=5), KVFormat(2, group=32, residual=0)]
 
 
@@ -146,7 +146,7 @@ def test_a_memory_budget_keeps_the_most_entries_that_fit(spec, fmt, memory):
     spent = planned_bytes(fmt, plan.per_layer, heads, 64)
     assert plan.target_bytes == target and spent <= target
     if plan.requested < length:  # one more entry per head and layer would not fit
-        more = policy.layer_budgets(plan.requested + 1, length, GEOMETRY.layers)
+        more = policy.layer_budgets(plan.requested + 1, length, GEOMETRY.num_layers)
         assert planned_bytes(fmt, more, heads, 64) > target
     if spec == "pyramidkv" and plan.requested < length:
         assert plan.per_layer[0] > plan.per_layer[-1]  # the pyramid's own per-layer budgets are what is counted

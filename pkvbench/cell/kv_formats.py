@@ -22,20 +22,60 @@ SIXTEEN_BITS = 2  # bytes of a value at 16 bits: scales, minima, the residual, a
 
 
 @dataclass(frozen=True)
-class CacheGeometry:
-    """The shape of a model's cache: layers, KV heads per layer, values per head."""
+class LayerShape:
+    """One layer of per-token entries: the heads its cache holds and the values of each entry's key and of its value
+    (a latent (MLA) cache: one "head", the latent as its key and the shared rotary key as its value)."""
 
-    layers: int
-    kv_heads: int
-    head_dim: int
-    whole: tuple[bool, ...] = ()  # per layer: kept whole, never compressed (``budgets.layer_budgets``)
-
-    def layer_budgets(self, policy, k: int, context_len: int) -> list[int]:
-        return layer_budgets(policy, k, context_len, self.layers, self.whole)
+    heads: int
+    key_dim: int
+    value_dim: int
+    whole: bool = False  # kept whole, never compressed (``budgets.layer_budgets``)
 
     def full_bytes(self, context_len: int) -> int:
-        """The full cache of ``context_len`` tokens at 16 bits per value: what memory fractions are of."""
-        return 2 * self.layers * self.kv_heads * context_len * self.head_dim * SIXTEEN_BITS
+        """Its entries of ``context_len`` tokens at 16 bits per value."""
+        return self.heads * context_len * (self.key_dim + self.value_dim) * SIXTEEN_BITS
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """The shape of a model's cache: its layers of per-token entries in depth order (a hybrid model's attention
+    layers; each its own heads and sizes), and the bytes of the fixed per-sequence state its recurrent and
+    convolution layers keep whatever the prompt's length (kept whole, in the dtypes the model keeps them; None
+    where that is not known before the model loads)."""
+
+    layers: tuple[LayerShape, ...]
+    state_bytes: int | None = 0
+
+    @classmethod
+    def uniform(cls, layers: int, kv_heads: int, head_dim: int, whole: Sequence[bool] = ()) -> CacheGeometry:
+        """``layers`` layers of ``kv_heads`` heads of ``head_dim`` values, no state."""
+        whole = tuple(whole) or (False,) * layers
+        return cls(tuple(LayerShape(kv_heads, head_dim, head_dim, kept) for kept in whole))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def whole(self) -> tuple[bool, ...]:
+        return tuple(layer.whole for layer in self.layers)
+
+    def layer_budgets(self, policy, k: int, context_len: int) -> list[int]:
+        return layer_budgets(policy, k, context_len, self.num_layers, self.whole)
+
+    def full_bytes(self, context_len: int) -> int:
+        """The full cache of ``context_len`` tokens at 16 bits per value, and the state: what memory fractions are
+        of."""
+        return sum(layer.full_bytes(context_len) for layer in self.layers) + (self.state_bytes or 0)
+
+    def planned_bytes(self, fmt: KVFormat, per_layer: Sequence[int], heads: int | None = None) -> int:
+        """Bytes of a cache whose layers keep ``per_layer`` entries in each head (``heads``: as many heads in every
+        layer, one set per query head; else each layer's own), and the state."""
+        entries = sum(
+            fmt.layer_bytes(heads or layer.heads, layer.key_dim, [n] * (heads or layer.heads), layer.value_dim)
+            for layer, n in zip(self.layers, per_layer)
+        )
+        return entries + (self.state_bytes or 0)
 
 
 @dataclass(frozen=True)
@@ -64,18 +104,21 @@ class KVFormat:
         residual = min(self.residual, length)
         return length - residual, residual
 
-    def layer_bytes(self, heads: int, head_dim: int, lengths: Sequence[int]) -> int:
+    def layer_bytes(self, heads: int, head_dim: int, lengths: Sequence[int], value_dim: int | None = None) -> int:
         """Bytes one layer's stored tensors hold when its ``heads`` heads keep ``lengths`` entries (each head's
-        count; heads that keep fewer are padded to the fullest, as stored), keys and values together."""
+        count; heads that keep fewer are padded to the fullest, as stored), keys (``head_dim`` values each) and
+        values (``value_dim``, default ``head_dim``) together."""
+        value_dim = head_dim if value_dim is None else value_dim
+        width = head_dim + value_dim
         if self.native:  # [heads, n, dim] keys and values; a layer that keeps nothing still stores one masked slot
-            return 2 * heads * max(max(lengths), 1) * head_dim * self.bits // 8
+            return heads * max(max(lengths), 1) * width * self.bits // 8
         parts = [self.split(n) for n in lengths]
         quantized, residual = max(q for q, _ in parts), max(r for _, r in parts)
-        total = 2 * heads * residual * head_dim * SIXTEEN_BITS
+        total = heads * residual * width * SIXTEEN_BITS
         if quantized:
-            total += 2 * heads * quantized * head_dim * self.bits // 8  # packed codes of keys and values
+            total += heads * quantized * width * self.bits // 8  # packed codes of keys and values
             total += 2 * heads * -(-quantized // self.group) * head_dim * SIXTEEN_BITS  # keys' scales and minima
-            total += 2 * heads * quantized * (head_dim // self.group) * SIXTEEN_BITS  # values' scales and minima
+            total += 2 * heads * quantized * (value_dim // self.group) * SIXTEEN_BITS  # values' scales and minima
         return total
 
     def __str__(self) -> str:
@@ -104,8 +147,9 @@ def largest(low: int, high: int, fits: Callable[[int], bool]) -> int | None:
 
 
 def planned_bytes(fmt: KVFormat, per_layer: Sequence[int], heads: int, head_dim: int) -> int:
-    """Bytes of a cache whose layers keep ``per_layer`` entries in each of ``heads`` heads."""
-    return sum(fmt.layer_bytes(heads, head_dim, [n] * heads) for n in per_layer)
+    """Bytes of a cache whose layers keep ``per_layer`` entries in each of ``heads`` heads of ``head_dim`` values
+    (``CacheGeometry.planned_bytes``: each layer its own shape, and the state)."""
+    return CacheGeometry.uniform(len(per_layer), heads, head_dim).planned_bytes(fmt, per_layer)
 
 
 class MemoryTooSmall(PkvError):
@@ -123,23 +167,22 @@ class MemoryTooSmall(PkvError):
 def floor_bytes(policy, context_len: int, geometry: CacheGeometry, fmt: KVFormat, heads: int | None = None) -> int:
     """The bytes of the smallest cache ``policy`` keeps (its floor: window, sinks) in ``fmt``."""
     floor = min(max(policy.min_budget, 1), context_len)
-    per_layer = geometry.layer_budgets(policy, floor, context_len)
-    return planned_bytes(fmt, per_layer, heads or geometry.kv_heads, geometry.head_dim)
+    return geometry.planned_bytes(fmt, geometry.layer_budgets(policy, floor, context_len), heads)
 
 
 def memory_plan(
     policy, budget: Budget, context_len: int, geometry: CacheGeometry, fmt: KVFormat, heads: int | None = None
 ) -> LayerPlan:
     """The most entries ``policy`` can keep in ``fmt`` within a memory ``budget`` (as close to it as whole entries
-    allow): every layer's tensors counted (codes, scales, minima, residual, PyramidKV's per-layer budgets). ``heads``:
-    the cache's heads per layer (the query heads for a policy that keeps one set per query head). Raises
-    ``MemoryTooSmall`` when even the policy's floor does not fit."""
-    heads = heads or geometry.kv_heads
+    allow): every layer's tensors counted (codes, scales, minima, residual, PyramidKV's per-layer budgets), and the
+    state of a hybrid model's recurrent layers, kept whole. ``heads``: the cache's heads per layer where not the
+    layers' own (the query heads for a policy that keeps one set per query head). Raises ``MemoryTooSmall`` when even
+    the policy's floor does not fit."""
     full = geometry.full_bytes(context_len)
     target = budget.target_bytes(full)
 
     def cost(k: int) -> int:
-        return planned_bytes(fmt, geometry.layer_budgets(policy, k, context_len), heads, geometry.head_dim)
+        return geometry.planned_bytes(fmt, geometry.layer_budgets(policy, k, context_len), heads)
 
     k = largest(min(max(policy.min_budget, 1), context_len), context_len, lambda k: cost(k) <= target)
     if k is None:

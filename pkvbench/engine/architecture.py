@@ -22,6 +22,12 @@ from pkvbench.errors import PkvError
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 ATTENTION_KINDS = (FULL, SLIDING)
+# Layer kinds of transformers' ``cache_utils`` that keep a fixed-size state per sequence, not per-token keys and
+# values (``engine/recurrent.py``): the state alone; the state beside an attention layer's entries (Falcon-H1's
+# layers run both), as which attention kind; nothing cached at all (Nemotron-H's MLP blocks).
+STATE_KINDS = ("linear_attention", "conv")
+HYBRID_KINDS = {"hybrid": FULL, "hybrid_sliding": SLIDING}
+NO_CACHE_KINDS = ("mlp", "moe", "dummy")
 MATRIX = "tests/test_architectures.py"
 
 
@@ -34,6 +40,7 @@ class Family:
     handled: str
     refused: str = ""  # the reason, in one line, where pkvbench does not run it
     layers: str = "full"  # the layer kinds its configs declare (``pkvbench list``)
+    kinds: tuple[str, ...] = ATTENTION_KINDS  # the ``layer_types`` pkvbench runs in it (any other is refused)
 
     @property
     def admitted(self) -> bool:
@@ -45,6 +52,7 @@ EVERY_LAYER_SLIDES = "full, or sliding on every layer (sliding_window)"
 WINDOW_LAYERS = "full, or sliding from max_window_layers on (use_sliding_window)"
 LOCAL_AND_GLOBAL = "local (sliding, kept whole) and global (full) per layer_types"
 MLA = "MLA caches a compressed latent"
+HYBRID_LAYERS = "linear_attention (a recurrent state, kept whole) and full_attention, per layer_types"
 FAMILIES: dict[str, Family] = {
     "llama": Family(HALF_ROPE + "; Llama 3.1 and YaRN scaling", "the reference layout"),
     "mistral": Family(
@@ -89,11 +97,16 @@ FAMILIES: dict[str, Family] = {
         "interleaved RoPE (pairs 2i, 2i + 1); q/k layer norms; a logit scale; attention and MLP in parallel",
         "RoPE's pairing read from the model's own apply_rotary_pos_emb; un-rotated as it pairs",
     ),
+    "qwen3_next": Family(
+        "hybrid: gated delta rule (linear attention) layers between attention layers; gated attention output; "
+        "q/k norms; partial RoPE; mixture-of-experts MLP",
+        "the recurrent layers' states kept whole; the attention layers compressed",
+        layers=HYBRID_LAYERS,
+        kinds=(FULL, "linear_attention"),
+    ),
     "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
     "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
 }
-# Layer kinds of transformers' cache_utils that hold no per-token keys and values (hybrid linear attention).
-RECURRENT_KINDS = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba")
 
 
 def admitted_families() -> list[str]:
@@ -111,11 +124,11 @@ def check_family(config, name: str) -> None:
         )
     if family.refused:
         raise PkvError(f"model {name} is a {model_type!r} model, not supported: {family.refused}")
-    kinds = set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_KINDS)
+    kinds = set(getattr(config, "layer_types", None) or ()) - set(family.kinds)
     if kinds:
         raise PkvError(
             f"model {name} has {', '.join(sorted(kinds))} layers; pkvbench runs layers of kinds "
-            f"{', '.join(ATTENTION_KINDS)} only (per-token keys and values)"
+            f"{', '.join(family.kinds)} only in a {model_type!r} model"
         )
 
 
@@ -124,7 +137,8 @@ class Architecture:
     """A model's layers as the engine sees them."""
 
     family: str  # config.model_type
-    layer_kinds: tuple[str, ...]  # per layer: FULL or SLIDING (or a kind pkvbench refuses, e.g. linear attention)
+    # per layer: FULL or SLIDING, a kind that keeps a state (STATE_KINDS, HYBRID_KINDS) or nothing (NO_CACHE_KINDS)
+    layer_kinds: tuple[str, ...]
     sliding_window: int | None  # the window of the sliding layers
     softcap: float | None = None  # attn_logit_softcapping (Gemma 2): logits become softcap·tanh(logits / softcap)
 
@@ -138,7 +152,7 @@ class Architecture:
         if not kinds:
             kinds = [SLIDING if window else FULL] * config.num_hidden_layers
         kinds = tuple(kinds)
-        if SLIDING not in kinds:
+        if SLIDING not in {HYBRID_KINDS.get(kind, kind) for kind in kinds}:
             window = None
         softcap = getattr(config, "attn_logit_softcapping", None)
         return cls(getattr(config, "model_type", "") or "", kinds, window, softcap)
@@ -147,9 +161,28 @@ class Architecture:
     def num_layers(self) -> int:
         return len(self.layer_kinds)
 
+    def attention_kind(self, layer: int) -> str | None:
+        """The kind of the layer's attention (FULL or SLIDING; a hybrid layer's beside its state), None for a layer
+        that keeps no per-token entries."""
+        kind = HYBRID_KINDS.get(self.layer_kinds[layer], self.layer_kinds[layer])
+        return kind if kind in ATTENTION_KINDS else None
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep per-token entries, in depth order: every layer of an attention-only model, a hybrid
+        model's attention layers. Budgets, plans and statistics run over these; the others keep their state whole."""
+        return tuple(layer for layer in range(self.num_layers) if self.attention_kind(layer))
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers that keep a fixed-size state per sequence (``engine/recurrent.py``)."""
+        return tuple(
+            layer for layer, kind in enumerate(self.layer_kinds) if kind in STATE_KINDS or kind in HYBRID_KINDS
+        )
+
     def window(self, layer: int) -> int | None:
         """The layer's sliding window, None for full attention."""
-        return self.sliding_window if self.layer_kinds[layer] == SLIDING else None
+        return self.sliding_window if self.attention_kind(layer) == SLIDING else None
 
     @property
     def windows(self) -> list[int | None]:
@@ -157,24 +190,32 @@ class Architecture:
 
     @property
     def every_layer_slides(self) -> bool:
-        return all(kind == SLIDING for kind in self.layer_kinds)
+        return all(self.attention_kind(layer) == SLIDING for layer in self.attention_layers)
 
     @property
     def mixed(self) -> bool:
         """Local (sliding) and global layers both."""
-        return SLIDING in self.layer_kinds and not self.every_layer_slides
+        return any(self.window(layer) for layer in self.attention_layers) and not self.every_layer_slides
 
     def compressible(self, layer: int) -> bool:
-        """Whether a policy may compress the layer: every layer but a mixed model's local ones."""
-        return not (self.mixed and self.layer_kinds[layer] == SLIDING)
+        """Whether a policy may compress the layer: every attention layer but a mixed model's local ones."""
+        kind = self.attention_kind(layer)
+        return kind is not None and not (self.mixed and kind == SLIDING)
 
     # --- the loaded model's modules: the one place that names their paths -------------------------------------
 
-    @staticmethod
-    def attention_modules(model) -> list:
-        """Each decoder layer's attention module (``transformers``' shared layout: ``model.model.layers[i]
-        .self_attn``, with ``layer_idx``, ``scaling``, ``o_proj``)."""
-        return [layer.self_attn for layer in model.model.layers]
+    # Where a decoder layer keeps its attention: ``self_attn`` (transformers' shared layout), ``mixer`` (Nemotron-H's
+    # blocks, whose one mixer is attention, Mamba or an MLP).
+    ATTENTION_MODULES = ("self_attn", "mixer")
+
+    def attention_modules(self, model) -> list:
+        """Each attention layer's module (``transformers``' shared layout: ``model.model.layers[i].self_attn``, with
+        ``layer_idx``, ``scaling``, ``o_proj``), in the order of ``attention_layers``."""
+        layers = model.model.layers
+        return [
+            next(getattr(layers[i], name) for name in self.ATTENTION_MODULES if getattr(layers[i], name, None))
+            for i in self.attention_layers
+        ]
 
     def output_weights(self, model) -> list:
         """Each layer's attention output projection's weight (VATP-style value scores)."""
@@ -212,7 +253,7 @@ class Architecture:
         layer type (Gemma 3: the local layers at ``rope_local_base_freq``), the layer's own."""
         rotary = self.rotary(model)
         if "layer_type" in inspect.signature(rotary.forward).parameters:
-            return rotary(like, positions, layer_type=self.layer_kinds[layer])
+            return rotary(like, positions, layer_type=self.attention_kind(layer))
         return rotary(like, positions)
 
     # --- RoPE's pairing, read from the loaded model ------------------------------------------------------------
@@ -228,7 +269,7 @@ class Architecture:
         dim = module.head_dim
         device = next(model.parameters()).device
         positions = torch.ones(1, dim, dtype=torch.long, device=device)
-        cos, sin = self.rope(model, 0, torch.zeros(1, device=device), positions)
+        cos, sin = self.rope(model, self.attention_layers[0], torch.zeros(1, device=device), positions)
         basis = torch.eye(dim, device=device)[None, None]  # [1, 1, d, d]: d "tokens", each a unit vector
         turned = apply(basis, basis, cos.float(), sin.float())[0][0, 0].clone()  # row i: where e_i turns
         turned.fill_diagonal_(0.0)

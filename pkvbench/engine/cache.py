@@ -216,17 +216,19 @@ def device_rows(rows: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 class RaggedCache(Cache):
-    """A batch of compressed caches, one ``RaggedLayer`` per model layer."""
+    """A batch of compressed caches, one ``RaggedLayer`` per attention layer of the model (``attention_layers``:
+    which; all by default), a hybrid model's other layers their states (``recurrent.StateLayer``) or nothing."""
 
-    def __init__(self, layers: list[RaggedLayer]):
+    def __init__(self, layers: list, attention_layers: Sequence[int] | None = None):
         super().__init__(layers=layers)
+        self.attention_layers = list(range(len(layers)) if attention_layers is None else attention_layers)
         self.step_memo: dict = {}
         for layer in layers:
             if hasattr(layer, "step_memo"):
                 layer.step_memo, layer.memo_shared = self.step_memo, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if layer_idx == 0:  # a new step: the last one's masks are stale
+        if layer_idx == self.attention_layers[0]:  # a new step: the last one's masks are stale
             self.step_memo.clear()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
@@ -234,8 +236,10 @@ class RaggedCache(Cache):
         """Keep only these batch rows: a device index, or host row numbers (no read back)."""
         if isinstance(rows, torch.Tensor):
             for layer in self.layers:
-                layer.select_rows(rows)
+                if hasattr(layer, "select_rows"):
+                    layer.select_rows(rows)
             return
-        index = device_rows(rows, self.layers[0].lengths.device)
+        index = device_rows(rows, self.layers[self.attention_layers[0]].lengths.device)
         for layer in self.layers:
-            layer.select_rows(index, host_rows=rows)
+            if hasattr(layer, "select_rows"):
+                layer.select_rows(index, host_rows=rows)

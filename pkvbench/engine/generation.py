@@ -20,9 +20,10 @@ from pkvbench.cell import budgets, kv_formats
 from pkvbench.engine.architecture import Architecture
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries
-from pkvbench.engine.models import LoadedModel
+from pkvbench.engine.models import LoadedModel, ModelShape
 from pkvbench.engine.quantized import StoredEntries
 from pkvbench.engine.reconstruction import SINK, ReconstructionRecorder, repeat_inputs
+from pkvbench.engine.recurrent import LayerState, filled_cache, prefill_cache, state_bytes, states_of
 from pkvbench.engine.shrinking import DecodeSchedule, prefill_needs, start_from
 from pkvbench.errors import PkvError, first_line
 from pkvbench.policies.base import LayerStats, Needs, Policy
@@ -39,12 +40,14 @@ class Prefill:
     """
 
     input_ids: torch.Tensor  # [1, T]
-    keys: list[torch.Tensor]  # per layer [1, Hkv, T, D]
+    keys: list[torch.Tensor]  # per attention layer [1, Hkv, T, D]
     values: list[torch.Tensor]
-    stats_at: dict[int, list[LayerStats]]
+    stats_at: dict[int, list[LayerStats]]  # per attention layer
     last_logits: torch.Tensor  # [vocab] after the prompt: the prefill saw the full cache, so it is the same for all
     seconds: float
     extra_seconds: float = 0.0  # passes some policies need beside the prefill (KVzip's repeat passes)
+    # A hybrid model's recurrent layers' states after the prompt's first c tokens, for each c of ``stats_at``.
+    states_at: dict[int, dict[int, LayerState]] = dataclasses.field(default_factory=dict)
 
     @property
     def context_len(self) -> int:
@@ -128,11 +131,12 @@ class CompressedCache:
 
 
 def kept_bytes(kept: KeptEntries, fmt: kv_formats.KVFormat) -> int:
-    """What ``kept`` will take once stored in ``fmt`` (``kv_formats.KVFormat.layer_bytes``, layer by layer)."""
-    total = 0
-    for index, keys in enumerate(kept.keys):
+    """What ``kept`` will take once stored in ``fmt`` (``kv_formats.KVFormat.layer_bytes``, layer by layer), and its
+    states (kept as they are)."""
+    total = state_bytes(kept.states)
+    for index, (keys, values) in enumerate(zip(kept.keys, kept.values)):
         lengths = kept.lengths[index].tolist() if kept.lengths is not None else [keys.shape[1]] * keys.shape[0]
-        total += fmt.layer_bytes(keys.shape[0], keys.shape[-1], lengths)
+        total += fmt.layer_bytes(keys.shape[0], keys.shape[-1], lengths, values.shape[-1])
     return total
 
 
@@ -149,9 +153,10 @@ class Engine:
         forward_params = inspect.signature(self.model.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
         self.stop_ids = self._stop_ids()
-        self.output_weights = self.architecture.output_weights(self.model)
+        self.output_weights = self.architecture.output_weights(self.model)  # per attention layer, as softmaxes
         self.rotation = self.architecture.rotation(self.model)
         self.softmaxes = self.architecture.softmaxes(self.model)
+        self.geometry = self._measured_geometry()
         self.decoder = BatchDecoder(
             self._forward,
             self.tokenizer,
@@ -167,10 +172,32 @@ class Engine:
             interleaved=self.rotation.interleaved,
         )
 
+    @torch.inference_mode()
+    def _measured_geometry(self) -> kv_formats.CacheGeometry:
+        """The cache's shape as the model fills it, read off a one-token prefill: each attention layer's heads, key
+        and value sizes (a latent cache's own), whether it is kept whole, and the bytes of a hybrid model's states
+        (whatever the prompt's length)."""
+        cache = self.prefill_cache()
+        token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self._forward(token, cache, token)
+        layers = []
+        for index in self.architecture.attention_layers:
+            keys, values = cache.layers[index].keys, cache.layers[index].values
+            whole = not self.architecture.compressible(index)
+            layers.append(kv_formats.LayerShape(keys.shape[1], keys.shape[-1], values.shape[-1], whole))
+        return kv_formats.CacheGeometry(tuple(layers), state_bytes(states_of(cache)))
+
     @property
-    def geometry(self) -> kv_formats.CacheGeometry:
-        whole = tuple(not self.architecture.compressible(layer) for layer in range(self.loaded.num_layers))
-        return kv_formats.CacheGeometry(self.loaded.num_layers, self.loaded.num_kv_heads, self.loaded.head_dim, whole)
+    def shape(self) -> ModelShape:
+        """The model's cache as loaded: the config's ``ModelShape`` with the measured geometry (a hybrid's state)."""
+        return dataclasses.replace(self.loaded.shape, geometry=self.geometry)
+
+    def prefill_cache(self):
+        """An empty cache for a prefill: transformers' ``DynamicCache``, with a hybrid model's state layers
+        (``recurrent.prefill_cache``)."""
+        from transformers import DynamicCache
+
+        return prefill_cache(self.model.config) if self.architecture.state_layers else DynamicCache()
 
     @property
     def native_format(self) -> kv_formats.KVFormat:
@@ -226,21 +253,20 @@ class Engine:
         """One forward pass over the prompt with the full cache, recording what ``policies`` need of the whole
         prompt, or of its first c tokens for each c in ``cuts``, and what ``decoding`` (policies that will cut the
         cache while the answer is written) start from."""
-        from transformers import DynamicCache
-
         input_ids = input_ids.to(self.device)
         cuts = tuple(sorted(set(cuts))) or (input_ids.shape[1],)
         needs = Needs.union([*(p.needs for p in policies), *(prefill_needs(p) for p in decoding)])
-        recorder = StatsRecorder(
-            needs, cuts, self.rope, self.rotation.interleaved, [softmax.sinks for softmax in self.softmaxes]
-        )
-        cache = DynamicCache()
+        attention = self.architecture.attention_layers
+        sinks = {model_layer: softmax.sinks for model_layer, softmax in zip(attention, self.softmaxes)}
+        recorder = StatsRecorder(needs, cuts, self.rope, self.rotation.interleaved, sinks)
+        cache = self.prefill_cache()
         with too_big_for_memory("the prefill's statistics", input_ids.shape[1]):
             logits, seconds = self.recorded_forward(input_ids, recorder, cache)
-        layers = [cache.layers[i] for i in range(self.loaded.num_layers)]
+        layers = [cache.layers[i] for i in attention]
+        states_at = self._states_at(input_ids, cuts, cache)
         started = time.perf_counter()
         reconstruction = {
-            (cut, chunk): self.reconstruction_scores(layers, input_ids[0, :cut].tolist(), chunk)
+            (cut, chunk): self.reconstruction_scores(layers, input_ids[0, :cut].tolist(), chunk, states_at.get(cut))
             for cut in cuts
             for chunk in needs.reconstruction
         }
@@ -248,7 +274,8 @@ class Engine:
         stats_at = {
             cut: [
                 dataclasses.replace(
-                    recorder.layers.get((cut, i), LayerStats(context_len=cut, num_kv_heads=self.loaded.num_kv_heads)),
+                    recorder.layers.get((cut, model_layer), LayerStats(context_len=cut, num_kv_heads=heads)),
+                    num_kv_heads=heads,  # a latent (MLA) cache's one "head": every query head in one group
                     num_query_heads=self.loaded.num_query_heads,
                     layer=i,
                     keys=layer.keys[0, :, :cut],
@@ -256,7 +283,9 @@ class Engine:
                     output_weight=self.output_weights[i],
                     reconstruction={chunk: reconstruction[cut, chunk][i] for chunk in needs.reconstruction},
                 )
-                for i, layer in enumerate(layers)
+                for i, (model_layer, layer, heads) in enumerate(
+                    zip(attention, layers, (shape.heads for shape in self.geometry.layers))
+                )
             ]
             for cut in cuts
         }
@@ -268,34 +297,59 @@ class Engine:
             last_logits=logits,
             seconds=seconds,
             extra_seconds=extra_seconds,
+            states_at=states_at,
         )
 
-    @torch.inference_mode()
-    def reconstruction_scores(self, layers, prompt: list[int], chunk: int, fused: bool = True) -> list[torch.Tensor]:
-        """KVzip's scores of the prompt's entries (``engine/reconstruction.py``): ``[num_kv_heads, len(prompt)]`` per
-        layer, from repeat passes over the full cache ``layers`` (cut to the prompt). ``fused=False`` takes the
-        unfused path everywhere (the model's kernel plus the recorder's own softmax; the fused path's reference)."""
-        from transformers import DynamicCache
+    def _states_at(self, input_ids: torch.Tensor, cuts: tuple[int, ...], cache) -> dict[int, dict[int, LayerState]]:
+        """A hybrid model's states after the prompt's first c tokens, for each cut c: the prefill's own for the whole
+        prompt; for a shorter cut (the context, where the question comes after compression), a forward of those
+        tokens alone, since a recurrent state holds no positions to cut back to. An attention-only model: none."""
+        if not self.architecture.state_layers:
+            return {}
+        length = input_ids.shape[1]
+        states = {}
+        for cut in cuts:
+            if cut == length:
+                states[cut] = states_of(cache)
+                continue
+            own = self.prefill_cache()
+            self._forward(input_ids[:, :cut], own, torch.arange(cut, device=self.device)[None])
+            states[cut] = states_of(own)
+        return states
 
+    @torch.inference_mode()
+    def reconstruction_scores(
+        self, layers, prompt: list[int], chunk: int, states: dict | None = None, fused: bool = True
+    ) -> list[torch.Tensor]:
+        """KVzip's scores of the prompt's entries (``engine/reconstruction.py``): ``[num_kv_heads, len(prompt)]`` per
+        attention layer, from repeat passes over the full cache ``layers`` (cut to the prompt; ``states``: a hybrid
+        model's after the prompt). ``fused=False`` takes the unfused path everywhere (the model's kernel plus the
+        recorder's own softmax; the fused path's reference)."""
         length = len(prompt)
         prefix, passes = repeat_inputs(self.tokenizer, prompt, chunk)
         # The fused path attends to the whole prompt: not for a sliding window shorter than a pass's reach.
         sliding = self.architecture.sliding_window
         if sliding:
             fused = fused and all(length + len(ids) <= sliding for _, _, ids in passes)
-        scores = [torch.zeros(self.loaded.num_kv_heads, length, device=self.device) for _ in layers]
+        attention = self.architecture.attention_layers
+        scores = [torch.zeros(shape.heads, length, device=self.device) for shape in self.geometry.layers]
         for layer_scores in scores:  # the chat prefix and the sinks are always kept
             layer_scores[:, : max(prefix, min(SINK, length))] = float("inf")
         for start, end, ids in passes:
-            cache = DynamicCache()
-            for index, layer in enumerate(layers):
-                cache.update(layer.keys[:, :, :length], layer.values[:, :, :length], index)
+            cache = filled_cache(
+                self.model.config,
+                attention,
+                [layer.keys[:, :, :length] for layer in layers],
+                [layer.values[:, :, :length] for layer in layers],
+                states or {},
+                length,
+            )
             recorder = ReconstructionRecorder(length, start, end, min(SINK, start), fused)
             positions = torch.arange(length, length + len(ids), device=self.device)[None]
             with recording(recorder):
                 self._forward(torch.tensor([ids], device=self.device), cache, positions)
-            for index, layer_scores in enumerate(scores):
-                layer_scores[:, start:end] = recorder.scores[index]
+            for model_layer, layer_scores in zip(attention, scores):
+                layer_scores[:, start:end] = recorder.scores[model_layer]
         return scores
 
     @torch.inference_mode()
@@ -323,7 +377,7 @@ class Engine:
         return plan, self._choose(prefill, policy, plan)
 
     def _plan(self, policy: Policy, budget: budgets.Budget, length: int) -> budgets.LayerPlan:
-        return budgets.plan(policy, budget, length, self.loaded.num_layers, self.geometry.whole)
+        return budgets.plan(policy, budget, length, self.geometry.num_layers, self.geometry.whole)
 
     def _choose(self, prefill: Prefill, policy: Policy, plan: budgets.LayerPlan) -> dict[int, torch.Tensor]:
         """Each compressed layer's selection under ``plan``."""
@@ -406,8 +460,9 @@ class Engine:
         if group > 1:
             full_keys = [k.repeat_interleave(group, dim=0) for k in full_keys]
             full_values = [v.repeat_interleave(group, dim=0) for v in full_values]
+        states = prefill.states_at.get(length, {})
         if not plan.compressed:
-            return KeptEntries(full_keys, full_values), None
+            return KeptEntries(full_keys, full_values, states=states), None
         keys, values, positions = [], [], []
         lengths: list[torch.Tensor | None] = [None] * len(plan.per_layer)
         selected: list[torch.Tensor | None] = [None] * len(plan.per_layer)
@@ -425,9 +480,9 @@ class Engine:
             values.append(full_values[layer].gather(1, index))
             positions.append(kept)
         if not any(n is not None for n in lengths):
-            return KeptEntries(keys, values, positions=positions), selected
+            return KeptEntries(keys, values, positions=positions, states=states), selected
         filled = [n if n is not None else torch.full((k.shape[0],), k.shape[1]) for n, k in zip(lengths, keys)]
-        return KeptEntries(keys, values, filled, positions), selected
+        return KeptEntries(keys, values, filled, positions, states), selected
 
     def request(
         self,
@@ -465,7 +520,7 @@ class Engine:
         target or for a policy that keeps everything)."""
         if target is None:
             return None
-        schedule = DecodeSchedule.make(policy, target, interval, buffer, self.loaded.num_layers, self.geometry.whole)
+        schedule = DecodeSchedule.make(policy, target, interval, buffer, self.geometry.num_layers, self.geometry.whole)
         return None if schedule.cuts_nothing else schedule
 
     def decode_many(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from transformers.cache_utils import DummyLayer
 
-from pkvbench.engine.architecture import FULL, SLIDING
+from pkvbench.engine.architecture import FULL, HYBRID_KINDS, NO_CACHE_KINDS, SLIDING, STATE_KINDS
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
 from pkvbench.engine.quantized import QuantizedLayer
+from pkvbench.engine.recurrent import StateLayer
 from pkvbench.engine.shrinking import ShrinkingLayer, decoding_state
 from pkvbench.engine.sliding import SlidingLayer, WindowMask, row_positions
 
@@ -103,8 +105,9 @@ class SlidingQuantizedLayer(QuantizedLayer):
 
 @dataclass(frozen=True)
 class LayerBatch:
-    """One layer of a batch: the rows' requests, where new tokens start, the room to make, the model's KV heads and
-    the layer's sliding window (None: full attention)."""
+    """One attention layer of a batch: the rows' requests, the layer's index among the attention layers (what the
+    rows' kept entries are listed by), where new tokens start, the room to make, the model's KV heads and the layer's
+    sliding window (None: full attention)."""
 
     requests: list
     layer: int
@@ -196,11 +199,19 @@ def storage_of(requests: list) -> str:
 
 
 def build_cache(requests: list, room: int, kv_heads: int, kinds: list[str], windows: list[int | None]) -> RaggedCache:
-    """The batch's cache: per model layer the class its attention kind and the rows' storage name."""
+    """The batch's cache: per model layer the class its attention kind and the rows' storage name; a recurrent
+    layer's rows' states stacked (``recurrent.StateLayer``); nothing where the layer caches nothing."""
     storage = storage_of(requests)
     start = requests[0].position
-    layers = []
+    layers, attention = [], []
     for layer, (kind, window) in enumerate(zip(kinds, windows)):
-        cls, build = LAYER_KINDS[kind, storage]
-        layers.append(build(cls, LayerBatch(requests, layer, start, room, kv_heads, window)))
-    return RaggedCache(layers)
+        if kind in STATE_KINDS:
+            layers.append(StateLayer([r.kept.states[layer] for r in requests], start))
+            continue
+        if kind in NO_CACHE_KINDS:
+            layers.append(DummyLayer())
+            continue
+        cls, build = LAYER_KINDS[HYBRID_KINDS.get(kind, kind), storage]
+        layers.append(build(cls, LayerBatch(requests, len(attention), start, room, kv_heads, window)))
+        attention.append(layer)
+    return RaggedCache(layers, attention)

@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
-from pkvbench.cell.kv_formats import CacheGeometry, KVFormat
+from pkvbench.cell.kv_formats import CacheGeometry, KVFormat, LayerShape
 from pkvbench.cell.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, GGUFAlias
 from pkvbench.engine.architecture import Architecture, admitted_families, check_family
 from pkvbench.errors import PkvError, first_line
@@ -32,29 +32,33 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ModelShape:
     """What a model's config says of its cache (no weights needed): what every check of a storage format or a memory
-    budget reads, before the model loads and again after."""
+    budget reads, before the model loads; once it has loaded, the engine's measured geometry (``Engine.shape``)."""
 
-    layers: int
-    kv_heads: int
+    geometry: CacheGeometry  # its layers of per-token entries; a hybrid's state is not known before it loads (None)
     query_heads: int
-    head_dim: int
     bits: int  # the width the model computes in: its own cache's values
 
     @classmethod
     def of(cls, config, bits: int) -> ModelShape:
-        """From a transformers config and the width the model computes in."""
+        """From a transformers config and the width the model computes in: every attention layer of the config's
+        KV heads and head size, or of one latent (MLA: ``kv_lora_rank`` and the shared rotary key)."""
         query_heads = config.num_attention_heads
-        return cls(
-            layers=config.num_hidden_layers,
-            kv_heads=getattr(config, "num_key_value_heads", None) or query_heads,
-            query_heads=query_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // query_heads,
-            bits=bits,
+        architecture = Architecture.of(config)
+        latent = getattr(config, "kv_lora_rank", None)
+        if latent:
+            heads, key_dim, value_dim = 1, latent, config.qk_rope_head_dim
+        else:
+            heads = getattr(config, "num_key_value_heads", None) or query_heads
+            key_dim = value_dim = getattr(config, "head_dim", None) or config.hidden_size // query_heads
+        layers = tuple(
+            LayerShape(heads, key_dim, value_dim, not architecture.compressible(layer))
+            for layer in architecture.attention_layers
         )
+        return cls(CacheGeometry(layers, None if architecture.state_layers else 0), query_heads, bits)
 
     @property
-    def geometry(self) -> CacheGeometry:
-        return CacheGeometry(self.layers, self.kv_heads, self.head_dim)
+    def kv_heads(self) -> int:
+        return self.geometry.layers[0].heads
 
     @property
     def native_format(self) -> KVFormat:

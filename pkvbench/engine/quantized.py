@@ -15,7 +15,7 @@ not depend on the order of the columns: the packed part comes first, then the re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -24,6 +24,7 @@ from transformers.cache_utils import CacheLayerMixin
 from pkvbench.cell.kv_formats import KVFormat
 from pkvbench.codecs.kivi import Quantized, dequantize_keys, dequantize_values, quantize_keys, quantize_values
 from pkvbench.engine.cache import RaggedLayer, host_copy
+from pkvbench.engine.recurrent import LayerState, state_bytes
 from pkvbench.errors import PkvError
 
 
@@ -118,6 +119,7 @@ class StoredEntries:
     layers: list[StoredLayer]
     format: KVFormat
     dtype: torch.dtype
+    states: dict[int, LayerState] = field(default_factory=dict)  # a hybrid model's, as the model keeps them
     storage: ClassVar[str] = "stored"  # how a batch of them decodes (layers.LAYER_KINDS)
 
     @classmethod
@@ -128,12 +130,13 @@ class StoredEntries:
             lengths = kept.lengths[index] if kept.lengths is not None else torch.full((keys.shape[0],), keys.shape[1])
             positions = kept.positions[index] if kept.positions is not None else None
             layers.append(store_layer(keys, values, lengths, fmt, dtype, positions))
-        return cls(layers, fmt, kept.keys[0].dtype)
+        return cls(layers, fmt, kept.keys[0].dtype, kept.states)
 
     @property
     def nbytes(self) -> int:
-        """Bytes the stored tensors hold (codes, scales, minima, residual, padding), from the tensors themselves."""
-        return sum(t.nbytes for layer in self.layers for t in layer.tensors)
+        """Bytes the stored tensors hold (codes, scales, minima, residual, padding), from the tensors themselves, and
+        the states (kept whole, in the model's own dtypes)."""
+        return sum(t.nbytes for layer in self.layers for t in layer.tensors) + state_bytes(self.states)
 
     @property
     def heads(self) -> tuple[int, ...]:

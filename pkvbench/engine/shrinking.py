@@ -281,15 +281,15 @@ class MemoryTracker:
         self.query_heads = query_heads
         self.schedules = schedules
         self.starts = starts
-        self.softmaxes = softmaxes  # per layer: ``architecture.LayerSoftmax``
-        self.rope = rope  # (start, count, layer) → the layer's RoPE cos, sin
+        self.softmaxes = softmaxes  # per attention layer: ``architecture.LayerSoftmax``
+        self.rope = rope  # (start, count, model layer) → the layer's RoPE cos, sin
         self.interleaved = interleaved  # RoPE's pairing (``attention.rotate_half``)
         self.live = list(range(len(schedules)))
         self.memory = [RowMemory() for _ in schedules]
         self.forwarded = False  # whether a forward has read the caches yet (their states from then on count)
 
     def _size(self, batch_row: int) -> tuple[int, int]:
-        held = [layer.held(batch_row) for layer in self.cache.layers]
+        held = [layer.held(batch_row) for layer in self.cache.layers if hasattr(layer, "held")]
         return sum(entries for entries, _ in held), sum(stored for _, stored in held)
 
     def note(self, batch_row: int, step: int, attended: bool = True) -> None:
@@ -317,7 +317,8 @@ class MemoryTracker:
 
     def cut(self, batch_row: int, schedule: DecodeSchedule, start: DecodeStart | None, end: int) -> None:
         needs = schedule.needs
-        for index, (layer, target) in enumerate(zip(self.cache.layers, schedule.targets(end))):
+        for index, (model_layer, target) in enumerate(zip(self.cache.attention_layers, schedule.targets(end))):
+            layer = self.cache.layers[model_layer]  # a hybrid model's recurrent layers keep their state whole
             if int(layer.lengths[batch_row].max()) <= target:
                 continue
             softmax = self.softmaxes[index]
@@ -327,7 +328,9 @@ class MemoryTracker:
             if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
                 moments = start.moments[index]
                 rotated = {
-                    (sink, future): rotate_moments(*moments[sink], *self.rope(end, future, index), self.interleaved)
+                    (sink, future): rotate_moments(
+                        *moments[sink], *self.rope(end, future, model_layer), self.interleaved
+                    )
                     for sink, future in needs.query_stats
                 }
                 stats = dataclasses.replace(stats, query_stats=rotated)

@@ -413,8 +413,8 @@ def run_grid(
     """The local executor: every pending sample in order, in this process (``items``: the samples, if built)."""
     started = time.perf_counter()
     plan = plan_grid(tasks, engine.tokenizer, cells, options, store, shard, items)
-    check_formats(engine.loaded.shape, cells)  # evaluate checked them from the model's config: again, as loaded
-    check_memory(engine.loaded.shape, plan.pending)
+    check_formats(engine.shape, cells)  # evaluate checked them from the model's config: again, as loaded
+    check_memory(engine.shape, plan.pending)
     writer = RowWriter(store, plan, started=started, quiet=quiet, on_row=on_row)
     try:
         for task, sample, pending in plan.pending:
@@ -428,22 +428,26 @@ def run_grid(
 
 def check_formats(shape: ModelShape, cells: list[Cell]) -> None:
     """Refuse a KIVI group that does not fit the model's heads: values are quantized per token in groups of G
-    channels, so G must divide the head size. ``shape`` is read from the model's config: this runs before the model
-    loads (and before ``--overwrite`` deletes anything)."""
-    head_dim = shape.head_dim
-    for fmt in {cell.kv for cell in cells if cell.kv is not None and cell.kv.quantized}:
-        if head_dim % fmt.group or head_dim * fmt.bits % 8:
-            raise PkvError(
-                f"--kv-group {fmt.group} does not divide the model's head size ({head_dim}): values are quantized "
-                f"per token in groups of G channels; try {', '.join(str(g) for g in (16, 32, 64) if head_dim % g == 0)}"
-            )
+    channels, so G must divide the head size (a latent cache's: its value's, the shared rotary key). ``shape`` is
+    read from the model's config: this runs before the model loads (and before ``--overwrite`` deletes anything)."""
+    for head_dim in {layer.value_dim for layer in shape.geometry.layers}:
+        for fmt in {cell.kv for cell in cells if cell.kv is not None and cell.kv.quantized}:
+            if head_dim % fmt.group or head_dim * fmt.bits % 8:
+                fits = ", ".join(str(g) for g in (16, 32, 64) if head_dim % g == 0)
+                raise PkvError(
+                    f"--kv-group {fmt.group} does not divide the model's head size ({head_dim}): values are "
+                    f"quantized per token in groups of G channels; try {fits}"
+                )
 
 
 def check_memory(shape: ModelShape, pending: list[tuple[TaskSpec, Sample, list[Cell]]]) -> None:
     """Refuse a memory budget that some cell cannot hold on some prompt (a policy's floor — its window, its sinks —
     stored in the cell's format takes more): a memory column must hold every cell. The message names the smallest
-    value every cell can hold. Needs the model's config and the prompts' lengths only: runs before the model loads."""
+    value every cell can hold. Needs the model's config and the prompts' lengths only: runs before the model loads
+    (a hybrid model's once it has: its state's bytes are measured on the loaded model, ``Engine.shape``)."""
     geometry = shape.geometry
+    if geometry.state_bytes is None:
+        return
     short: dict[Budget, tuple[float, str]] = {}
     for _task, sample, cells in pending:
         for cell in cells:
