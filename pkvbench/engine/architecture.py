@@ -51,8 +51,13 @@ HALF_ROPE = "RoPE over the whole head (rotate-half)"
 EVERY_LAYER_SLIDES = "full, or sliding on every layer (sliding_window)"
 WINDOW_LAYERS = "full, or sliding from max_window_layers on (use_sliding_window)"
 LOCAL_AND_GLOBAL = "local (sliding, kept whole) and global (full) per layer_types"
-MLA = "MLA caches a compressed latent"
+LATENT_LAYERS = "full (an MLA latent per token: one cache head)"
+MLA_HANDLED = (
+    "a layer's cache is one latent head: positions of the latent kept, statistics of the expanded heads folded to "
+    "it; the policies that read cached keys or values themselves (marked MLA: refused above) and gqa=query refused"
+)
 HYBRID_LAYERS = "linear_attention (a recurrent state, kept whole) and full_attention, per layer_types"
+MAMBA_LAYERS = "linear_attention (Mamba: a convolution and an SSM state, kept whole) and full_attention"
 FAMILIES: dict[str, Family] = {
     "llama": Family(HALF_ROPE + "; Llama 3.1 and YaRN scaling", "the reference layout"),
     "mistral": Family(
@@ -104,8 +109,60 @@ FAMILIES: dict[str, Family] = {
         layers=HYBRID_LAYERS,
         kinds=(FULL, "linear_attention"),
     ),
-    "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
-    "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
+    "qwen3_5_text": Family(
+        "hybrid as qwen3_next (gated delta rule and attention layers); dense MLP",
+        "as qwen3_next",
+        layers=HYBRID_LAYERS,
+        kinds=(FULL, "linear_attention"),
+    ),
+    "olmo_hybrid": Family(
+        "hybrid: gated delta rule layers and attention layers (q/k norms over all heads)",
+        "as qwen3_next",
+        layers=HYBRID_LAYERS,
+        kinds=(FULL, "linear_attention"),
+    ),
+    "lfm2": Family(
+        "hybrid: short convolution layers (a state of the last inputs) and attention layers; q/k norms",
+        "the convolution layers' states kept whole; the attention layers compressed",
+        layers="conv (a convolution state, kept whole) and full_attention, per layer_types",
+        kinds=(FULL, "conv"),
+    ),
+    "bamba": Family(
+        "hybrid: Mamba-2 layers (a convolution and an SSM state) and attention layers (attn_layer_indices)",
+        "the Mamba layers' states kept whole; the attention layers compressed",
+        layers=MAMBA_LAYERS,
+        kinds=(FULL, "linear_attention"),
+    ),
+    "granitemoehybrid": Family(
+        "hybrid: Mamba-2 layers and attention layers (Granite-4); mixture-of-experts MLP; multipliers",
+        "as bamba",
+        layers=MAMBA_LAYERS,
+        kinds=(FULL, "linear_attention"),
+    ),
+    "falcon_h1": Family(
+        "hybrid in every layer: Mamba-2 and attention side by side, each layer a state and per-token entries",
+        "each layer's state kept whole, its entries compressed",
+        layers="hybrid (a state and per-token entries in every layer)",
+        kinds=("hybrid",),
+    ),
+    "deepseek_v2": Family(
+        "multi-head latent attention (MLA): one latent per token, expanded per head in attention; RoPE as complex "
+        "rotations; mixture-of-experts MLP",
+        MLA_HANDLED,
+        layers=LATENT_LAYERS,
+    ),
+    "deepseek_v3": Family(
+        "MLA as deepseek_v2, a compressed query (q_lora_rank), interleaved RoPE weights (rope_interleave)",
+        MLA_HANDLED,
+        layers=LATENT_LAYERS,
+    ),
+    "glm4_moe_lite": Family("MLA as deepseek_v3 (GLM-4.7-Flash)", MLA_HANDLED, layers=LATENT_LAYERS),
+    "kimi_linear": Family(
+        "hybrid: Kimi delta attention layers (a recurrent state) and MLA attention layers without RoPE",
+        "the recurrent layers' states kept whole; " + MLA_HANDLED,
+        layers="linear_attention (a recurrent state, kept whole) and full_attention (an MLA latent per token)",
+        kinds=(FULL, "linear_attention"),
+    ),
 }
 
 
@@ -217,9 +274,15 @@ class Architecture:
             for i in self.attention_layers
         ]
 
+    # An attention module's output projection: ``o_proj`` (the shared layout), ``out_proj`` (LFM2).
+    OUTPUT_PROJECTIONS = ("o_proj", "out_proj")
+
     def output_weights(self, model) -> list:
-        """Each layer's attention output projection's weight (VATP-style value scores)."""
-        return [module.o_proj.weight for module in self.attention_modules(model)]
+        """Each attention layer's output projection's weight (VATP-style value scores)."""
+        return [
+            next(getattr(module, name) for name in self.OUTPUT_PROJECTIONS if hasattr(module, name)).weight
+            for module in self.attention_modules(model)
+        ]
 
     def softmaxes(self, model) -> list[LayerSoftmax]:
         """How each layer turns its logits into attention: its module's own scale (granite's multiplier, not always
@@ -265,6 +328,8 @@ class Architecture:
         import torch
 
         module = self.attention_modules(model)[0]
+        if latent(module):  # nothing un-rotates a latent cache's queries: Expected Attention is refused there
+            return Rotation(interleaved=False, width=0)
         apply = inspect.getmodule(type(module)).apply_rotary_pos_emb
         dim = module.head_dim
         device = next(model.parameters()).device
@@ -284,6 +349,13 @@ class Architecture:
         """The attention module's sinks ``[Hq]`` (gpt-oss: a learned logit per head that joins the softmax's
         denominator, no value attached), or None."""
         return getattr(module, "sinks", None)
+
+
+def latent(module) -> bool:
+    """Whether an attention module caches a latent and expands it per head inside attention (multi-head latent
+    attention, MLA: DeepSeek-V2/V3, Kimi): transformers' MLA modules write the latent and the shared rotary key to the
+    cache (``cache.update(latent, rotary key)``) and read them back through their own ``expand_kv``."""
+    return callable(getattr(module, "expand_kv", None))
 
 
 @dataclass(frozen=True)

@@ -502,11 +502,13 @@ def _decoding_attention(kernel, base: str, layer, module, query, key, value, **k
     FlexAttention or a mask (``RAGGED_KERNELS``). Nothing here reads a tensor back to the host."""
     observe = getattr(layer, "observe", None)
     if observe is not None:
-        observe(query, kwargs.get("scaling", module.scaling), kwargs.get("softcap"), Architecture.sinks(module))
+        scaling = kwargs.get("scaling", module.scaling)
+        observe(query, scaling, kwargs.get("softcap"), Architecture.sinks(module), keys=key)
     groups = getattr(module, "num_key_value_groups", 1)
     if key.shape[1] == query.shape[1] and groups > 1:
         module = _OneSetPerQueryHead(module)
-    if not getattr(layer, "uniform", False) and _flex_applies(base, layer, query, kwargs):
+    if not getattr(layer, "uniform", False) and key is layer.keys and _flex_applies(base, layer, query, kwargs):
+        # (FlexAttention reads the layer's stores: not where attention reads keys the module expanded, MLA's)
         output = _flex_decoding(layer, module, query, kwargs)
         if output is not None:
             return output

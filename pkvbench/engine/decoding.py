@@ -151,6 +151,7 @@ class BatchDecoder:
         layer_kinds: list[str] | None = None,
         windows: list[int | None] | None = None,
         interleaved: bool = False,
+        expanders: list | None = None,
     ):
         self.forward = forward
         self.tokenizer = tokenizer
@@ -167,6 +168,7 @@ class BatchDecoder:
         self.query_heads = query_heads or kv_heads
         self.layer_kinds = layer_kinds  # each layer's attention kind (architecture.FULL, SLIDING); None: all full
         self.windows = windows  # each layer's sliding window (None: full attention)
+        self.expanders = expanders  # per attention layer: a latent (MLA) layer's ``expand_kv``, else None
         # Entered around every decode step after the first (its choice, row selection and forward): a check that
         # a step never waits for the device (``scripts/bench_gpu.py``: ``torch.cuda.set_sync_debug_mode``).
         self.step_guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -182,7 +184,7 @@ class BatchDecoder:
         """Per layer the class of its attention kind and the rows' storage (``layers.LAYER_KINDS``)."""
         kinds = self.layer_kinds or [FULL] * len(requests[0].kept.heads)
         windows = self.windows or [None] * len(kinds)
-        return build_cache(requests, room, self.kv_heads, kinds, windows)
+        return build_cache(requests, room, self.kv_heads, kinds, windows, self.expanders)
 
     @staticmethod
     def _room(requests: list[DecodeRequest]) -> int:

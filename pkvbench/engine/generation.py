@@ -17,9 +17,11 @@ import numpy as np
 import torch
 
 from pkvbench.cell import budgets, kv_formats
-from pkvbench.engine.architecture import Architecture
+from pkvbench.engine.architecture import Architecture, latent
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries
+from pkvbench.engine.latent import check_policies as check_latent_policies
+from pkvbench.engine.latent import fold
 from pkvbench.engine.models import LoadedModel, ModelShape
 from pkvbench.engine.quantized import StoredEntries
 from pkvbench.engine.reconstruction import SINK, ReconstructionRecorder, repeat_inputs
@@ -156,12 +158,15 @@ class Engine:
         self.output_weights = self.architecture.output_weights(self.model)  # per attention layer, as softmaxes
         self.rotation = self.architecture.rotation(self.model)
         self.softmaxes = self.architecture.softmaxes(self.model)
+        modules = self.architecture.attention_modules(self.model)
+        # Per attention layer, a latent (MLA) module's expansion of its cache into every head's keys (else None).
+        self.expanders = [module.expand_kv if latent(module) else None for module in modules]
         self.geometry = self._measured_geometry()
         self.decoder = BatchDecoder(
             self._forward,
             self.tokenizer,
             self.stop_ids,
-            loaded.num_kv_heads,
+            self.geometry.layers[0].heads,  # the heads the model hands its cache (one latent for MLA)
             self.device,
             self._sync,
             rope=self.rope,
@@ -170,7 +175,18 @@ class Engine:
             layer_kinds=list(self.architecture.layer_kinds),
             windows=self.architecture.windows,
             interleaved=self.rotation.interleaved,
+            expanders=self.expanders if any(self.expanders) else None,
         )
+
+    @property
+    def latent(self) -> bool:
+        """Whether the model caches an MLA latent (``engine/latent.py``)."""
+        return any(self.expanders)
+
+    def check_policies(self, policies) -> None:
+        """Refuse, in one line, a policy the model's cache cannot serve (an MLA model: ``latent.refusal``)."""
+        if self.latent:
+            check_latent_policies(policies, self.loaded.name)
 
     @torch.inference_mode()
     def _measured_geometry(self) -> kv_formats.CacheGeometry:
@@ -190,7 +206,7 @@ class Engine:
     @property
     def shape(self) -> ModelShape:
         """The model's cache as loaded: the config's ``ModelShape`` with the measured geometry (a hybrid's state)."""
-        return dataclasses.replace(self.loaded.shape, geometry=self.geometry)
+        return dataclasses.replace(self.loaded.shape, geometry=self.geometry, latent=self.latent)
 
     def prefill_cache(self):
         """An empty cache for a prefill: transformers' ``DynamicCache``, with a hybrid model's state layers
@@ -266,7 +282,7 @@ class Engine:
         states_at = self._states_at(input_ids, cuts, cache)
         started = time.perf_counter()
         reconstruction = {
-            (cut, chunk): self.reconstruction_scores(layers, input_ids[0, :cut].tolist(), chunk, states_at.get(cut))
+            (cut, chunk): self.reconstruction_scores(layers, input_ids[0, :cut].tolist(), chunk, states_at[cut])
             for cut in cuts
             for chunk in needs.reconstruction
         }
@@ -305,7 +321,7 @@ class Engine:
         prompt; for a shorter cut (the context, where the question comes after compression), a forward of those
         tokens alone, since a recurrent state holds no positions to cut back to. An attention-only model: none."""
         if not self.architecture.state_layers:
-            return {}
+            return {cut: {} for cut in cuts}
         length = input_ids.shape[1]
         states = {}
         for cut in cuts:
@@ -348,8 +364,8 @@ class Engine:
             positions = torch.arange(length, length + len(ids), device=self.device)[None]
             with recording(recorder):
                 self._forward(torch.tensor([ids], device=self.device), cache, positions)
-            for model_layer, layer_scores in zip(attention, scores):
-                layer_scores[:, start:end] = recorder.scores[model_layer]
+            for model_layer, layer_scores in zip(attention, scores):  # a latent's heads fold to its one
+                layer_scores[:, start:end] = fold(recorder.scores[model_layer], layer_scores.shape[0])
         return scores
 
     @torch.inference_mode()
@@ -373,6 +389,7 @@ class Engine:
         """What ``policy`` keeps at ``budget`` (in entries) of the whole prompt or of its first ``cut`` tokens: the
         layer plan and, for each layer it compresses, the selection (kept positions ``[heads, k]``, or a keep mask
         ``[heads, T]`` where heads keep different numbers of entries)."""
+        self.check_policies([policy])
         plan = self._plan(policy, budget, cut or prefill.context_len)
         return plan, self._choose(prefill, policy, plan)
 
@@ -402,6 +419,7 @@ class Engine:
         whole prompt, or of its first ``cut`` tokens (the context, when the question comes after compression); then
         store them in ``fmt`` (default: the model's own cache). A memory budget keeps as many entries as fit its
         bytes in ``fmt`` (``kv_formats.memory_plan``)."""
+        self.check_policies([policy])
         fmt = fmt or self.native_format
         length = cut or prefill.context_len
         heads = policy.cache_heads(prefill.stats_at[length][0])
@@ -456,11 +474,11 @@ class Engine:
         full_values = [v[0, :, :length] for v in prefill.values]
         # One kept set per KV head, or (the reference's gqa=query) one per query head, from keys and values repeated
         # to every query head of their group as transformers' repeat_kv does.
-        group = heads // self.loaded.num_kv_heads
+        group = heads // self.geometry.layers[0].heads
         if group > 1:
             full_keys = [k.repeat_interleave(group, dim=0) for k in full_keys]
             full_values = [v.repeat_interleave(group, dim=0) for v in full_values]
-        states = prefill.states_at.get(length, {})
+        states = prefill.states_at[length]
         if not plan.compressed:
             return KeptEntries(full_keys, full_values, states=states), None
         keys, values, positions = [], [], []
@@ -475,9 +493,9 @@ class Engine:
             kept = selected[layer] = chosen[layer].to(self.device)
             if kept.dtype == torch.bool:  # heads keep different numbers of entries: stored padded, counted apart
                 kept, lengths[layer] = ragged_positions(kept)
-            index = kept[:, :, None].expand(-1, -1, full_keys[layer].shape[-1])
-            keys.append(full_keys[layer].gather(1, index))
-            values.append(full_values[layer].gather(1, index))
+            index = kept[:, :, None]  # a latent cache's keys and values differ in size
+            keys.append(full_keys[layer].gather(1, index.expand(-1, -1, full_keys[layer].shape[-1])))
+            values.append(full_values[layer].gather(1, index.expand(-1, -1, full_values[layer].shape[-1])))
             positions.append(kept)
         if not any(n is not None for n in lengths):
             return KeptEntries(keys, values, positions=positions, states=states), selected

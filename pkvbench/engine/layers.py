@@ -23,7 +23,7 @@ from transformers.cache_utils import DummyLayer
 from pkvbench.engine.architecture import FULL, HYBRID_KINDS, NO_CACHE_KINDS, SLIDING, STATE_KINDS
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
 from pkvbench.engine.quantized import QuantizedLayer
-from pkvbench.engine.recurrent import StateLayer
+from pkvbench.engine.recurrent import HybridLayer, StateLayer
 from pkvbench.engine.shrinking import ShrinkingLayer, decoding_state
 from pkvbench.engine.sliding import SlidingLayer, WindowMask, row_positions
 
@@ -115,6 +115,7 @@ class LayerBatch:
     room: int
     kv_heads: int
     window: int | None
+    expand: object = None  # a latent (MLA) layer's ``expand_kv`` (its cut while decoding scores per head)
 
 
 def _padded(batch: LayerBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -168,6 +169,7 @@ def _shrinking(kind: type, batch: LayerBatch):
         counts,
         accumulated,
         batch.start,
+        expand=batch.expand,
         **_window(batch),
     )
 
@@ -198,9 +200,18 @@ def storage_of(requests: list) -> str:
     return "shrinking" if any(r.schedule for r in requests) else "ragged"
 
 
-def build_cache(requests: list, room: int, kv_heads: int, kinds: list[str], windows: list[int | None]) -> RaggedCache:
+def build_cache(
+    requests: list,
+    room: int,
+    kv_heads: int,
+    kinds: list[str],
+    windows: list[int | None],
+    expanders: list | None = None,
+) -> RaggedCache:
     """The batch's cache: per model layer the class its attention kind and the rows' storage name; a recurrent
-    layer's rows' states stacked (``recurrent.StateLayer``); nothing where the layer caches nothing."""
+    layer's rows' states stacked (``recurrent.StateLayer``); nothing where the layer caches nothing. ``kv_heads``:
+    the heads the model hands the cache (one for a latent); ``expanders``: per attention layer, a latent layer's
+    ``expand_kv`` or None."""
     storage = storage_of(requests)
     start = requests[0].position
     layers, attention = [], []
@@ -212,6 +223,10 @@ def build_cache(requests: list, room: int, kv_heads: int, kinds: list[str], wind
             layers.append(DummyLayer())
             continue
         cls, build = LAYER_KINDS[HYBRID_KINDS.get(kind, kind), storage]
-        layers.append(build(cls, LayerBatch(requests, len(attention), start, room, kv_heads, window)))
+        expand = expanders[len(attention)] if expanders else None
+        built = build(cls, LayerBatch(requests, len(attention), start, room, kv_heads, window, expand))
+        if kind in HYBRID_KINDS:  # its state beside its entries
+            built = HybridLayer(built, [r.kept.states[layer] for r in requests], start)
+        layers.append(built)
         attention.append(layer)
     return RaggedCache(layers, attention)

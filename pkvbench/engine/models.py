@@ -37,6 +37,7 @@ class ModelShape:
     geometry: CacheGeometry  # its layers of per-token entries; a hybrid's state is not known before it loads (None)
     query_heads: int
     bits: int  # the width the model computes in: its own cache's values
+    latent: bool = False  # an MLA latent per token (``engine/latent.py``)
 
     @classmethod
     def of(cls, config, bits: int) -> ModelShape:
@@ -54,7 +55,8 @@ class ModelShape:
             LayerShape(heads, key_dim, value_dim, not architecture.compressible(layer))
             for layer in architecture.attention_layers
         )
-        return cls(CacheGeometry(layers, None if architecture.state_layers else 0), query_heads, bits)
+        state = None if architecture.state_layers else 0
+        return cls(CacheGeometry(layers, state), query_heads, bits, latent=bool(latent))
 
     @property
     def kv_heads(self) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import (
+    CacheLayerMixin,
     DummyLayer,
     DynamicCache,
     DynamicLayer,
@@ -149,3 +150,50 @@ class StateLayer(LinearAttentionLayer):
                 if state is not None:
                     states[index] = state[rows.to(state.device)]
         self.row_bytes = self.row_bytes[host_copy(rows if host_rows is None else host_rows)]
+
+
+def _attention_part(name: str) -> property:
+    """An attribute of a ``HybridLayer`` that is its attention layer's (read and written there)."""
+    return property(
+        lambda self: getattr(self.attention, name), lambda self, value: setattr(self.attention, name, value)
+    )
+
+
+class HybridLayer(StateLayer, CacheLayerMixin):
+    """A layer that keeps its rows' states and, beside them, an attention layer's entries (``hybrid`` layers:
+    Falcon-H1 runs Mamba and attention side by side in each layer): the state calls are the ``StateLayer``'s, the
+    attention calls (``update``, masks, lengths, cuts while decoding) its ``attention`` layer's, whatever kind that is
+    (``layers.LAYER_KINDS``)."""
+
+    def __init__(self, attention, states: list[LayerState], position: int):
+        super().__init__(states, position)
+        self.attention = attention
+
+    # shared with the other attention layers of the batch (``cache.RaggedCache``)
+    step_memo = _attention_part("step_memo")
+    memo_shared = _attention_part("memo_shared")
+
+    def __getattr__(self, name: str):
+        if name == "attention":  # not set yet (during ``__init__``)
+            raise AttributeError(name)
+        return getattr(self.attention, name)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.attention.update(key_states, value_states, *args, **kwargs)
+
+    def held(self, row: int) -> tuple[int, int]:
+        entries, stored = self.attention.held(row)
+        return entries, stored + super().held(row)[1]
+
+    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+        super().select_rows(rows, host_rows)
+        self.attention.select_rows(rows, host_rows)
+
+    def get_seq_length(self) -> int:
+        return self.attention.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.attention.get_mask_sizes(query_length)
+
+    def get_max_length(self) -> int:
+        return -1

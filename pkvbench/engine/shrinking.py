@@ -132,11 +132,14 @@ class ShrinkingLayer(PositionedLayer):
         query_counts: torch.Tensor | None = None,
         accumulated: torch.Tensor | None = None,
         start: int = 0,
+        expand=None,
     ):
         """``positions`` ``[batch, heads, n]`` of the entries; ``queries`` ``[batch, Hq, W, d]`` the latest W
         queries, the last ``query_counts[b]`` of row b real; ``accumulated`` ``[batch, Hq, n]`` the sums so far;
-        ``start`` the position of the first new token."""
+        ``start`` the position of the first new token; ``expand``: a latent (MLA) layer's ``expand_kv``, its
+        cached latents and rotary keys → every head's keys and values (``engine/latent.py``), None elsewhere."""
         super().__init__(keys, values, lengths, room, kv_heads, positions, start)
+        self.expand = expand
         if self.group != 1:
             raise ValueError("a cache of one set per query head cannot be cut while the answer is written")
         capacity = self._key_store.shape[2]
@@ -154,11 +157,18 @@ class ShrinkingLayer(PositionedLayer):
             self._accumulated = torch.nn.functional.pad(self._accumulated, (0, extra))
 
     def observe(
-        self, query: torch.Tensor, scaling: float, softcap: float | None = None, sinks: torch.Tensor | None = None
+        self,
+        query: torch.Tensor,
+        scaling: float,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        keys: torch.Tensor | None = None,
     ) -> None:
         """The attention wrapper's call with each decoding step's queries ``[batch, Hq, new, d]`` (post-RoPE),
         after ``update``: keep the latest queries, add their attention to each entry's sum (with the model's scale
-        and soft-capping, the layer's attention ``sinks`` in its denominator, ``attention.attention_softmax``)."""
+        and soft-capping, the layer's attention ``sinks`` in its denominator, ``attention.attention_softmax``).
+        ``keys``: what the attention reads, ``[batch, H, columns, d]`` (a latent layer's expanded per head; default
+        the layer's own)."""
         new = query.shape[2]
         if self._queries is not None:
             width = self._queries.shape[2]
@@ -166,8 +176,8 @@ class ShrinkingLayer(PositionedLayer):
             self.query_counts = (self.query_counts + new).clamp(max=width)
         if self._accumulated is not None:
             batch, query_heads, _, dim = query.shape
-            keys = self.keys.float()  # [batch, H, columns, d]
-            grouped = query.float().view(batch, self.heads, query_heads // self.heads * new, dim)
+            keys = (self.keys if keys is None else keys).float()  # [batch, H, columns, d]
+            grouped = query.float().view(batch, keys.shape[1], query_heads // keys.shape[1] * new, dim)
             logits = (grouped @ keys.transpose(2, 3) * scaling).view(batch, query_heads, new, keys.shape[2])
             soft_cap_(logits, softcap)
             mask = self.attention_mask()
@@ -200,22 +210,23 @@ class ShrinkingLayer(PositionedLayer):
         count = int(self.lengths[row, 0])
         if not bool((self.lengths[row] == count).all()):
             raise ValueError("a cache whose heads keep different numbers of entries cannot be cut while decoding")
-        keys = self._key_store[row, :, :count]
+        keys, values = self._key_store[row, :, :count], self._value_store[row, :, :count]
         queries = None
         if self._queries is not None:
             queries = self._queries[row, :, self._queries.shape[2] - int(self.query_counts[row]) :]
             queries = queries[:, -min(queries.shape[1], count) :]
+        attended = keys if self.expand is None else self.expand(keys[None], values[None])[0][0]  # per head
         return LayerStats(
             context_len=count,
             num_kv_heads=self.heads,
             num_query_heads=query_heads,
             layer=layer,
-            window_scores=last_queries_sums(queries, keys, scaling, set(needs.windows), softcap, sinks)
+            window_scores=last_queries_sums(queries, attended, scaling, set(needs.windows), softcap, sinks)
             if needs.windows
             else {},
             accumulated=self._accumulated[row, :, :count] if needs.accumulated else None,
             keys=keys,
-            values=self._value_store[row, :, :count],
+            values=values,
             recent_queries=queries if needs.queries else None,
             positions=self._positions[row, :, :count],
             end=end,

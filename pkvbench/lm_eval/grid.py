@@ -31,7 +31,15 @@ from pkvbench.config import whole
 from pkvbench.engine.models import check_model_name
 from pkvbench.errors import PkvError
 from pkvbench.policies.spec import parse_policies
-from pkvbench.run.runner import Cell, RunSettings, check_formats, check_memory, row_identity, run_sample
+from pkvbench.run.runner import (
+    Cell,
+    RunSettings,
+    check_formats,
+    check_memory,
+    check_policies,
+    row_identity,
+    run_sample,
+)
 from pkvbench.store.results import row_key
 from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec
 
@@ -184,6 +192,7 @@ class Grid:
             engine = Engine(load_model(c.model, device=c.device, dtype=c.dtype))
         self.engine = engine
         check_formats(engine.shape, spec.cells)
+        check_policies(engine.shape, spec.cells, engine.loaded.name)
         self.generated: dict[Generation, list[dict]] = {}  # per request, per cell: run_sample's row
         self.scored: dict[Continuation, list[dict]] = {}  # per request, per cell: log-probability, greedy, measures
 

@@ -22,6 +22,7 @@ from pkvbench.cell.kv_formats import KVFormat
 from pkvbench.cell.schema import AGNOSTIC, AWARE, DEFAULT_QUERY_MODE, arrange
 from pkvbench.config import int_text
 from pkvbench.engine.generation import CompressedCache, Engine, Prefill
+from pkvbench.engine.latent import check_policies as check_latent_policies
 from pkvbench.engine.models import ModelShape
 from pkvbench.errors import PkvError
 from pkvbench.metrics.functions import prepare_prediction
@@ -414,6 +415,7 @@ def run_grid(
     started = time.perf_counter()
     plan = plan_grid(tasks, engine.tokenizer, cells, options, store, shard, items)
     check_formats(engine.shape, cells)  # evaluate checked them from the model's config: again, as loaded
+    check_policies(engine.shape, cells, engine.loaded.name)
     check_memory(engine.shape, plan.pending)
     writer = RowWriter(store, plan, started=started, quiet=quiet, on_row=on_row)
     try:
@@ -438,6 +440,13 @@ def check_formats(shape: ModelShape, cells: list[Cell]) -> None:
                     f"--kv-group {fmt.group} does not divide the model's head size ({head_dim}): values are "
                     f"quantized per token in groups of G channels; try {fits}"
                 )
+
+
+def check_policies(shape: ModelShape, cells: list[Cell], model: str) -> None:
+    """Refuse a policy the model's cache cannot serve: on an MLA model, one that reads per-head keys or values
+    (``engine/latent.py``). From the config, before the model loads; again once it has."""
+    if shape.latent:
+        check_latent_policies([cell.policy for cell in cells], model)
 
 
 def check_memory(shape: ModelShape, pending: list[tuple[TaskSpec, Sample, list[Cell]]]) -> None:
