@@ -572,6 +572,7 @@ def _attention_with_logsumexp(base: str, module, query, key, value, attention_ma
         or (query.device.type == "cpu" and query.dtype != torch.float32)
         or query.shape[-1] % 8
         or query.shape[-1] > 256
+        or value.shape[-1] != query.shape[-1]  # the kernels take one head size (an MLA value's differs)
         or attention_mask is not None
         or query.shape[2] != key.shape[2]
         or kwargs.get("dropout", 0.0)
