@@ -23,6 +23,7 @@ import torch
 from pkvbench.cell.budgets import Budget
 from pkvbench.engine.exactness import generate_reference, masked_reference
 from pkvbench.policies.spec import parse_policy
+from tests.helpers import decode_one
 
 VOCAB = 49152  # the embedded model's tokenizer
 TINY = {
@@ -134,12 +135,12 @@ def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
     full, streaming = parse_policy("full"), parse_policy("streamingllm")
     prefill = engine.prefill(ids, [full, streaming])
 
-    ours = engine.decode(prefill, engine.compress(prefill, full, Budget(row.budget)), row.new_tokens).tokens
+    ours = decode_one(engine, prefill, engine.compress(prefill, full, Budget(row.budget)), row.new_tokens).tokens
     reference = generate_reference(engine.model, ids, row.new_tokens)
     assert ours == reference
 
     compressed = engine.compress(prefill, streaming, Budget(row.budget))
-    streamed = engine.decode(prefill, compressed, row.new_tokens).tokens
+    streamed = decode_one(engine, prefill, compressed, row.new_tokens).tokens
     visible = torch.zeros(row.length, dtype=torch.bool)
     visible[: streaming.sink] = True
     visible[row.length - (row.budget - streaming.sink) :] = True

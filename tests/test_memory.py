@@ -12,10 +12,11 @@ from pkvbench.cell.kv_formats import CacheGeometry, KVFormat, MemoryTooSmall, me
 from pkvbench.codecs.kivi import dequantize_keys, dequantize_values
 from pkvbench.engine.decoding import KeptEntries
 from pkvbench.engine.generation import kept_bytes
-from pkvbench.engine.quantized import StoredEntries, quantized_layers
+from pkvbench.engine.quantized import StoredEntries
 from pkvbench.errors import PkvError
 from pkvbench.policies import parse_policy
 from pkvbench.reports.axes import order_axes
+from tests.helpers import quantized_layers
 
 GEOMETRY = CacheGeometry(layers=4, kv_heads=3, head_dim=64)
 FORMATS = [KVFormat(16), KVFormat(8), KVFormat(4, group=16, residual=5), KVFormat(2, group=32, residual=0)]

@@ -22,7 +22,6 @@ from pkvbench.errors import PkvError
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 ATTENTION_KINDS = (FULL, SLIDING)
-MATRIX = "tests/test_architectures.py"
 
 
 @dataclass(frozen=True)
@@ -92,8 +91,6 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
     "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
 }
-# Layer kinds of transformers' cache_utils that hold no per-token keys and values (hybrid linear attention).
-RECURRENT_KINDS = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba")
 
 
 def admitted_families() -> list[str]:

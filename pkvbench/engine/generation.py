@@ -472,19 +472,6 @@ class Engine:
         """Greedy decoding of every request, in batches of up to ``max_rows`` (``decoding.plan_batches``)."""
         return self.decoder.decode(requests, max_rows)
 
-    def decode(
-        self,
-        prefill: Prefill,
-        cache: CompressedCache,
-        max_new_tokens: int,
-        stop_strings: tuple[str, ...] = (),
-        min_new_tokens: int = 0,
-    ) -> Decoded:
-        """Greedy decoding of one compressed cache, at the original positions. Stops after an end-of-sequence token,
-        once the text holds a stop string, or at ``max_new_tokens``."""
-        request = self.request(prefill, cache, max_new_tokens, stop_strings, min_new_tokens)
-        return self.decoder.decode_batch([request])[0]
-
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

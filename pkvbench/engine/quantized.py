@@ -284,12 +284,3 @@ def _empty_like(rows: list[StoredLayer], part: str) -> Quantized:
     """A row of a batch whose other rows pack entries but it packs none: zero-length packed tensors of their shape."""
     model = next(getattr(row, part) for row in rows if getattr(row, part) is not None)
     return Quantized(*(t[:, :0] for t in model.tensors))
-
-
-def quantized_layers(entries: list[StoredEntries], room: int, kv_heads: int) -> list[QuantizedLayer]:
-    """The layers of a batch of rows stored in one format."""
-    first = entries[0]
-    return [
-        QuantizedLayer([e.layers[index] for e in entries], first.format, first.dtype, room, kv_heads)
-        for index in range(len(first.layers))
-    ]
