@@ -262,6 +262,7 @@ def test_decode_time_statistics_soft_cap_their_logits_as_the_models_eager_kernel
 
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
+    from pkvbench.engine.architecture import LayerSoftmax
     from pkvbench.engine.shrinking import ShrinkingLayer
     from pkvbench.policies.base import Needs
 
@@ -286,7 +287,7 @@ def test_decode_time_statistics_soft_cap_their_logits_as_the_models_eager_kernel
     )
     new_key, query = draw(1, heads, 1, dim), draw(1, heads * group, 1, dim)
     layer.update(new_key, new_key.clone())
-    layer.observe(query, scaling, softcap)
+    layer.observe(query, LayerSoftmax(scaling, softcap))
     module = SimpleNamespace(num_key_value_groups=group, training=False)
     _, weights = eager_attention_forward(
         module, query, layer.keys, layer.values, None, scaling=scaling, softcap=softcap

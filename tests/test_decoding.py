@@ -375,3 +375,25 @@ def test_flex_attention_is_left_to_layer_kinds_that_mask_more_and_to_calls_with_
         assert not attention._flex_applies("eager", plain, query, {})
     with attention.ragged_kernel("masked"):
         assert not attention._flex_applies("sdpa", plain, query, {})
+
+
+def test_a_layer_kind_that_leaves_out_part_of_the_contract_fails_when_built():
+    """``DecodingLayer`` is the base of every kind: one without ``held`` (or any other abstract member) cannot be
+    built, and every kind the table builds is one."""
+    from pkvbench.engine.cache import DecodingLayer
+    from pkvbench.engine.layers import LAYER_KINDS
+
+    class Forgetful(DecodingLayer):
+        lengths = torch.zeros(1, 1)
+
+        def lazy_initialization(self, key_states, value_states): ...
+        def update(self, key_states, value_states, *args, **kwargs): ...
+        def get_mask_sizes(self, query_length): ...
+        def get_seq_length(self): ...
+        def get_max_length(self): ...
+        def attention_mask(self): ...
+        def select_rows(self, rows, host_rows=None): ...
+
+    with pytest.raises(TypeError, match="held"):
+        Forgetful()
+    assert all(issubclass(kind, DecodingLayer) for kind, _ in LAYER_KINDS.values())

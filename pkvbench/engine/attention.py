@@ -20,8 +20,8 @@ from typing import Protocol
 
 import torch
 
-from pkvbench.engine.architecture import Architecture
-from pkvbench.engine.cache import FLEX_BLOCK, RaggedLayer
+from pkvbench.engine.architecture import Architecture, LayerSoftmax
+from pkvbench.engine.cache import FLEX_BLOCK
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs
 
@@ -486,7 +486,7 @@ def _flex_applies(base: str, layer, query: torch.Tensor, kwargs: dict) -> bool:
     and is left to it), over at most one block of new tokens."""
     return (
         base == "sdpa"
-        and getattr(type(layer), "attention_mask", None) is RaggedLayer.attention_mask
+        and layer.masked_by_lengths_alone
         and query.shape[2] <= FLEX_BLOCK
         and not kwargs.get("dropout", 0.0)
         and not set(kwargs) - _FLEX_KWARGS
@@ -500,13 +500,13 @@ def _decoding_attention(kernel, base: str, layer, module, query, key, value, **k
 
     Rows and heads of one length, one new token: the model's kernel with no mask (flash on a GPU). Otherwise
     FlexAttention or a mask (``RAGGED_KERNELS``). Nothing here reads a tensor back to the host."""
-    observe = getattr(layer, "observe", None)
-    if observe is not None:
-        observe(query, kwargs.get("scaling", module.scaling), kwargs.get("softcap"), Architecture.sinks(module))
+    layer.observe(
+        query, LayerSoftmax(kwargs.get("scaling", module.scaling), kwargs.get("softcap"), Architecture.sinks(module))
+    )
     groups = getattr(module, "num_key_value_groups", 1)
     if key.shape[1] == query.shape[1] and groups > 1:
         module = _OneSetPerQueryHead(module)
-    if not getattr(layer, "uniform", False) and _flex_applies(base, layer, query, kwargs):
+    if not layer.uniform and _flex_applies(base, layer, query, kwargs):
         output = _flex_decoding(layer, module, query, kwargs)
         if output is not None:
             return output

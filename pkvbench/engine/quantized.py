@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
 from pkvbench.cell.kv_formats import KVFormat
 from pkvbench.codecs.kivi import Quantized, dequantize_keys, dequantize_values, quantize_keys, quantize_values
-from pkvbench.engine.cache import RaggedLayer, host_copy
+from pkvbench.engine.cache import DecodingLayer, RaggedLayer, host_copy
 from pkvbench.errors import PkvError
 
 
@@ -160,12 +159,7 @@ def _padded(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     return out
 
 
-def _residuals(name: str) -> property:
-    """An attribute of a ``QuantizedLayer`` that is its residual layer's."""
-    return property(lambda self: getattr(self.residual, name), lambda self, value: setattr(self.residual, name, value))
-
-
-class QuantizedLayer(CacheLayerMixin):
+class QuantizedLayer(DecodingLayer):
     """One layer of a batch of stored caches (rows of one format), decoded from their packed form at every step."""
 
     is_sliding = False
@@ -209,10 +203,10 @@ class QuantizedLayer(CacheLayerMixin):
     def lengths(self) -> torch.Tensor:
         return self.residual.lengths
 
-    # The step's masks and indices are the residual's (``RaggedLayer.step_memo``): a ``RaggedCache`` shares one memo
-    # among its layers, so layers of the same lengths build them once per step.
-    step_memo = _residuals("step_memo")
-    memo_shared = _residuals("memo_shared")
+    def share_memo(self, memo: dict) -> None:
+        """The step's masks and indices are the residual's (``RaggedLayer.step_memo``): layers of the same counts
+        build them once per step."""
+        self.residual.share_memo(memo)
 
     def _assemble(self, tail: torch.Tensor, part: int) -> torch.Tensor:
         """What attention reads: the packed keys (``part`` 0) or values (1) dequantized into the first ``width``

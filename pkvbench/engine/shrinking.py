@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pkvbench.cell import budgets
+from pkvbench.engine.architecture import LayerSoftmax
 from pkvbench.engine.attention import attention_softmax, last_queries_sums, rotate_moments, soft_cap_
 from pkvbench.engine.cache import RaggedCache
 from pkvbench.engine.sliding import PositionedLayer
@@ -153,12 +154,9 @@ class ShrinkingLayer(PositionedLayer):
             extra = self._key_store.shape[2] - self._accumulated.shape[2]
             self._accumulated = torch.nn.functional.pad(self._accumulated, (0, extra))
 
-    def observe(
-        self, query: torch.Tensor, scaling: float, softcap: float | None = None, sinks: torch.Tensor | None = None
-    ) -> None:
-        """The attention wrapper's call with each decoding step's queries ``[batch, Hq, new, d]`` (post-RoPE),
-        after ``update``: keep the latest queries, add their attention to each entry's sum (with the model's scale
-        and soft-capping, the layer's attention ``sinks`` in its denominator, ``attention.attention_softmax``)."""
+    def observe(self, query: torch.Tensor, softmax: LayerSoftmax) -> None:
+        """Keep the latest queries, add their attention to each entry's sum (with the layer's scale, soft-cap and
+        sinks, as its model turns logits into attention)."""
         new = query.shape[2]
         if self._queries is not None:
             width = self._queries.shape[2]
@@ -168,13 +166,13 @@ class ShrinkingLayer(PositionedLayer):
             batch, query_heads, _, dim = query.shape
             keys = self.keys.float()  # [batch, H, columns, d]
             grouped = query.float().view(batch, self.heads, query_heads // self.heads * new, dim)
-            logits = (grouped @ keys.transpose(2, 3) * scaling).view(batch, query_heads, new, keys.shape[2])
-            soft_cap_(logits, softcap)
+            logits = (grouped @ keys.transpose(2, 3) * softmax.scaling).view(batch, query_heads, new, keys.shape[2])
+            soft_cap_(logits, softmax.softcap)
             mask = self.attention_mask()
             if mask is not None:
                 mask = mask.repeat_interleave(query_heads // mask.shape[1], dim=1)
                 logits = logits.masked_fill(~mask, float("-inf"))
-            self._accumulated[:, :, : keys.shape[2]] += attention_softmax(logits, sinks).sum(dim=2)
+            self._accumulated[:, :, : keys.shape[2]] += attention_softmax(logits, softmax.sinks).sum(dim=2)
 
     def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
         super().select_rows(rows, host_rows)

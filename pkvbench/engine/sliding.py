@@ -77,6 +77,7 @@ class WindowMask:
     """Mixin for a ``PositionedLayer`` kind: its attention mask also hides the entries older than ``window``."""
 
     window: int
+    masked_by_lengths_alone = False  # the window hides more than the lengths do
 
     def attention_mask(self) -> torch.Tensor | None:
         mask = super().attention_mask()
