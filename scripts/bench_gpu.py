@@ -472,20 +472,20 @@ def statistics_exactness(engine: Engine, ids: torch.Tensor, dtype: torch.dtype) 
         )
     ]
     queries = {}
-    recorder = attention.StatsRecorder(h2o.needs)
+    recorder = attention.StatsRecorder(h2o.needs, engine.softmaxes)
     original = recorder.observe
 
-    def observe(layer_idx, query, key, scaling, logsumexp=None):
-        queries[layer_idx] = (query[0], key[0], scaling, logsumexp)
-        return original(layer_idx, query, key, scaling, logsumexp=logsumexp)
+    def observe(layer_idx, query, key, logsumexp=None):
+        queries[layer_idx] = (query[0], key[0], engine.softmaxes[layer_idx], logsumexp)
+        return original(layer_idx, query, key, logsumexp=logsumexp)
 
     recorder.observe = observe
     with torch.inference_mode():
         engine.recorded_forward(ids, recorder)
     worst, overlap = 0.0, []
-    for layer_idx, (query, key, scaling, _) in queries.items():
+    for layer_idx, (query, key, softmax, _) in queries.items():
         fused = recorder.layers[length, layer_idx].accumulated
-        chunked = attention.accumulated_attention(query.float(), key.float(), scaling)
+        chunked = attention.accumulated_attention(query.float(), key.float(), softmax)
         worst = max(worst, ((fused - chunked).abs() / chunked.clamp(min=1e-6)).max().item())
         overlap.append(top_overlap(fused, chunked, 32))
     fused_route = all(lse is not None for *_, lse in queries.values())

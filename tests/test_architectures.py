@@ -176,12 +176,7 @@ def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(fam
 
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", spy)
     needs = Needs(windows=frozenset({8}), accumulated=True, queries=frozenset({row.length}))
-    recorder = StatsRecorder(
-        needs,
-        rope=engine.rope,
-        interleaved=engine.rotation.interleaved,
-        sinks=[softmax.sinks for softmax in engine.softmaxes],
-    )
+    recorder = StatsRecorder(needs, engine.softmaxes, rope=engine.rope, interleaved=engine.rotation.interleaved)
     engine.recorded_forward(ids, recorder)
     with stock_attention(engine.model, "eager"), torch.inference_mode():
         weights = engine.model(ids, output_attentions=True).attentions
@@ -224,7 +219,7 @@ def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage
     window of 32: every row and head sees its kept entries at positions 29 … 59 and the new token, nothing else —
     kept in the model's dtype, or packed in 4 bits (then the window reaches into the packed part and the residual)."""
     from pkvbench.cell.kv_formats import KVFormat
-    from pkvbench.engine.architecture import SLIDING
+    from pkvbench.engine.architecture import SLIDING, Architecture
     from pkvbench.engine.decoding import DecodeRequest, KeptEntries
     from pkvbench.engine.layers import build_cache
     from pkvbench.engine.quantized import StoredEntries
@@ -241,7 +236,8 @@ def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage
             kept = StoredEntries.store(kept, KVFormat(4, group=16, residual=5), torch.float32)
         requests.append(DecodeRequest(kept=kept, position=start, max_new_tokens=4))
         kept_positions.append(positions)
-    layer = build_cache(requests, room=4, kv_heads=heads, kinds=[SLIDING], windows=[window]).layers[0]
+    architecture = Architecture("test", (SLIDING,), window, kv_heads=heads, query_heads=heads)
+    layer = build_cache(requests, room=4, architecture=architecture).layers[0]
     layer.update(torch.randn(2, heads, 1, dim), torch.randn(2, heads, 1, dim))
     mask = layer.attention_mask()
     if storage == "stored":  # the packed columns' positions, then the residual's
@@ -294,7 +290,8 @@ def test_decode_time_statistics_soft_cap_their_logits_as_the_models_eager_kernel
     )
     torch.testing.assert_close(layer._accumulated[0, :, : count + 1], weights[0, :, 0])
 
-    stats = layer.row_stats(0, 0, Needs(windows=frozenset({window})), scaling, count + 1, heads * group, softcap)
+    softmax = LayerSoftmax(scaling, softcap)
+    stats = layer.row_stats(0, 0, Needs(windows=frozenset({window})), softmax, count + 1, heads * group)
     latest = layer._queries  # the window's queries, the new one last, at positions count + 1 - window … count
     entries, rows = torch.arange(count + 1), torch.arange(count + 1 - window, count + 1)
     causal = torch.zeros(window, count + 1).masked_fill_(entries[None] > rows[:, None], torch.finfo(torch.float32).min)

@@ -10,6 +10,7 @@ import torch
 
 from pkvbench.cell.budgets import Budget
 from pkvbench.engine import attention
+from pkvbench.engine.architecture import LayerSoftmax
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
 from pkvbench.engine.decoding import DecodeRequest, KeptEntries, greedy_rows, plan_batches
 from pkvbench.policies import parse_policy
@@ -327,7 +328,7 @@ def one_step_masks(cache, new):
 def test_a_step_builds_each_mask_once_for_layers_of_the_same_lengths():
     lengths = torch.tensor([[3, 3], [1, 1]])
     layers = [RaggedLayer(torch.zeros(2, 2, 3, 2), torch.zeros(2, 2, 3, 2), lengths, 4, 2) for _ in range(3)]
-    cache = RaggedCache(layers)
+    cache = RaggedCache(layers, [LayerSoftmax(1.0)] * 3)
     new = torch.zeros((2, 2, 1, 2))
     masks = one_step_masks(cache, new)
     assert masks[0] is masks[1] is masks[2]
@@ -347,7 +348,8 @@ def test_stored_layers_of_the_same_counts_share_their_step_mask():
         store_layer(torch.randn(2, n, 16), torch.randn(2, n, 16), torch.tensor([n, n]), fmt, torch.bfloat16)
         for n in (40, 20)
     ]
-    cache = RaggedCache([QuantizedLayer(rows, fmt, torch.float32, room=4, kv_heads=2) for _ in range(3)])
+    layers = [QuantizedLayer(rows, fmt, torch.float32, room=4, kv_heads=2) for _ in range(3)]
+    cache = RaggedCache(layers, [LayerSoftmax(1.0)] * 3)
     new = torch.zeros((2, 2, 1, 16))
     masks = one_step_masks(cache, new)
     assert masks[0] is masks[1] is masks[2]

@@ -74,7 +74,7 @@ def test_recorded_statistics_match_eager_attention(engine, loaded):
     ids = torch.tensor([loaded.tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]])
     with attention_kernel(loaded.model, "eager"), torch.inference_mode():
         attentions = loaded.model(ids, output_attentions=True).attentions
-    recorder = StatsRecorder(Needs(windows=frozenset({8}), accumulated=True))
+    recorder = StatsRecorder(Needs(windows=frozenset({8}), accumulated=True), engine.softmaxes)
     with recording(recorder), torch.inference_mode():
         loaded.model(ids)
     for layer, probs in enumerate(attentions):

@@ -281,8 +281,11 @@ class RaggedCache(Cache):
 
     layers: list[DecodingLayer]
 
-    def __init__(self, layers: list[DecodingLayer]):
+    def __init__(self, layers: list[DecodingLayer], softmaxes: list):
+        """``softmaxes``: each layer's ``architecture.LayerSoftmax`` (what a kind that records while decoding, and
+        FlexAttention, compute with)."""
         super().__init__(layers=layers)
+        self.softmaxes = softmaxes
         self.step_memo: dict = {}
         for layer in layers:
             layer.share_memo(self.step_memo)

@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from pkvbench.engine import shrinking
-from pkvbench.engine.architecture import FULL
+from pkvbench.engine.architecture import Architecture
 from pkvbench.engine.attention import decoding
 from pkvbench.engine.cache import RaggedCache, device_rows
 from pkvbench.engine.layers import build_cache
@@ -139,31 +139,18 @@ class BatchDecoder:
         forward: Callable,
         tokenizer,
         stop_ids: set[int],
-        kv_heads: int,
         device: torch.device,
         sync: Callable[[], None],
+        architecture: Architecture,
         rope: Callable | None = None,
-        softmaxes: list | None = None,
-        query_heads: int | None = None,
-        layer_kinds: list[str] | None = None,
-        windows: list[int | None] | None = None,
-        interleaved: bool = False,
     ):
         self.forward = forward
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
-        self.kv_heads = kv_heads
         self.device = device
         self.sync = sync
-        self.rope = (
-            rope  # RoPE's cos, sin of positions (start, count) of a layer: Expected Attention's cuts while decoding
-        )
-        self.interleaved = interleaved  # how that RoPE pairs dimensions (``attention.rotate_half``)
-        # Per layer, how it turns logits into attention (``architecture.LayerSoftmax``): the cuts' statistics.
-        self.softmaxes = softmaxes
-        self.query_heads = query_heads or kv_heads
-        self.layer_kinds = layer_kinds  # each layer's attention kind (architecture.FULL, SLIDING); None: all full
-        self.windows = windows  # each layer's sliding window (None: full attention)
+        self.architecture = architecture  # the layers' kinds, windows and softmaxes, the heads, RoPE's pairing
+        self.rope = rope  # RoPE's cos, sin of positions (start, count) of a layer: Expected Attention's cuts
         # Entered around every decode step after the first (its choice, row selection and forward): a check that
         # a step never waits for the device (``scripts/bench_gpu.py``: ``torch.cuda.set_sync_debug_mode``).
         self.step_guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -177,9 +164,7 @@ class BatchDecoder:
 
     def cache_for(self, requests: list[DecodeRequest], room: int) -> RaggedCache:
         """Per layer the class of its attention kind and the rows' storage (``layers.LAYER_KINDS``)."""
-        kinds = self.layer_kinds or [FULL] * len(requests[0].kept.heads)
-        windows = self.windows or [None] * len(kinds)
-        return build_cache(requests, room, self.kv_heads, kinds, windows)
+        return build_cache(requests, room, self.architecture)
 
     @staticmethod
     def _room(requests: list[DecodeRequest]) -> int:
@@ -208,10 +193,8 @@ class BatchDecoder:
             cache,
             [r.schedule for r in requests],
             [r.start for r in requests],
-            self.softmaxes,
-            self.query_heads,
+            self.architecture,
             self.rope,
-            self.interleaved,
         )
         rows = [_Row(request, index) for index, request in enumerate(requests)]
         position = requests[0].position

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pkvbench.engine.architecture import FULL, SLIDING
+from pkvbench.engine.architecture import FULL, SLIDING, Architecture
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
 from pkvbench.engine.quantized import QuantizedLayer
 from pkvbench.engine.shrinking import ShrinkingLayer, decoding_state
@@ -164,12 +164,13 @@ def storage_of(requests: list) -> str:
     return "shrinking" if any(r.schedule for r in requests) else "ragged"
 
 
-def build_cache(requests: list, room: int, kv_heads: int, kinds: list[str], windows: list[int | None]) -> RaggedCache:
+def build_cache(requests: list, room: int, architecture: Architecture) -> RaggedCache:
     """The batch's cache: per model layer the class its attention kind and the rows' storage name."""
     storage = storage_of(requests)
     start = requests[0].position
     layers = []
-    for layer, (kind, window) in enumerate(zip(kinds, windows)):
+    for layer, kind in enumerate(architecture.layer_kinds):
         cls, build = LAYER_KINDS[kind, storage]
-        layers.append(build(cls, LayerBatch(requests, layer, start, room, kv_heads, window)))
-    return RaggedCache(layers)
+        batch = LayerBatch(requests, layer, start, room, architecture.kv_heads, architecture.window(layer))
+        layers.append(build(cls, batch))
+    return RaggedCache(layers, list(architecture.softmaxes))

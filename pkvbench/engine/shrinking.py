@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pkvbench.cell import budgets
-from pkvbench.engine.architecture import LayerSoftmax
+from pkvbench.engine.architecture import Architecture, LayerSoftmax
 from pkvbench.engine.attention import attention_softmax, last_queries_sums, rotate_moments, soft_cap_
 from pkvbench.engine.cache import RaggedCache
 from pkvbench.engine.sliding import PositionedLayer
@@ -183,18 +183,10 @@ class ShrinkingLayer(PositionedLayer):
             self._accumulated = self._accumulated[rows]
 
     def row_stats(
-        self,
-        row: int,
-        layer: int,
-        needs: Needs,
-        scaling: float,
-        end: int,
-        query_heads: int,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
+        self, row: int, layer: int, needs: Needs, softmax: LayerSoftmax, end: int, query_heads: int
     ) -> LayerStats:
         """Row ``row``'s entries as a policy sees them at a cut (``end``: the position of the token to come;
-        ``sinks``: the layer's attention sinks, ``attention.attention_softmax``)."""
+        ``softmax``: the layer's, as its model turns logits into attention)."""
         count = int(self.lengths[row, 0])
         if not bool((self.lengths[row] == count).all()):
             raise ValueError("a cache whose heads keep different numbers of entries cannot be cut while decoding")
@@ -208,9 +200,7 @@ class ShrinkingLayer(PositionedLayer):
             num_kv_heads=self.heads,
             num_query_heads=query_heads,
             layer=layer,
-            window_scores=last_queries_sums(queries, keys, scaling, set(needs.windows), softcap, sinks)
-            if needs.windows
-            else {},
+            window_scores=last_queries_sums(queries, keys, softmax, set(needs.windows)) if needs.windows else {},
             accumulated=self._accumulated[row, :, :count] if needs.accumulated else None,
             keys=keys,
             values=self._value_store[row, :, :count],
@@ -270,18 +260,14 @@ class MemoryTracker:
         cache: RaggedCache,
         schedules: list[DecodeSchedule | None],
         starts: list[DecodeStart | None],
-        softmaxes: list,
-        query_heads: int,
+        architecture: Architecture,
         rope: Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None,
-        interleaved: bool = False,
     ):
         self.cache = cache
-        self.query_heads = query_heads
         self.schedules = schedules
         self.starts = starts
-        self.softmaxes = softmaxes  # per layer: ``architecture.LayerSoftmax``
+        self.architecture = architecture  # each layer's softmax, the query heads, RoPE's pairing
         self.rope = rope  # (start, count, layer) → the layer's RoPE cos, sin
-        self.interleaved = interleaved  # RoPE's pairing (``attention.rotate_half``)
         self.live = list(range(len(schedules)))
         self.memory = [RowMemory() for _ in schedules]
         self.forwarded = False  # whether a forward has read the caches yet (their states from then on count)
@@ -318,14 +304,16 @@ class MemoryTracker:
         for index, (layer, target) in enumerate(zip(self.cache.layers, schedule.targets(end))):
             if int(layer.lengths[batch_row].max()) <= target:
                 continue
-            softmax = self.softmaxes[index]
+            architecture = self.architecture
             stats = layer.row_stats(
-                batch_row, index, needs, softmax.scaling, end, self.query_heads, softmax.softcap, softmax.sinks
+                batch_row, index, needs, architecture.softmaxes[index], end, architecture.query_heads
             )
             if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
                 moments = start.moments[index]
                 rotated = {
-                    (sink, future): rotate_moments(*moments[sink], *self.rope(end, future, index), self.interleaved)
+                    (sink, future): rotate_moments(
+                        *moments[sink], *self.rope(end, future, index), self.architecture.rotation.interleaved
+                    )
                     for sink, future in needs.query_stats
                 }
                 stats = dataclasses.replace(stats, query_stats=rotated)
