@@ -71,7 +71,7 @@ def test_a_cache_of_query_heads_repeats_each_new_entry_to_its_group():
 
 def test_rows_leave_the_batch():
     layer = ragged([[3], [1], [2]])
-    layer.select_rows(torch.tensor([0, 2]))
+    layer.select_rows(torch.tensor([0, 2]), [0, 2])
     assert layer.lengths.tolist() == [[3], [2]] and layer.keys.shape[0] == 2
 
 
@@ -399,3 +399,24 @@ def test_a_layer_kind_that_leaves_out_part_of_the_contract_fails_when_built():
     with pytest.raises(TypeError, match="held"):
         Forgetful()
     assert all(issubclass(kind, DecodingLayer) for kind, _ in LAYER_KINDS.values())
+
+
+def test_a_cut_reads_its_rows_counts_from_the_host():
+    """A cut while decoding scores a row's entries per layer (``ShrinkingLayer.row_stats``): its count and its query
+    ring's come from the host copies, so a cut on a GPU waits for nothing (issue 48: it read ``lengths[row, 0]`` back
+    per layer, row and cut)."""
+    from pkvbench.engine.architecture import LayerSoftmax
+    from pkvbench.engine.shrinking import ShrinkingLayer
+    from pkvbench.policies.base import Needs
+
+    generator = torch.Generator().manual_seed(2)
+    keys = torch.randn(2, 2, 6, 8, generator=generator)
+    positions = torch.arange(6).expand(2, 2, 6).clone()
+    layer = ShrinkingLayer(
+        keys, keys.clone(), torch.tensor([[6, 6], [4, 4]]), 3, 2, positions,
+        queries=torch.randn(2, 4, 3, 8, generator=generator), query_counts=[3, 2], start=6,
+    )  # fmt: skip
+    guard = NoHostReads()
+    with guard():
+        stats = layer.row_stats(1, 0, Needs(windows=frozenset({2}), queries=frozenset({2})), LayerSoftmax(0.5), 6, 4)
+    assert stats.context_len == 4 and stats.recent_queries.shape == (4, 2, 8)

@@ -75,9 +75,8 @@ class DecodingLayer(CacheLayerMixin):
         """Row ``row``'s entries (over heads) and the bytes of its keys and values, as a row alone stores them."""
 
     @abstractmethod
-    def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int] | None = None) -> None:
-        """Keep only these batch rows: a device index and, to stay without a sync, the same rows on the host (else
-        read back from ``rows``)."""
+    def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int]) -> None:
+        """Keep only these batch rows: a device index and, to stay without a sync, the same rows on the host."""
 
     @property
     def uniform(self) -> bool:
@@ -252,13 +251,12 @@ class RaggedLayer(DecodingLayer, DynamicLayer):
         self.host_lengths[row] = count
         self._expose()
 
-    def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int] | None = None) -> None:
-        """Keep only these batch rows (finished rows leave the batch); ``host_rows``: the same on the host (else
-        read back from ``rows``)."""
+    def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int]) -> None:
+        """Keep only these batch rows (finished rows leave the batch); ``host_rows``: the same on the host."""
         self._key_store = self._key_store[rows]
         self._value_store = self._value_store[rows]
         self.lengths = self.lengths[rows]
-        self.host_lengths = self.host_lengths[host_copy(rows if host_rows is None else host_rows)]
+        self.host_lengths = self.host_lengths[host_copy(host_rows)]
         self._expose()
 
     def get_seq_length(self) -> int:
@@ -295,12 +293,8 @@ class RaggedCache(Cache):
             self.step_memo.clear()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def select_rows(self, rows: torch.Tensor | Sequence[int]) -> None:
-        """Keep only these batch rows: a device index, or host row numbers (no read back)."""
-        if isinstance(rows, torch.Tensor):
-            for layer in self.layers:
-                layer.select_rows(rows)
-            return
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these batch rows (host row numbers: no read back)."""
         index = device_rows(rows, self.layers[0].lengths.device)
         for layer in self.layers:
             layer.select_rows(index, host_rows=rows)

@@ -49,7 +49,7 @@ class SlidingQuantizedLayer(QuantizedLayer):
         positions = row_positions([row.residual_positions for row in rows], keys.shape[1], keys.shape[2], keys.device)
         return SlidingLayer(keys, values, lengths, room, kv_heads, positions, self._start, window=self.window)
 
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
         super().select_rows(rows, host_rows)
         if self.width:
             self.packed_positions = self.packed_positions[rows]

@@ -257,8 +257,8 @@ class QuantizedLayer(DecodingLayer):
         entries, stored = self.residual.held(row)
         return entries + int(self.host_quantized[row].sum()), stored + int(self.packed_bytes[row])
 
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
-        host = host_copy(rows if host_rows is None else host_rows)
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
+        host = host_copy(host_rows)
         self.packed_bytes, self.host_quantized = self.packed_bytes[host], self.host_quantized[host]
         self.quantized = self.quantized[rows]
         self.packed = [tensor[rows] for tensor in self.packed]

@@ -24,12 +24,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pkvbench.cell import budgets
 from pkvbench.engine.architecture import Architecture, LayerSoftmax
 from pkvbench.engine.attention import attention_softmax, last_queries_sums, rotate_moments, soft_cap_
-from pkvbench.engine.cache import RaggedCache
+from pkvbench.engine.cache import RaggedCache, host_copy
 from pkvbench.engine.sliding import PositionedLayer
 from pkvbench.policies.base import LayerStats, Needs, Policy
 
@@ -130,19 +131,20 @@ class ShrinkingLayer(PositionedLayer):
         kv_heads: int,
         positions: torch.Tensor,
         queries: torch.Tensor | None = None,
-        query_counts: torch.Tensor | None = None,
+        query_counts=None,
         accumulated: torch.Tensor | None = None,
         start: int = 0,
     ):
         """``positions`` ``[batch, heads, n]`` of the entries; ``queries`` ``[batch, Hq, W, d]`` the latest W
-        queries, the last ``query_counts[b]`` of row b real; ``accumulated`` ``[batch, Hq, n]`` the sums so far;
-        ``start`` the position of the first new token."""
+        queries, the last ``query_counts[b]`` of row b real (kept on the host, as the lengths are: a cut reads them
+        without a sync); ``accumulated`` ``[batch, Hq, n]`` the sums so far; ``start`` the position of the first new
+        token."""
         super().__init__(keys, values, lengths, room, kv_heads, positions, start)
         if self.group != 1:
             raise ValueError("a cache of one set per query head cannot be cut while the answer is written")
         capacity = self._key_store.shape[2]
         self._queries = queries
-        self.query_counts = query_counts
+        self.query_counts = None if query_counts is None else host_copy(query_counts)
         self._accumulated = None
         if accumulated is not None:
             self._accumulated = accumulated.new_zeros((*accumulated.shape[:2], capacity))
@@ -161,7 +163,7 @@ class ShrinkingLayer(PositionedLayer):
         if self._queries is not None:
             width = self._queries.shape[2]
             self._queries = torch.cat([self._queries, query.float()], dim=2)[:, :, -width:]
-            self.query_counts = (self.query_counts + new).clamp(max=width)
+            self.query_counts = np.minimum(self.query_counts + new, width)
         if self._accumulated is not None:
             batch, query_heads, _, dim = query.shape
             keys = self.keys.float()  # [batch, H, columns, d]
@@ -174,11 +176,11 @@ class ShrinkingLayer(PositionedLayer):
                 logits = logits.masked_fill(~mask, float("-inf"))
             self._accumulated[:, :, : keys.shape[2]] += attention_softmax(logits, softmax.sinks).sum(dim=2)
 
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
         super().select_rows(rows, host_rows)
         if self._queries is not None:
             self._queries = self._queries[rows]
-            self.query_counts = self.query_counts[rows]
+            self.query_counts = self.query_counts[host_copy(host_rows)]
         if self._accumulated is not None:
             self._accumulated = self._accumulated[rows]
 
@@ -187,8 +189,8 @@ class ShrinkingLayer(PositionedLayer):
     ) -> LayerStats:
         """Row ``row``'s entries as a policy sees them at a cut (``end``: the position of the token to come;
         ``softmax``: the layer's, as its model turns logits into attention)."""
-        count = int(self.lengths[row, 0])
-        if not bool((self.lengths[row] == count).all()):
+        count = int(self.host_lengths[row, 0])
+        if not (self.host_lengths[row] == count).all():
             raise ValueError("a cache whose heads keep different numbers of entries cannot be cut while decoding")
         keys = self._key_store[row, :, :count]
         queries = None
@@ -302,7 +304,7 @@ class MemoryTracker:
     def cut(self, batch_row: int, schedule: DecodeSchedule, start: DecodeStart | None, end: int) -> None:
         needs = schedule.needs
         for index, (layer, target) in enumerate(zip(self.cache.layers, schedule.targets(end))):
-            if int(layer.lengths[batch_row].max()) <= target:
+            if layer.host_lengths[batch_row].max() <= target:
                 continue
             architecture = self.architecture
             stats = layer.row_stats(
@@ -334,7 +336,7 @@ def step_taken(generated: list[int]) -> bool:
 
 def decoding_state(
     requests: list, layer: int, keys: torch.Tensor
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, np.ndarray | None, torch.Tensor | None]:
     """What a ``ShrinkingLayer`` of a batch of which some rows have a schedule starts from, for ``layer`` (its padded
     keys ``[batch, heads, longest, d]``): the query rings, their counts and the sums the rows' policies need."""
     window = max((query_window(r.schedule.needs) for r in requests if r.schedule), default=0)
@@ -344,7 +346,7 @@ def decoding_state(
     if window:
         query_heads = next(r.start.queries[layer].shape[0] for r in requests if r.start and r.start.queries)
         queries = keys.new_zeros((batch, query_heads, window, keys.shape[-1]), dtype=torch.float32)
-        counts_of_queries = torch.zeros(batch, dtype=torch.long, device=keys.device)
+        counts_of_queries = np.zeros(batch, dtype=np.int64)
         for row, request in enumerate(requests):
             if request.start and request.start.queries:
                 own = request.start.queries[layer][:, -window:]

@@ -63,7 +63,7 @@ class PositionedLayer(RaggedLayer):
         self.next_position += new
         return out
 
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
         super().select_rows(rows, host_rows)
         self._positions = self._positions[rows]
 
