@@ -14,6 +14,7 @@ sees positions p − window + 1 … p). How the engine treats them:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -28,7 +29,6 @@ ATTENTION_KINDS = (FULL, SLIDING)
 STATE_KINDS = ("linear_attention", "conv")
 HYBRID_KINDS = {"hybrid": FULL, "hybrid_sliding": SLIDING}
 NO_CACHE_KINDS = ("mlp", "moe", "dummy")
-MATRIX = "tests/test_architectures.py"
 
 
 @dataclass(frozen=True)
@@ -191,13 +191,38 @@ def check_family(config, name: str) -> None:
 
 @dataclass(frozen=True)
 class Architecture:
-    """A model's layers as the engine sees them."""
+    """A model's layers as the engine sees them: what the decoder, its cuts and the statistics need of the model."""
 
     family: str  # config.model_type
     # per layer: FULL or SLIDING, a kind that keeps a state (STATE_KINDS, HYBRID_KINDS) or nothing (NO_CACHE_KINDS)
     layer_kinds: tuple[str, ...]
     sliding_window: int | None  # the window of the sliding layers
     softcap: float | None = None  # attn_logit_softcapping (Gemma 2): logits become softcap·tanh(logits / softcap)
+    kv_heads: int = 0  # the heads of the keys and values the model hands its cache (one latent for MLA)
+    query_heads: int = 0
+    # Read from the loaded model (``of_model``), per model layer: each attention layer's softmax (None for a layer
+    # without attention), a latent (MLA) layer's expansion of its cache into every head's keys and values
+    # (``engine/latent.py``; None elsewhere); and how its RoPE turns a head.
+    softmaxes: tuple[LayerSoftmax | None, ...] = ()
+    expanders: tuple = ()
+    rotation: Rotation | None = None
+
+    @classmethod
+    def of_model(cls, model) -> Architecture:
+        """From a loaded model: its config's facts, and what its modules do."""
+        architecture = cls.of(model.config)
+        modules = dict(zip(architecture.attention_layers, architecture.attention_modules(model)))
+        expanders = tuple(
+            modules[layer].expand_kv if layer in modules and latent(modules[layer]) else None
+            for layer in range(architecture.num_layers)
+        )
+        return dataclasses.replace(
+            architecture,
+            kv_heads=1 if any(expanders) else architecture.kv_heads,
+            softmaxes=tuple(architecture._softmaxes(model)),
+            expanders=expanders,
+            rotation=architecture._rotation(model),
+        )
 
     @classmethod
     def of(cls, config) -> Architecture:
@@ -212,7 +237,9 @@ class Architecture:
         if SLIDING not in {HYBRID_KINDS.get(kind, kind) for kind in kinds}:
             window = None
         softcap = getattr(config, "attn_logit_softcapping", None)
-        return cls(getattr(config, "model_type", "") or "", kinds, window, softcap)
+        query_heads = getattr(config, "num_attention_heads", 0)
+        kv_heads = getattr(config, "num_key_value_heads", None) or query_heads
+        return cls(getattr(config, "model_type", "") or "", kinds, window, softcap, kv_heads, query_heads)
 
     @property
     def num_layers(self) -> int:
@@ -236,6 +263,11 @@ class Architecture:
         return tuple(
             layer for layer, kind in enumerate(self.layer_kinds) if kind in STATE_KINDS or kind in HYBRID_KINDS
         )
+
+    @property
+    def latent(self) -> bool:
+        """Whether the model caches an MLA latent (``engine/latent.py``; known once loaded: ``of_model``)."""
+        return any(self.expanders)
 
     def window(self, layer: int) -> int | None:
         """The layer's sliding window, None for full attention."""
@@ -278,18 +310,23 @@ class Architecture:
     OUTPUT_PROJECTIONS = ("o_proj", "out_proj")
 
     def output_weights(self, model) -> list:
-        """Each attention layer's output projection's weight (VATP-style value scores)."""
+        """Each attention layer's output projection's weight (VATP-style value scores), in the order of
+        ``attention_layers``."""
         return [
             next(getattr(module, name) for name in self.OUTPUT_PROJECTIONS if hasattr(module, name)).weight
             for module in self.attention_modules(model)
         ]
 
-    def softmaxes(self, model) -> list[LayerSoftmax]:
+    def _softmaxes(self, model) -> list[LayerSoftmax | None]:
         """How each layer turns its logits into attention: its module's own scale (granite's multiplier, not always
-        1/sqrt(d)), the model's soft-cap, the module's sinks."""
+        1/sqrt(d)), the model's soft-cap, the module's sinks; None for a layer without attention (a hybrid's
+        recurrent layers)."""
+        modules = dict(zip(self.attention_layers, self.attention_modules(model)))
         return [
-            LayerSoftmax(float(module.scaling), self.softcap, self.sinks(module))
-            for module in self.attention_modules(model)
+            LayerSoftmax(float(modules[layer].scaling), self.softcap, self.sinks(modules[layer]))
+            if layer in modules
+            else None
+            for layer in range(self.num_layers)
         ]
 
     @staticmethod
@@ -321,7 +358,7 @@ class Architecture:
 
     # --- RoPE's pairing, read from the loaded model ------------------------------------------------------------
 
-    def rotation(self, model) -> Rotation:
+    def _rotation(self, model) -> Rotation:
         """How the model's RoPE turns a head, read by turning each unit vector of a head with the model's own
         ``apply_rotary_pos_emb`` at position 1: dimension i turns towards its partner, and the dimensions that do
         not turn lie beyond the rotary width."""

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pkvbench.cell import budgets, kv_formats
-from pkvbench.engine.architecture import Architecture, latent
+from pkvbench.engine.architecture import Architecture, LayerSoftmax, Rotation
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries
 from pkvbench.engine.latent import check_policies as check_latent_policies
@@ -148,40 +148,32 @@ class Engine:
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
         self.model = loaded.model
-        self.architecture = Architecture.of(loaded.config)
+        self.architecture = Architecture.of_model(loaded.model)
         self.tokenizer = loaded.tokenizer
         self.device = torch.device(loaded.device)
         # transformers renamed the model's ``past_key_values`` argument to ``cache``; speak whichever it knows.
         forward_params = inspect.signature(self.model.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
         self.stop_ids = self._stop_ids()
-        self.output_weights = self.architecture.output_weights(self.model)  # per attention layer, as softmaxes
-        self.rotation = self.architecture.rotation(self.model)
-        self.softmaxes = self.architecture.softmaxes(self.model)
-        modules = self.architecture.attention_modules(self.model)
-        # Per attention layer, a latent (MLA) module's expansion of its cache into every head's keys (else None).
-        self.expanders = [module.expand_kv if latent(module) else None for module in modules]
+        self.output_weights = self.architecture.output_weights(self.model)  # per attention layer
         self.geometry = self._measured_geometry()
         self.decoder = BatchDecoder(
-            self._forward,
-            self.tokenizer,
-            self.stop_ids,
-            self.geometry.layers[0].heads,  # the heads the model hands its cache (one latent for MLA)
-            self.device,
-            self._sync,
-            rope=self.rope,
-            softmaxes=self.softmaxes,
-            query_heads=loaded.num_query_heads,
-            layer_kinds=list(self.architecture.layer_kinds),
-            windows=self.architecture.windows,
-            interleaved=self.rotation.interleaved,
-            expanders=self.expanders if any(self.expanders) else None,
+            self._forward, self.tokenizer, self.stop_ids, self.device, self._sync, self.architecture, self.rope
         )
+
+    @property
+    def softmaxes(self) -> list[LayerSoftmax]:
+        """Each layer's softmax (``architecture.LayerSoftmax``): what every recorder computes statistics with."""
+        return list(self.architecture.softmaxes)
+
+    @property
+    def rotation(self) -> Rotation:
+        return self.architecture.rotation
 
     @property
     def latent(self) -> bool:
         """Whether the model caches an MLA latent (``engine/latent.py``)."""
-        return any(self.expanders)
+        return self.architecture.latent
 
     def check_policies(self, policies) -> None:
         """Refuse, in one line, a policy the model's cache cannot serve (an MLA model: ``latent.refusal``)."""
@@ -272,12 +264,11 @@ class Engine:
         input_ids = input_ids.to(self.device)
         cuts = tuple(sorted(set(cuts))) or (input_ids.shape[1],)
         needs = Needs.union([*(p.needs for p in policies), *(prefill_needs(p) for p in decoding)])
-        attention = self.architecture.attention_layers
-        sinks = {model_layer: softmax.sinks for model_layer, softmax in zip(attention, self.softmaxes)}
-        recorder = StatsRecorder(needs, cuts, self.rope, self.rotation.interleaved, sinks)
+        recorder = StatsRecorder(needs, self.softmaxes, cuts, self.rope, self.rotation.interleaved)
         cache = self.prefill_cache()
         with too_big_for_memory("the prefill's statistics", input_ids.shape[1]):
             logits, seconds = self.recorded_forward(input_ids, recorder, cache)
+        attention = self.architecture.attention_layers
         layers = [cache.layers[i] for i in attention]
         states_at = self._states_at(input_ids, cuts, cache)
         started = time.perf_counter()
@@ -290,8 +281,8 @@ class Engine:
         stats_at = {
             cut: [
                 dataclasses.replace(
-                    recorder.layers.get((cut, model_layer), LayerStats(context_len=cut, num_kv_heads=heads)),
-                    num_kv_heads=heads,  # a latent (MLA) cache's one "head": every query head in one group
+                    recorder.layers.get((cut, model_layer), LayerStats(context_len=cut, num_kv_heads=shape.heads)),
+                    num_kv_heads=shape.heads,  # a latent (MLA) cache's one "head": every query head in one group
                     num_query_heads=self.loaded.num_query_heads,
                     layer=i,
                     keys=layer.keys[0, :, :cut],
@@ -299,9 +290,7 @@ class Engine:
                     output_weight=self.output_weights[i],
                     reconstruction={chunk: reconstruction[cut, chunk][i] for chunk in needs.reconstruction},
                 )
-                for i, (model_layer, layer, heads) in enumerate(
-                    zip(attention, layers, (shape.heads for shape in self.geometry.layers))
-                )
+                for i, (model_layer, layer, shape) in enumerate(zip(attention, layers, self.geometry.layers))
             ]
             for cut in cuts
         }
@@ -360,7 +349,7 @@ class Engine:
                 states or {},
                 length,
             )
-            recorder = ReconstructionRecorder(length, start, end, min(SINK, start), fused)
+            recorder = ReconstructionRecorder(self.softmaxes, length, start, end, min(SINK, start), fused)
             positions = torch.arange(length, length + len(ids), device=self.device)[None]
             with recording(recorder):
                 self._forward(torch.tensor([ids], device=self.device), cache, positions)
@@ -544,19 +533,6 @@ class Engine:
     def decode_many(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:
         """Greedy decoding of every request, in batches of up to ``max_rows`` (``decoding.plan_batches``)."""
         return self.decoder.decode(requests, max_rows)
-
-    def decode(
-        self,
-        prefill: Prefill,
-        cache: CompressedCache,
-        max_new_tokens: int,
-        stop_strings: tuple[str, ...] = (),
-        min_new_tokens: int = 0,
-    ) -> Decoded:
-        """Greedy decoding of one compressed cache, at the original positions. Stops after an end-of-sequence token,
-        once the text holds a stop string, or at ``max_new_tokens``."""
-        request = self.request(prefill, cache, max_new_tokens, stop_strings, min_new_tokens)
-        return self.decoder.decode_batch([request])[0]
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

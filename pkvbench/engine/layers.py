@@ -1,4 +1,4 @@
-"""The layers a batch of compressed caches decodes from: one declared protocol, one class per kind, chosen per layer
+"""The layers a batch of compressed caches decodes from: one base (``cache.DecodingLayer``), one class per kind, chosen per layer
 from a table keyed by the layer's attention kind and how its rows are stored — as transformers' ``cache_utils`` maps
 a config's ``layer_types`` to one cache-layer class each (``DYNAMIC_LAYER_TYPE_MAPPING``).
 
@@ -15,47 +15,15 @@ the entries older than the window from new queries (``sliding.WindowMask``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
-from transformers.cache_utils import DummyLayer
 
-from pkvbench.engine.architecture import FULL, HYBRID_KINDS, NO_CACHE_KINDS, SLIDING, STATE_KINDS
+from pkvbench.engine.architecture import FULL, HYBRID_KINDS, NO_CACHE_KINDS, SLIDING, STATE_KINDS, Architecture
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
 from pkvbench.engine.quantized import QuantizedLayer
-from pkvbench.engine.recurrent import HybridLayer, StateLayer
+from pkvbench.engine.recurrent import HybridLayer, NoCacheLayer, StateLayer
 from pkvbench.engine.shrinking import ShrinkingLayer, decoding_state
 from pkvbench.engine.sliding import SlidingLayer, WindowMask, row_positions
-
-
-class DecodingLayer(Protocol):
-    """What a layer of a batch of compressed caches offers the model (transformers' cache-layer calls), the attention
-    wrapper (``attention_mask``; ``observe`` where a kind records queries) and the decoder (``held``,
-    ``select_rows``). None of them reads a tensor back to the host while a batch decodes: a kind keeps host copies
-    of the counts it decides by (``RaggedLayer.host_lengths``, ``QuantizedLayer.host_quantized``)."""
-
-    keys: torch.Tensor  # [batch, heads, columns, d]: what attention reads
-    values: torch.Tensor
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """``[batch, heads]``: each row's and head's entries."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the new tokens' keys and values after each row's entries; return what attention reads."""
-
-    def attention_mask(self) -> torch.Tensor | None:
-        """``[batch, 1 or heads, new, columns]``, True where the last update's queries may look; None: everywhere."""
-
-    def held(self, row: int) -> tuple[int, int]:
-        """Row ``row``'s entries (over heads) and the bytes of its keys and values, as a row alone stores them."""
-
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
-        """Keep only these batch rows."""
-
-    def get_seq_length(self) -> int: ...
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]: ...
 
 
 class SlidingShrinkingLayer(WindowMask, ShrinkingLayer):
@@ -82,7 +50,7 @@ class SlidingQuantizedLayer(QuantizedLayer):
         positions = row_positions([row.residual_positions for row in rows], keys.shape[1], keys.shape[2], keys.device)
         return SlidingLayer(keys, values, lengths, room, kv_heads, positions, self._start, window=self.window)
 
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
         super().select_rows(rows, host_rows)
         if self.width:
             self.packed_positions = self.packed_positions[rows]
@@ -200,33 +168,28 @@ def storage_of(requests: list) -> str:
     return "shrinking" if any(r.schedule for r in requests) else "ragged"
 
 
-def build_cache(
-    requests: list,
-    room: int,
-    kv_heads: int,
-    kinds: list[str],
-    windows: list[int | None],
-    expanders: list | None = None,
-) -> RaggedCache:
+def build_cache(requests: list, room: int, architecture: Architecture) -> RaggedCache:
     """The batch's cache: per model layer the class its attention kind and the rows' storage name; a recurrent
-    layer's rows' states stacked (``recurrent.StateLayer``); nothing where the layer caches nothing. ``kv_heads``:
-    the heads the model hands the cache (one for a latent); ``expanders``: per attention layer, a latent layer's
-    ``expand_kv`` or None."""
+    layer's rows' states stacked (``recurrent.StateLayer``; beside the entries in a ``hybrid`` layer); nothing
+    where the layer caches nothing."""
     storage = storage_of(requests)
     start = requests[0].position
+    expanders = architecture.expanders or (None,) * architecture.num_layers
     layers, attention = [], []
-    for layer, (kind, window) in enumerate(zip(kinds, windows)):
+    for layer, kind in enumerate(architecture.layer_kinds):
         if kind in STATE_KINDS:
             layers.append(StateLayer([r.kept.states[layer] for r in requests], start))
             continue
         if kind in NO_CACHE_KINDS:
-            layers.append(DummyLayer())
+            layers.append(NoCacheLayer())
             continue
-        cls, build = LAYER_KINDS[HYBRID_KINDS.get(kind, kind), storage]
-        expand = expanders[len(attention)] if expanders else None
-        built = build(cls, LayerBatch(requests, len(attention), start, room, kv_heads, window, expand))
+        cls, build = LAYER_KINDS[architecture.attention_kind(layer), storage]
+        batch = LayerBatch(
+            requests, len(attention), start, room, architecture.kv_heads, architecture.window(layer), expanders[layer]
+        )
+        built = build(cls, batch)
         if kind in HYBRID_KINDS:  # its state beside its entries
             built = HybridLayer(built, [r.kept.states[layer] for r in requests], start)
         layers.append(built)
         attention.append(layer)
-    return RaggedCache(layers, attention)
+    return RaggedCache(layers, list(architecture.softmaxes), attention)

@@ -143,20 +143,29 @@ class StateLayer(LinearAttentionLayer):
         """No entries; the bytes of row ``row``'s state."""
         return 0, int(self.row_bytes[row])
 
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
-        """Keep only these batch rows (the index on the states' device)."""
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
+        """Keep only these batch rows (a device index, and the same rows on the host)."""
         for states in (self.conv_states, self.recurrent_states):
             for index, state in states.items():
                 if state is not None:
                     states[index] = state[rows.to(state.device)]
-        self.row_bytes = self.row_bytes[host_copy(rows if host_rows is None else host_rows)]
+        self.row_bytes = self.row_bytes[host_copy(host_rows)]
+
+    def share_memo(self, memo: dict) -> None:
+        """A state has no masks to share."""
 
 
-def _attention_part(name: str) -> property:
-    """An attribute of a ``HybridLayer`` that is its attention layer's (read and written there)."""
-    return property(
-        lambda self: getattr(self.attention, name), lambda self, value: setattr(self.attention, name, value)
-    )
+class NoCacheLayer(DummyLayer):
+    """A layer that caches nothing (Nemotron-H's MLP blocks), in a batch: no entries, no bytes, no rows to drop."""
+
+    def held(self, row: int) -> tuple[int, int]:
+        return 0, 0
+
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
+        pass
+
+    def share_memo(self, memo: dict) -> None:
+        pass
 
 
 class HybridLayer(StateLayer, CacheLayerMixin):
@@ -169,9 +178,8 @@ class HybridLayer(StateLayer, CacheLayerMixin):
         super().__init__(states, position)
         self.attention = attention
 
-    # shared with the other attention layers of the batch (``cache.RaggedCache``)
-    step_memo = _attention_part("step_memo")
-    memo_shared = _attention_part("memo_shared")
+    def share_memo(self, memo: dict) -> None:
+        self.attention.share_memo(memo)
 
     def __getattr__(self, name: str):
         if name == "attention":  # not set yet (during ``__init__``)
@@ -185,7 +193,7 @@ class HybridLayer(StateLayer, CacheLayerMixin):
         entries, stored = self.attention.held(row)
         return entries, stored + super().held(row)[1]
 
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
         super().select_rows(rows, host_rows)
         self.attention.select_rows(rows, host_rows)
 

@@ -24,11 +24,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pkvbench.cell import budgets
+from pkvbench.engine.architecture import Architecture, LayerSoftmax
 from pkvbench.engine.attention import attention_softmax, last_queries_sums, rotate_moments, soft_cap_
-from pkvbench.engine.cache import RaggedCache
+from pkvbench.engine.cache import RaggedCache, host_copy
 from pkvbench.engine.sliding import PositionedLayer
 from pkvbench.policies.base import LayerStats, Needs, Policy
 
@@ -129,22 +131,23 @@ class ShrinkingLayer(PositionedLayer):
         kv_heads: int,
         positions: torch.Tensor,
         queries: torch.Tensor | None = None,
-        query_counts: torch.Tensor | None = None,
+        query_counts=None,
         accumulated: torch.Tensor | None = None,
         start: int = 0,
         expand=None,
     ):
         """``positions`` ``[batch, heads, n]`` of the entries; ``queries`` ``[batch, Hq, W, d]`` the latest W
-        queries, the last ``query_counts[b]`` of row b real; ``accumulated`` ``[batch, Hq, n]`` the sums so far;
-        ``start`` the position of the first new token; ``expand``: a latent (MLA) layer's ``expand_kv``, its
-        cached latents and rotary keys → every head's keys and values (``engine/latent.py``), None elsewhere."""
+        queries, the last ``query_counts[b]`` of row b real (kept on the host, as the lengths are: a cut reads them
+        without a sync); ``accumulated`` ``[batch, Hq, n]`` the sums so far; ``start`` the position of the first new
+        token; ``expand``: a latent (MLA) layer's ``expand_kv`` — its cached latents and rotary keys → every head's
+        keys and values (``engine/latent.py``) — None elsewhere."""
         super().__init__(keys, values, lengths, room, kv_heads, positions, start)
         self.expand = expand
         if self.group != 1:
             raise ValueError("a cache of one set per query head cannot be cut while the answer is written")
         capacity = self._key_store.shape[2]
         self._queries = queries
-        self.query_counts = query_counts
+        self.query_counts = None if query_counts is None else host_copy(query_counts)
         self._accumulated = None
         if accumulated is not None:
             self._accumulated = accumulated.new_zeros((*accumulated.shape[:2], capacity))
@@ -156,74 +159,59 @@ class ShrinkingLayer(PositionedLayer):
             extra = self._key_store.shape[2] - self._accumulated.shape[2]
             self._accumulated = torch.nn.functional.pad(self._accumulated, (0, extra))
 
-    def observe(
-        self,
-        query: torch.Tensor,
-        scaling: float,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-        keys: torch.Tensor | None = None,
-    ) -> None:
-        """The attention wrapper's call with each decoding step's queries ``[batch, Hq, new, d]`` (post-RoPE),
-        after ``update``: keep the latest queries, add their attention to each entry's sum (with the model's scale
-        and soft-capping, the layer's attention ``sinks`` in its denominator, ``attention.attention_softmax``).
-        ``keys``: what the attention reads, ``[batch, H, columns, d]`` (a latent layer's expanded per head; default
-        the layer's own)."""
+    def _attended(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The keys ``[..., H, n, d]`` attention reads of cached ``keys``/``values``: themselves, or a latent layer's
+        expanded to every head."""
+        return keys if self.expand is None else self.expand(keys, values)[0]
+
+    def observe(self, query: torch.Tensor, softmax: LayerSoftmax) -> None:
+        """Keep the latest queries, add their attention to each entry's sum (with the layer's scale, soft-cap and
+        sinks, as its model turns logits into attention)."""
         new = query.shape[2]
         if self._queries is not None:
             width = self._queries.shape[2]
             self._queries = torch.cat([self._queries, query.float()], dim=2)[:, :, -width:]
-            self.query_counts = (self.query_counts + new).clamp(max=width)
+            self.query_counts = np.minimum(self.query_counts + new, width)
         if self._accumulated is not None:
             batch, query_heads, _, dim = query.shape
-            keys = (self.keys if keys is None else keys).float()  # [batch, H, columns, d]
+            keys = self._attended(self.keys, self.values).float()  # [batch, H, columns, d]
             grouped = query.float().view(batch, keys.shape[1], query_heads // keys.shape[1] * new, dim)
-            logits = (grouped @ keys.transpose(2, 3) * scaling).view(batch, query_heads, new, keys.shape[2])
-            soft_cap_(logits, softcap)
+            logits = (grouped @ keys.transpose(2, 3) * softmax.scaling).view(batch, query_heads, new, keys.shape[2])
+            soft_cap_(logits, softmax.softcap)
             mask = self.attention_mask()
             if mask is not None:
                 mask = mask.repeat_interleave(query_heads // mask.shape[1], dim=1)
                 logits = logits.masked_fill(~mask, float("-inf"))
-            self._accumulated[:, :, : keys.shape[2]] += attention_softmax(logits, sinks).sum(dim=2)
+            self._accumulated[:, :, : keys.shape[2]] += attention_softmax(logits, softmax.sinks).sum(dim=2)
 
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
         super().select_rows(rows, host_rows)
         if self._queries is not None:
             self._queries = self._queries[rows]
-            self.query_counts = self.query_counts[rows]
+            self.query_counts = self.query_counts[host_copy(host_rows)]
         if self._accumulated is not None:
             self._accumulated = self._accumulated[rows]
 
     def row_stats(
-        self,
-        row: int,
-        layer: int,
-        needs: Needs,
-        scaling: float,
-        end: int,
-        query_heads: int,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
+        self, row: int, layer: int, needs: Needs, softmax: LayerSoftmax, end: int, query_heads: int
     ) -> LayerStats:
         """Row ``row``'s entries as a policy sees them at a cut (``end``: the position of the token to come;
-        ``sinks``: the layer's attention sinks, ``attention.attention_softmax``)."""
-        count = int(self.lengths[row, 0])
-        if not bool((self.lengths[row] == count).all()):
+        ``softmax``: the layer's, as its model turns logits into attention)."""
+        count = int(self.host_lengths[row, 0])
+        if not (self.host_lengths[row] == count).all():
             raise ValueError("a cache whose heads keep different numbers of entries cannot be cut while decoding")
         keys, values = self._key_store[row, :, :count], self._value_store[row, :, :count]
         queries = None
         if self._queries is not None:
             queries = self._queries[row, :, self._queries.shape[2] - int(self.query_counts[row]) :]
             queries = queries[:, -min(queries.shape[1], count) :]
-        attended = keys if self.expand is None else self.expand(keys[None], values[None])[0][0]  # per head
+        attended = self._attended(keys[None], values[None])[0]  # [H, count, d]: per head
         return LayerStats(
             context_len=count,
             num_kv_heads=self.heads,
             num_query_heads=query_heads,
             layer=layer,
-            window_scores=last_queries_sums(queries, attended, scaling, set(needs.windows), softcap, sinks)
-            if needs.windows
-            else {},
+            window_scores=last_queries_sums(queries, attended, softmax, set(needs.windows)) if needs.windows else {},
             accumulated=self._accumulated[row, :, :count] if needs.accumulated else None,
             keys=keys,
             values=values,
@@ -283,24 +271,20 @@ class MemoryTracker:
         cache: RaggedCache,
         schedules: list[DecodeSchedule | None],
         starts: list[DecodeStart | None],
-        softmaxes: list,
-        query_heads: int,
+        architecture: Architecture,
         rope: Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None,
-        interleaved: bool = False,
     ):
         self.cache = cache
-        self.query_heads = query_heads
         self.schedules = schedules
         self.starts = starts
-        self.softmaxes = softmaxes  # per attention layer: ``architecture.LayerSoftmax``
-        self.rope = rope  # (start, count, model layer) → the layer's RoPE cos, sin
-        self.interleaved = interleaved  # RoPE's pairing (``attention.rotate_half``)
+        self.architecture = architecture  # each layer's softmax, the query heads, RoPE's pairing
+        self.rope = rope  # (start, count, layer) → the layer's RoPE cos, sin
         self.live = list(range(len(schedules)))
         self.memory = [RowMemory() for _ in schedules]
         self.forwarded = False  # whether a forward has read the caches yet (their states from then on count)
 
     def _size(self, batch_row: int) -> tuple[int, int]:
-        held = [layer.held(batch_row) for layer in self.cache.layers if hasattr(layer, "held")]
+        held = [layer.held(batch_row) for layer in self.cache.layers]
         return sum(entries for entries, _ in held), sum(stored for _, stored in held)
 
     def note(self, batch_row: int, step: int, attended: bool = True) -> None:
@@ -328,19 +312,20 @@ class MemoryTracker:
 
     def cut(self, batch_row: int, schedule: DecodeSchedule, start: DecodeStart | None, end: int) -> None:
         needs = schedule.needs
+        # Over the attention layers (a hybrid model's recurrent layers keep their states whole), in depth order.
         for index, (model_layer, target) in enumerate(zip(self.cache.attention_layers, schedule.targets(end))):
-            layer = self.cache.layers[model_layer]  # a hybrid model's recurrent layers keep their state whole
-            if int(layer.lengths[batch_row].max()) <= target:
+            layer = self.cache.layers[model_layer]
+            if layer.host_lengths[batch_row].max() <= target:
                 continue
-            softmax = self.softmaxes[index]
+            architecture = self.architecture
             stats = layer.row_stats(
-                batch_row, index, needs, softmax.scaling, end, self.query_heads, softmax.softcap, softmax.sinks
+                batch_row, index, needs, architecture.softmaxes[model_layer], end, architecture.query_heads
             )
             if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
                 moments = start.moments[index]
                 rotated = {
                     (sink, future): rotate_moments(
-                        *moments[sink], *self.rope(end, future, model_layer), self.interleaved
+                        *moments[sink], *self.rope(end, future, model_layer), self.architecture.rotation.interleaved
                     )
                     for sink, future in needs.query_stats
                 }
@@ -362,7 +347,7 @@ def step_taken(generated: list[int]) -> bool:
 
 def decoding_state(
     requests: list, layer: int, keys: torch.Tensor
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, np.ndarray | None, torch.Tensor | None]:
     """What a ``ShrinkingLayer`` of a batch of which some rows have a schedule starts from, for ``layer`` (its padded
     keys ``[batch, heads, longest, d]``): the query rings, their counts and the sums the rows' policies need."""
     window = max((query_window(r.schedule.needs) for r in requests if r.schedule), default=0)
@@ -372,7 +357,7 @@ def decoding_state(
     if window:
         query_heads = next(r.start.queries[layer].shape[0] for r in requests if r.start and r.start.queries)
         queries = keys.new_zeros((batch, query_heads, window, keys.shape[-1]), dtype=torch.float32)
-        counts_of_queries = torch.zeros(batch, dtype=torch.long, device=keys.device)
+        counts_of_queries = np.zeros(batch, dtype=np.int64)
         for row, request in enumerate(requests):
             if request.start and request.start.queries:
                 own = request.start.queries[layer][:, -window:]
