@@ -152,6 +152,20 @@ ROWS = [
         "lfm2",
         {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention"] * 2, "initializer_range": 0.2},
     ),
+    # Convolution layers, a global layer (compressed, a proportional RoPE: half its pairs at frequency 0) and a local
+    # one (window 32, kept whole; prompt 28 + 24 new tokens cross it).
+    Row(
+        "lfm3",
+        "lfm3",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["conv", "full_attention", "conv", "sliding_attention"],
+            "sliding_window": 32,
+            "initializer_range": 0.2,
+            **NO_IDS,
+        },
+        length=28,
+    ),
     # Mamba-2 layers (a conv and an SSM state).
     Row("bamba", "bamba", {"num_hidden_layers": 4, "attn_layer_indices": [1, 3], **MAMBA2}),
     Row(
@@ -159,11 +173,30 @@ ROWS = [
         "granitemoehybrid",
         {
             "num_hidden_layers": 4,
-            "layer_types": ["mamba", "attention"] * 2,
-            "position_embedding_type": "rope",
+            "layer_types": ["mamba", "attention"] * 2,  # no RoPE, as Granite-4's released hybrids
             "num_local_experts": 4,
             "shared_intermediate_size": 64,
             **MAMBA2,
+        },
+    ),
+    # Mamba (1) layers and attention layers without RoPE.
+    Row(
+        "jamba",
+        "jamba",
+        {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "num_experts": 1, "mamba_d_state": 8},
+    ),
+    # Mamba-2, attention (no RoPE, at ``mixer``) and MLP blocks (nothing cached).
+    Row(
+        "nemotron_h",
+        "nemotron_h",
+        {
+            "num_hidden_layers": 6,
+            "layers_block_type": ["mamba", "attention", "mlp"] * 2,
+            "ssm_state_size": 16,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 32,
+            "n_groups": 1,
+            "chunk_size": 16,
         },
     ),
     # Mamba-2 and attention side by side in every layer: each layer keeps a state and entries.
@@ -293,14 +326,16 @@ def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(fam
 
 
 def test_a_batch_of_policies_decodes_as_each_alone(family):
-    """Caches of several policies, two of them cut again while the answer is written (``--decode-budget``)."""
+    """Caches of several policies, two of them cut again while the answer is written (``--decode-budget``), and
+    two of another prompt's prefill (a hybrid's rows each carry their own prefill's states)."""
     row, engine, _ = family
     ids = prompt(row)
     policies = [parse_policy(name) for name in ("full", "streamingllm", "snapkv", "h2o")]
     prefill = engine.prefill(ids, policies, decoding=policies[2:])
+    other = engine.prefill(torch.randint(0, VOCAB, ids.shape, generator=torch.Generator().manual_seed(2)), policies)
     requests = [
-        engine.request(prefill, engine.compress(prefill, policy, Budget(row.budget)), row.new_tokens)
-        for policy in policies
+        engine.request(source, engine.compress(source, policy, Budget(row.budget)), row.new_tokens)
+        for source, policy in [(prefill, policy) for policy in policies] + [(other, policies[0]), (other, policies[2])]
     ]
     requests += [
         engine.request(
@@ -314,6 +349,39 @@ def test_a_batch_of_policies_decodes_as_each_alone(family):
     alone = engine.decode_many(requests, 1)
     together = engine.decode_many(requests)
     assert [d.tokens for d in together] == [d.tokens for d in alone]
+
+
+def test_a_question_fed_after_compression_decodes_as_the_stock_model(family):
+    """The full cache of the context (the prompt's first tokens), the question fed on top of it, decodes as the
+    stock model's ``generate`` on the whole prompt: a hybrid's states are the context's own, not the prompt's."""
+    row, engine, _ = family
+    ids = prompt(row)
+    context = row.length - 8
+    prefill = engine.prefill(ids, [parse_policy("full")], cuts=(context, row.length))
+    cache = engine.compress(prefill, parse_policy("full"), Budget(row.budget), cut=context)
+    request = engine.request(prefill, cache, row.new_tokens, question=ids[0, context:].tolist())
+    assert engine.decode_many([request])[0].tokens == generate_reference(engine.model, ids, row.new_tokens)
+
+
+def test_the_cache_is_measured_off_the_model_and_its_state_counted(family):
+    """The cache's shape read off the loaded model (each attention layer's heads and sizes, a latent's one head;
+    the states' bytes) is what the config said before the model loaded, where it could say it (a state's size it
+    cannot); every compressed cache's bytes hold its states."""
+    from pkvbench.engine.models import ModelShape
+    from pkvbench.engine.recurrent import state_bytes
+
+    row, engine, _ = family
+    forecast = ModelShape.of(engine.model.config, 32)
+    assert forecast.geometry.layers == engine.geometry.layers
+    assert forecast.latent == engine.latent
+    ids = prompt(row)
+    prefill = engine.prefill(ids, [parse_policy("streamingllm")])
+    states = prefill.states_at[row.length]
+    assert state_bytes(states) == engine.geometry.state_bytes
+    assert (forecast.geometry.state_bytes is None) == bool(engine.architecture.state_layers)
+    cache = engine.compress(prefill, parse_policy("streamingllm"), Budget(row.budget))
+    entries = sum(t.nbytes for t in (*cache.kept.keys, *cache.kept.values))
+    assert cache.nbytes == entries + state_bytes(states)
 
 
 @pytest.mark.parametrize("storage", ["ragged", "stored"])
@@ -451,15 +519,15 @@ def test_a_statistic_beyond_the_machines_memory_is_one_line_naming_the_length():
 @pytest.mark.parametrize(
     "config,reason",
     [
-        ({"model_type": "deepseek_v3"}, "'deepseek_v3' model, not supported: MLA caches a compressed latent"),
-        ({"model_type": "deepseek_v2"}, "'deepseek_v2' model, not supported: MLA caches a compressed latent"),
+        ({"model_type": "deepseek_v32"}, "'deepseek_v32' model, not supported: a learned indexer picks the keys"),
+        ({"model_type": "zamba2"}, "'zamba2' model, not supported: one attention module serves several layers"),
         ({"model_type": "falcon"}, "'falcon' model; supported architectures: llama, mistral, qwen2, qwen3"),
         (
             {"model_type": "llama", "num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"]},
             "has linear_attention layers",
         ),
     ],
-    ids=["mla", "refused-family", "unknown-family", "linear-attention"],
+    ids=["indexed-attention", "shared-attention", "unknown-family", "linear-attention"],
 )
 def test_a_family_pkvbench_cannot_run_is_refused_in_one_line_before_the_model_loads(config, reason, tmp_path, capsys):
     """A folder holding only a config (no weights, no tokenizer): the refusal comes from the config alone."""
@@ -488,3 +556,24 @@ def test_pkvbench_list_shows_every_family_its_layer_kinds_and_what_is_refused(ca
         assert f"  {name} " in listed and f"layers: {family.layers}" in listed
         assert (family.handled if family.admitted else f"refused: {family.refused}") in listed
     assert {name for name, family in FAMILIES.items() if family.admitted} == {row.model_type for row in ROWS}
+
+
+def test_an_mla_model_refuses_a_policy_that_reads_per_head_keys_in_one_line_before_it_loads(
+    tmp_path, capsys, tokenizer
+):
+    """A folder with an MLA config and a tokenizer, no weights: ``--policy knorm`` (norms of per-head keys, which a
+    latent cache has not) is refused from the config, before the model would load."""
+    from transformers import AutoConfig
+
+    from pkvbench.cli import main
+
+    AutoConfig.for_model("deepseek_v3", vocab_size=VOCAB).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["run", "--model", str(tmp_path), "--task", "needle", "--lengths", "100", "--depths", "50"]
+            + ["--policy", "snapkv,knorm", "--out", str(tmp_path / "run"), "--quiet"]
+        )
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "caches an MLA latent: knorm reads the cached keys or values themselves" in err

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pkvbench.cell.budgets import Budget, keeps_fixed_set, parse_budgets, parse_memory
-from pkvbench.cell.kv_formats import CacheGeometry, KVFormat, MemoryTooSmall, memory_plan, planned_bytes
+from pkvbench.cell.kv_formats import CacheGeometry, KVFormat, LayerShape, MemoryTooSmall, memory_plan, planned_bytes
 from pkvbench.codecs.kivi import dequantize_keys, dequantize_values
 from pkvbench.engine.decoding import KeptEntries
 from pkvbench.engine.generation import kept_bytes
@@ -293,3 +293,22 @@ def test_bad_bits_and_memory_are_one_clear_line(args, expected, tmp_path, capsys
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and expected in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_hybrid_models_state_is_paid_for_first_and_counted_in_the_full_cache():
+    """A geometry with a recurrent state (kept whole, whatever the budget): the full cache that fractions are of holds
+    it, a memory plan's bytes hold it, and a budget below the state alone is too small for any policy."""
+    state = 100_000
+    geometry = CacheGeometry((LayerShape(2, 64, 64), LayerShape(1, 32, 16)), state_bytes=state)
+    length = 1000
+    entries = 2 * 1000 * 128 * 2 + 1 * 1000 * 48 * 2  # each layer's heads × tokens × (key + value) × 16 bits
+    assert geometry.full_bytes(length) == entries + state
+    snapkv, fmt = parse_policy("snapkv"), KVFormat(16, native=True)
+    plan = memory_plan(snapkv, Budget(0.5, memory=True), length, geometry, fmt)
+    assert geometry.planned_bytes(fmt, plan.per_layer) <= plan.target_bytes
+    assert geometry.planned_bytes(fmt, plan.per_layer) - state == sum(
+        fmt.layer_bytes(layer.heads, layer.key_dim, [n] * layer.heads, layer.value_dim)
+        for layer, n in zip(geometry.layers, plan.per_layer)
+    )
+    with pytest.raises(MemoryTooSmall):
+        memory_plan(snapkv, Budget(state - 1, memory=True), length, geometry, fmt)

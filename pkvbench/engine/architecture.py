@@ -52,6 +52,16 @@ EVERY_LAYER_SLIDES = "full, or sliding on every layer (sliding_window)"
 WINDOW_LAYERS = "full, or sliding from max_window_layers on (use_sliding_window)"
 LOCAL_AND_GLOBAL = "local (sliding, kept whole) and global (full) per layer_types"
 LATENT_LAYERS = "full (an MLA latent per token: one cache head)"
+INDEXED = (
+    "a learned indexer picks the keys each query reads (indexed attention): a compression of its own, whose index "
+    "cache a policy would have to keep in step"
+)
+SHARED = (
+    "one attention module serves several layers (its layer_idx is -1), so an attention call cannot tell whose cache "
+    "it reads"
+)
+NO_ROW = "not proven yet: no row in tests/test_architectures.py (one row away: its layers are an admitted family's)"
+TWO_ATTENTIONS = "two attention modules per decoder layer: its cache holds two layers' entries per layer"
 MLA_HANDLED = (
     "a layer's cache is one latent head: positions of the latent kept, statistics of the expanded heads folded to "
     "it; the policies that read cached keys or values themselves (marked MLA: refused above) and gqa=query refused"
@@ -127,6 +137,24 @@ FAMILIES: dict[str, Family] = {
         layers="conv (a convolution state, kept whole) and full_attention, per layer_types",
         kinds=(FULL, "conv"),
     ),
+    "lfm3": Family(
+        "hybrid: short convolution layers, global and local (sliding) attention layers, per layer_types",
+        "the convolution states kept whole; local layers kept whole; global layers compressed",
+        layers="conv (kept whole), full_attention and sliding_attention (local, kept whole), per layer_types",
+        kinds=(FULL, SLIDING, "conv"),
+    ),
+    "lfm2_moe": Family(
+        "hybrid as lfm2, a mixture-of-experts MLP",
+        "",
+        refused=NO_ROW,
+        layers="conv (a convolution state) and full_attention, per layer_types",
+    ),
+    "bailing_hybrid": Family(
+        "hybrid: linear (delta) attention layers and MLA attention layers, as kimi_linear",
+        "",
+        refused=NO_ROW,
+        layers="linear_attention and full_attention (an MLA latent per token)",
+    ),
     "bamba": Family(
         "hybrid: Mamba-2 layers (a convolution and an SSM state) and attention layers (attn_layer_indices)",
         "the Mamba layers' states kept whole; the attention layers compressed",
@@ -134,10 +162,23 @@ FAMILIES: dict[str, Family] = {
         kinds=(FULL, "linear_attention"),
     ),
     "granitemoehybrid": Family(
-        "hybrid: Mamba-2 layers and attention layers (Granite-4); mixture-of-experts MLP; multipliers",
-        "as bamba",
+        "hybrid: Mamba-2 layers and attention layers without RoPE (Granite-4; RoPE optional); mixture-of-experts "
+        "MLP; multipliers",
+        "as bamba; nothing to un-rotate where it has no RoPE",
         layers=MAMBA_LAYERS,
         kinds=(FULL, "linear_attention"),
+    ),
+    "jamba": Family(
+        "hybrid: Mamba layers and attention layers without RoPE (attn_layer_period); mixture-of-experts MLP",
+        "as bamba; nothing to un-rotate (no RoPE)",
+        layers=MAMBA_LAYERS,
+        kinds=(FULL, "linear_attention"),
+    ),
+    "nemotron_h": Family(
+        "hybrid: Mamba-2, attention (no RoPE) and MLP blocks, one mixer per block (layers_block_type)",
+        "as bamba; the MLP blocks cache nothing; nothing to un-rotate (no RoPE)",
+        layers="linear_attention (Mamba-2), full_attention and mlp/moe (nothing cached) blocks",
+        kinds=(FULL, "linear_attention", "mlp", "moe"),
     ),
     "falcon_h1": Family(
         "hybrid in every layer: Mamba-2 and attention side by side, each layer a state and per-token entries",
@@ -157,6 +198,31 @@ FAMILIES: dict[str, Family] = {
         layers=LATENT_LAYERS,
     ),
     "glm4_moe_lite": Family("MLA as deepseek_v3 (GLM-4.7-Flash)", MLA_HANDLED, layers=LATENT_LAYERS),
+    "mistral4": Family(
+        "MLA as deepseek_v3 (Mistral 4's text model)",
+        "",
+        refused="transformers maps no causal-LM class to it (Mistral 4 ships as a vision-language model)",
+        layers=LATENT_LAYERS,
+    ),
+    "longcat_flash": Family(
+        "MLA, two attention modules in each decoder layer", "", refused=TWO_ATTENTIONS, layers=LATENT_LAYERS
+    ),
+    "deepseek_v32": Family("MLA with indexed attention (DeepSeek Sparse Attention)", "", refused=INDEXED),
+    "glm_moe_dsa": Family("MLA with indexed attention (GLM-5)", "", refused=INDEXED),
+    "mistral_large4": Family("indexed attention (Mistral Large 4)", "", refused=INDEXED),
+    "glm5_next": Family("indexed attention and linear attention layers", "", refused=INDEXED),
+    "deepseek_v4": Family(
+        "compressed_sparse_attention and heavily_compressed_attention layers",
+        "",
+        refused="its attention compresses its own cache (built-in compressed attention): nothing left to compare",
+    ),
+    "zamba": Family("hybrid: Mamba layers and one attention block shared by several layers", "", refused=SHARED),
+    "zamba2": Family("hybrid: Mamba-2 layers and attention blocks shared by several layers", "", refused=SHARED),
+    "minimax": Family(
+        "hybrid: lightning (linear) attention and attention layers",
+        "",
+        refused="it keeps a cache class of its own (MiniMaxCache) and refuses any other, a compressed one included",
+    ),
     "kimi_linear": Family(
         "hybrid: Kimi delta attention layers (a recurrent state) and MLA attention layers without RoPE",
         "the recurrent layers' states kept whole; " + MLA_HANDLED,
@@ -331,8 +397,9 @@ class Architecture:
 
     @staticmethod
     def rotary(model):
-        """The model's rotary embedding module (cos, sin of positions; its width may be part of a head)."""
-        return model.model.rotary_emb
+        """The model's rotary embedding module (cos, sin of positions; its width may be part of a head), or None for
+        a model without one (NoPE attention: Jamba, Nemotron-H, Granite-4's hybrids)."""
+        return getattr(model.model, "rotary_emb", None)
 
     @property
     def prompt_limit(self) -> int | None:
@@ -352,6 +419,9 @@ class Architecture:
         a tensor of the dtype and device wanted): the model's one rotary embedding, or, where the model calls it per
         layer type (Gemma 3: the local layers at ``rope_local_base_freq``), the layer's own."""
         rotary = self.rotary(model)
+        if rotary is None:  # no RoPE: tables of width 0, which turn nothing (``Rotation.tables``, ``unrotate``)
+            empty = like.new_ones((1, positions.shape[-1], 0))
+            return empty, empty.new_zeros(empty.shape)
         if "layer_type" in inspect.signature(rotary.forward).parameters:
             return rotary(like, positions, layer_type=self.attention_kind(layer))
         return rotary(like, positions)
@@ -360,20 +430,25 @@ class Architecture:
 
     def _rotation(self, model) -> Rotation:
         """How the model's RoPE turns a head, read by turning each unit vector of a head with the model's own
-        ``apply_rotary_pos_emb`` at position 1: dimension i turns towards its partner, and the dimensions that do
+        ``apply_rotary_pos_emb`` by a quarter turn: dimension i turns towards its partner, and the dimensions that do
         not turn lie beyond the rotary width."""
         import torch
 
         module = self.attention_modules(model)[0]
-        if latent(module):  # nothing un-rotates a latent cache's queries: Expected Attention is refused there
+        if latent(module) or self.rotary(model) is None:
+            # A latent cache's queries are not un-rotated (Expected Attention, their one reader, is refused there);
+            # a model without RoPE has nothing to un-rotate.
             return Rotation(interleaved=False, width=0)
         apply = inspect.getmodule(type(module)).apply_rotary_pos_emb
         dim = module.head_dim
         device = next(model.parameters()).device
         positions = torch.ones(1, dim, dtype=torch.long, device=device)
         cos, sin = self.rope(model, self.attention_layers[0], torch.zeros(1, device=device), positions)
+        # Tables of the model's shape that turn every pair a quarter: a pair whose frequency is 0 (LFM3's
+        # proportional RoPE) still lies inside the rotary width, as the tables cover it.
+        cos, sin = torch.zeros_like(cos, dtype=torch.float), torch.ones_like(sin, dtype=torch.float)
         basis = torch.eye(dim, device=device)[None, None]  # [1, 1, d, d]: d "tokens", each a unit vector
-        turned = apply(basis, basis, cos.float(), sin.float())[0][0, 0].clone()  # row i: where e_i turns
+        turned = apply(basis, basis, cos, sin)[0][0, 0].clone()  # row i: where e_i turns
         turned.fill_diagonal_(0.0)
         moving = turned.abs().sum(dim=-1) > 0
         width = int(moving.nonzero().max()) + 1 if bool(moving.any()) else 0

@@ -205,8 +205,11 @@ def unrotate(rotated: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interl
     """The vectors before RoPE: RoPE maps x to x·cos + rotate_half(x)·sin (cos, sin per position, halves equal), so
     x = (y·cos − rotate_half(y)·sin) / (cos² + sin²) (cos² + sin² is the rope's attention scaling squared, 1 mostly).
     Where RoPE is narrower than the head (Phi-3's ``partial_rotary_factor``) the dimensions beyond it pass as they
-    are, as the model's ``apply_rotary_pos_emb`` passes them. ``interleaved``: the pairing of ``rotate_half``."""
+    are, as the model's ``apply_rotary_pos_emb`` passes them. ``interleaved``: the pairing of ``rotate_half``. No
+    RoPE (a model without a rotary embedding: tables of width 0): as they are."""
     width = cos.shape[-1]
+    if width == 0:
+        return rotated
     if width < rotated.shape[-1]:
         return torch.cat([unrotate(rotated[..., :width], cos, sin, interleaved), rotated[..., width:]], dim=-1)
     return (rotated * cos - rotate_half(rotated, interleaved) * sin) / (cos * cos + sin * sin)
@@ -250,6 +253,8 @@ def rotate_moments(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(R̄μ, R̄ΣR̄ᵀ), R̄ the average RoPE rotation of the positions whose ``future_cos``/``future_sin`` are given."""
     dim, width = mean.shape[-1], future_cos.shape[-1]  # a partial RoPE turns the first `width` dimensions only
+    if width == 0:  # no RoPE: nothing turns
+        return mean, covariance
     half_turn = rotate_half(torch.eye(width, device=mean.device), interleaved).T  # P with rotate_half(x) = P @ x
     rotation = torch.eye(dim, device=mean.device)
     rotation[:width, :width] = torch.diag(future_cos.mean(dim=0)) + torch.diag(future_sin.mean(dim=0)) @ half_turn
