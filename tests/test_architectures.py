@@ -11,6 +11,10 @@ embedded model's tokenizer, loads it as a user's folder and checks the engine ag
 The sliding-window rows take a prompt that fits the window and an answer that carries the sequence past it: the
 window must apply while decoding (the defect of issue 41: the full cache left ``generate`` at the 24th token).
 Every row also runs the CLI over every policy on a needle prompt of about 100 tokens.
+
+Each row's model is checked again under other configs of its family (``VARIANTS``: windows above, across and below
+the prompt, keys of other families, released RoPE scalings), sharing its weights; what the engine cannot run exactly
+is refused in one line before the weights load.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class Family:
 HALF_ROPE = "RoPE over the whole head (rotate-half)"
 EVERY_LAYER_SLIDES = "full, or sliding on every layer (sliding_window)"
 WINDOW_LAYERS = "full, or sliding from max_window_layers on (use_sliding_window)"
-LOCAL_AND_GLOBAL = "local (sliding, kept whole) and global (full) per layer_types"
+LOCAL_AND_GLOBAL = "local (sliding: its window's entries kept) and global (full) per layer_types"
 MLA = "MLA caches a compressed latent"
 FAMILIES: dict[str, Family] = {
     "llama": Family(HALF_ROPE + "; Llama 3.1 and YaRN scaling", "the reference layout"),
@@ -60,7 +60,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "qwen2": Family(
         "a sliding window on the layers from max_window_layers on, where use_sliding_window",
-        "every layer sliding: as mistral; some: the local layers kept whole",
+        "every layer sliding: as mistral; some: the local layers keep what their window sees",
         layers=WINDOW_LAYERS,
     ),
     "qwen3": Family("q/k norms; an optional sliding window as qwen2", "as qwen2", layers=WINDOW_LAYERS),
@@ -77,18 +77,20 @@ FAMILIES: dict[str, Family] = {
     "granite": Family("attention, residual and logit multipliers", "the module's own scaling"),
     "gemma2": Family(
         "soft-capped attention logits (attn_logit_softcapping); query_pre_attn_scalar; local and global layers",
-        "statistics soft-cap the logits as the model does; the eager kernel (sdpa cannot soft-cap); local layers kept whole",
+        "statistics soft-cap the logits as the model does; the eager kernel (sdpa cannot soft-cap); local layers keep "
+        "what their window sees",
         layers=LOCAL_AND_GLOBAL,
     ),
     "gemma3_text": Family(
         "per-layer RoPE (local layers at rope_local_base_freq); q/k norms; local and global layers",
-        "each layer's own RoPE (un-rotation, decode-time rotation); local layers kept whole",
+        "each layer's own RoPE (un-rotation, decode-time rotation); local layers keep what their window sees",
         layers=LOCAL_AND_GLOBAL,
     ),
     "gpt_oss": Family(
         "attention sinks in the softmax; RoPE tables of one entry per pair; mixture-of-experts MLP; no sdpa kernel; "
         "local and global layers",
-        "sinks in every statistic's denominator; eager kernel; RoPE as read from the model; local layers kept whole",
+        "sinks in every statistic's denominator; eager kernel; RoPE as read from the model; local layers keep what "
+        "their window sees",
         layers=LOCAL_AND_GLOBAL,
     ),
     "cohere": Family(
@@ -202,8 +204,6 @@ class Architecture:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from pkvbench.engine.attention import install_recording_attention
-
         check_family(config, name)
         try:
             with torch.device("meta"):
@@ -212,7 +212,6 @@ class Architecture:
             raise PkvError(f"model {name}: its config cannot build the model: {first_line(exc)}") from None
         if weights is not None:
             check_weights(model, weights, name)
-        install_recording_attention(model)
         return cls._probed(model, name)
 
     @classmethod
@@ -223,8 +222,10 @@ class Architecture:
 
     @classmethod
     def _probed(cls, model, name: str) -> Architecture:
+        from pkvbench.engine.attention import install_recording_attention
         from pkvbench.engine.probe import cache_windows, layer_calls, mask_reach, rope_switch
 
+        install_recording_attention(model)  # the probe reads the calls through pkvbench's wrapper
         config = model.config
         try:
             calls = layer_calls(model)
@@ -344,6 +345,11 @@ class Architecture:
     def rotary(model):
         """The model's rotary embedding module (cos, sin of positions; its width may be part of a head)."""
         return model.model.rotary_emb
+
+    @property
+    def prompt_window(self) -> int | None:
+        """The narrowest window any layer computes the prompt under (None: none has one)."""
+        return min((w for w in self.prompt_windows if w is not None), default=None)
 
     @property
     def prompt_limit(self) -> int | None:

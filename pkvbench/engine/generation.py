@@ -276,7 +276,7 @@ class Engine:
         length = len(prompt)
         prefix, passes = repeat_inputs(self.tokenizer, prompt, chunk)
         # The fused path attends to the whole prompt: not for a sliding window shorter than a pass's reach.
-        sliding = self.architecture.sliding_window
+        sliding = self.architecture.prompt_window
         if sliding:
             fused = fused and all(length + len(ids) <= sliding for _, _, ids in passes)
         scores = [torch.zeros(self.loaded.num_kv_heads, length, device=self.device) for _ in layers]
