@@ -24,6 +24,7 @@ import dataclasses
 import inspect
 from dataclasses import dataclass
 
+from pkvbench.engine.probe import LayerSoftmax
 from pkvbench.errors import PkvError, first_line
 
 FULL = "full_attention"
@@ -448,17 +449,6 @@ def attention_statistics(needs) -> bool:
     """Whether a policy's ``Needs`` include statistics of the prompt's attention (window sums, accumulated or
     bidirectional attention, KVzip's reconstruction), which assume every query sees the whole prompt."""
     return bool(needs.windows or needs.accumulated or needs.bidirectional or needs.reconstruction)
-
-
-@dataclass(frozen=True)
-class LayerSoftmax:
-    """How a layer turns q·k into attention weights, as the statistics must too: the logits scaled by ``scaling``,
-    soft-capped to softcap·tanh(logits / softcap) where ``softcap`` (Gemma 2), and each head's ``sinks`` logit ``[Hq]``
-    joining the denominator where the module has them (gpt-oss; ``attention.attention_softmax``)."""
-
-    scaling: float
-    softcap: float | None = None
-    sinks: object = None  # a tensor [Hq] or None
 
 
 @dataclass(frozen=True)

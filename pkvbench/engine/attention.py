@@ -20,9 +20,8 @@ from collections.abc import Iterator
 
 import torch
 
-from pkvbench.engine.architecture import LayerSoftmax
 from pkvbench.engine.cache import FLEX_BLOCK
-from pkvbench.engine.probe import active_probe
+from pkvbench.engine.probe import LayerSoftmax, active_probe
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs
 

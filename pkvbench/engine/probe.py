@@ -21,8 +21,10 @@ import contextvars
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # The furthest position a mask function or a rotary embedding is read at: beyond any context a model is run with.
 FAR = 1 << 22
@@ -50,11 +52,15 @@ class Probe:
 
     def mask(self, mask_function: Callable, device) -> torch.Tensor:
         """A marker the model hands on to the layers this mask is for (kept alive: its id is the key)."""
+        import torch
+
         marker = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
         self.masks[id(marker)] = (marker, mask_function)
         return marker
 
     def attention(self, module, query, key, value, attention_mask, **kwargs):
+        import torch
+
         mask = self.masks.get(id(attention_mask)) if attention_mask is not None else None
         self.calls[module.layer_idx] = LayerCall(
             layer=module.layer_idx,
@@ -66,6 +72,17 @@ class Probe:
             mask=None if mask is None else mask[1],
         )
         return torch.zeros_like(query).transpose(1, 2), None  # [batch, new, Hq, d], as the kernels return
+
+
+@dataclass(frozen=True)
+class LayerSoftmax:
+    """How a layer turns q·k into attention weights, as the statistics must too: the logits scaled by ``scaling``,
+    soft-capped to softcap·tanh(logits / softcap) where ``softcap`` (Gemma 2), and each head's ``sinks`` logit ``[Hq]``
+    joining the denominator where the module has them (gpt-oss; ``attention.attention_softmax``)."""
+
+    scaling: float
+    softcap: float | None = None
+    sinks: object = None  # a tensor [Hq] or None
 
 
 _ACTIVE_PROBE: contextvars.ContextVar[Probe | None] = contextvars.ContextVar("pkvbench_probe", default=None)
@@ -99,6 +116,7 @@ def _attention_only(model) -> Iterator[None]:
 def layer_calls(model) -> dict[int, LayerCall]:
     """Each layer's attention call in a forward of two tokens (``model`` on the recording wrapper,
     ``attention.install_recording_attention``; on any device, ``meta`` included)."""
+    import torch
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -130,6 +148,8 @@ def mask_reach(mask_function: Callable | None, is_causal: bool) -> Reach:
     so that a chunked mask shows its chunks: whether the query sees the next position, where the run of positions
     it sees up to its own begins (found by halving, then checked densely near the query and at spaced positions
     back to the start). No function: the kernel's own causal flag, no window."""
+    import torch
+
     if mask_function is None:
         return Reach(causal=is_causal, window=None)
 
@@ -165,6 +185,7 @@ def cache_windows(config, layers: int) -> list[int | None]:
     from ``config``, as ``generate`` builds it): a sliding cache layer keeps the last window − 1 entries, so a new
     token sees the last window positions whatever the mask says; None where it keeps them all. Read by writing
     ``FAR`` tokens (on the ``meta`` device: shapes only) into each layer."""
+    import torch
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
@@ -183,6 +204,8 @@ def rope_switch(rotary_type: type, config, layer_types: tuple[str, ...]) -> int 
     never change, or keep changing as the sequence grows (dynamic NTK: the model's own decoding keeps each key's
     first rotation then, as pkvbench does). Read from fresh rotary modules (``rotary_type(config)``): a module keeps
     state between forwards."""
+    import torch
+
     kinds = sorted(set(layer_types)) if "layer_type" in inspect.signature(rotary_type.forward).parameters else [None]
 
     def turn(length: int) -> list[torch.Tensor]:
