@@ -19,7 +19,7 @@ import warnings
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pkvbench.cell.kv_formats import CacheGeometry, LayerShape
+from pkvbench.cell.kv_formats import CacheGeometry
 from pkvbench.engine.architecture import Architecture
 from pkvbench.engine.recurrent import prefill_cache, state_bytes, states_of
 
@@ -28,17 +28,14 @@ FAMILIES = ("qwen3_next", "qwen3_5_text", "jamba", "kimi_linear")
 
 def geometry_of(model_type: str) -> tuple[CacheGeometry, Architecture]:
     config = AutoConfig.for_model(model_type)
-    with torch.device("meta"), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        cache = prefill_cache(model.config)
-        model(torch.zeros((1, 1), dtype=torch.long), past_key_values=cache, use_cache=True)
-    architecture = Architecture.of(model.config)
-    layers = tuple(
-        LayerShape(cache.layers[i].keys.shape[1], cache.layers[i].keys.shape[-1], cache.layers[i].values.shape[-1])
-        for i in architecture.attention_layers
-    )
-    return CacheGeometry(layers, state_bytes(states_of(cache))), architecture
+        architecture = Architecture.read(config, model_type)  # each attention layer's cache, as the probe reads it
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            cache = prefill_cache(model.config)
+            model(torch.zeros((1, 1), dtype=torch.long), past_key_values=cache, use_cache=True)
+    return CacheGeometry(architecture.cache_shapes, state_bytes(states_of(cache))), architecture
 
 
 def main() -> None:

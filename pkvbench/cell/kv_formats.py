@@ -29,11 +29,14 @@ class LayerShape:
     heads: int
     key_dim: int
     value_dim: int
-    whole: bool = False  # kept whole, never compressed (``budgets.layer_budgets``)
+    # A mixed model's local (sliding) layer's reach: the prompt entries its window can still see, all it keeps
+    # (``budgets.layer_budgets``); None where a policy compresses the layer.
+    reach: int | None = None
 
     def full_bytes(self, context_len: int) -> int:
-        """Its entries of ``context_len`` tokens at 16 bits per value."""
-        return self.heads * context_len * (self.key_dim + self.value_dim) * SIXTEEN_BITS
+        """Its entries of ``context_len`` tokens at 16 bits per value (a local layer: what its window sees)."""
+        entries = context_len if self.reach is None else min(context_len, self.reach)
+        return self.heads * entries * (self.key_dim + self.value_dim) * SIXTEEN_BITS
 
 
 @dataclass(frozen=True)
@@ -47,25 +50,25 @@ class CacheGeometry:
     state_bytes: int | None = 0
 
     @classmethod
-    def uniform(cls, layers: int, kv_heads: int, head_dim: int, whole: Sequence[bool] = ()) -> CacheGeometry:
-        """``layers`` layers of ``kv_heads`` heads of ``head_dim`` values, no state."""
-        whole = tuple(whole) or (False,) * layers
-        return cls(tuple(LayerShape(kv_heads, head_dim, head_dim, kept) for kept in whole))
+    def uniform(cls, layers: int, kv_heads: int, head_dim: int, local: Sequence[int | None] = ()) -> CacheGeometry:
+        """``layers`` layers of ``kv_heads`` heads of ``head_dim`` values (``local``: each one's reach), no state."""
+        local = tuple(local) or (None,) * layers
+        return cls(tuple(LayerShape(kv_heads, head_dim, head_dim, reach) for reach in local))
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     @property
-    def whole(self) -> tuple[bool, ...]:
-        return tuple(layer.whole for layer in self.layers)
+    def local(self) -> tuple[int | None, ...]:
+        return tuple(layer.reach for layer in self.layers)
 
     def layer_budgets(self, policy, k: int, context_len: int) -> list[int]:
-        return layer_budgets(policy, k, context_len, self.num_layers, self.whole)
+        return layer_budgets(policy, k, context_len, self.num_layers, self.local)
 
     def full_bytes(self, context_len: int) -> int:
-        """The full cache of ``context_len`` tokens at 16 bits per value, and the state: what memory fractions are
-        of."""
+        """The model's own full cache of ``context_len`` tokens at 16 bits per value (a local layer holding what its
+        window sees), and the state: what memory fractions are of."""
         return sum(layer.full_bytes(context_len) for layer in self.layers) + (self.state_bytes or 0)
 
     def planned_bytes(self, fmt: KVFormat, per_layer: Sequence[int], heads: int | None = None) -> int:

@@ -148,7 +148,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
         self.model = loaded.model
-        self.architecture = Architecture.of_model(loaded.model)
+        self.architecture = Architecture.of_model(loaded.model, loaded.name)
         self.tokenizer = loaded.tokenizer
         self.device = torch.device(loaded.device)
         # transformers renamed the model's ``past_key_values`` argument to ``cache``; speak whichever it knows.
@@ -182,23 +182,21 @@ class Engine:
 
     @torch.inference_mode()
     def _measured_geometry(self) -> kv_formats.CacheGeometry:
-        """The cache's shape as the model fills it, read off a one-token prefill: each attention layer's heads, key
-        and value sizes (a latent cache's own), whether it is kept whole, and the bytes of a hybrid model's states
-        (whatever the prompt's length)."""
+        """The cache's shape: each attention layer's as the model writes it (``Architecture.cache_shapes``, read by
+        the probe), and the bytes of a hybrid model's states (whatever the prompt's length, in the dtypes the model
+        keeps them), read off a one-token prefill."""
+        layers = self.architecture.cache_shapes
+        if not self.architecture.state_layers:
+            return kv_formats.CacheGeometry(layers)
         cache = self.prefill_cache()
         token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self._forward(token, cache, token)
-        layers = []
-        for index in self.architecture.attention_layers:
-            keys, values = cache.layers[index].keys, cache.layers[index].values
-            whole = not self.architecture.compressible(index)
-            layers.append(kv_formats.LayerShape(keys.shape[1], keys.shape[-1], values.shape[-1], whole))
-        return kv_formats.CacheGeometry(tuple(layers), state_bytes(states_of(cache)))
+        return kv_formats.CacheGeometry(layers, state_bytes(states_of(cache)))
 
     @property
     def shape(self) -> ModelShape:
-        """The model's cache as loaded: the config's ``ModelShape`` with the measured geometry (a hybrid's state)."""
-        return dataclasses.replace(self.loaded.shape, geometry=self.geometry, latent=self.latent)
+        """The model's cache as loaded: what its layers do, the measured geometry (a hybrid's state)."""
+        return ModelShape(self.geometry, self.architecture.query_heads, self.loaded.bits, self.architecture)
 
     def prefill_cache(self):
         """An empty cache for a prefill: transformers' ``DynamicCache``, with a hybrid model's state layers
@@ -333,7 +331,7 @@ class Engine:
         length = len(prompt)
         prefix, passes = repeat_inputs(self.tokenizer, prompt, chunk)
         # The fused path attends to the whole prompt: not for a sliding window shorter than a pass's reach.
-        sliding = self.architecture.sliding_window
+        sliding = self.architecture.prompt_window
         if sliding:
             fused = fused and all(length + len(ids) <= sliding for _, _, ids in passes)
         attention = self.architecture.attention_layers
@@ -364,8 +362,11 @@ class Engine:
         input_ids = input_ids.to(self.device)
         length = input_ids.shape[1]
         limit = self.architecture.prompt_limit
-        if limit is not None and length > limit:
-            raise PkvError(f"prompt of {length} tokens exceeds the model's sliding window ({limit}); not supported")
+        if limit is not None and length > limit and recorder.needed and recorder.attends_over_prompt:
+            raise PkvError(
+                f"a prompt of {length} tokens exceeds the sliding window of {limit} tokens of every layer of "
+                f"{self.loaded.name}, and these statistics assume every query sees the whole prompt"
+            )
         started = time.perf_counter()
         with recording(recorder):
             logits = self._forward(input_ids, cache, torch.arange(length, device=self.device)[None])[0]
@@ -383,15 +384,17 @@ class Engine:
         return plan, self._choose(prefill, policy, plan)
 
     def _plan(self, policy: Policy, budget: budgets.Budget, length: int) -> budgets.LayerPlan:
-        return budgets.plan(policy, budget, length, self.geometry.num_layers, self.geometry.whole)
+        return budgets.plan(policy, budget, length, self.geometry.num_layers, self.geometry.local)
 
     def _choose(self, prefill: Prefill, policy: Policy, plan: budgets.LayerPlan) -> dict[int, torch.Tensor]:
-        """Each compressed layer's selection under ``plan``."""
-        if not plan.compressed:
-            return {}
+        """Each layer's selection under ``plan`` where the policy compresses it (a local layer keeps its window's
+        entries whatever the policy: ``_gather``)."""
         length = plan.context_len
+        architecture = self.architecture
+        compressed = [i for i, k in enumerate(plan.per_layer) if k < length and architecture.compressible(i)]
+        if not compressed:
+            return {}
         stats = prefill.stats_at[length]
-        compressed = [layer for layer, k in enumerate(plan.per_layer) if k < length]
         with too_big_for_memory(f"{policy.label}'s scores", length):
             kept = policy.select_layers([stats[i] for i in compressed], [plan.per_layer[i] for i in compressed])
         return dict(zip(compressed, kept))
@@ -473,7 +476,10 @@ class Engine:
         keys, values, positions = [], [], []
         lengths: list[torch.Tensor | None] = [None] * len(plan.per_layer)
         selected: list[torch.Tensor | None] = [None] * len(plan.per_layer)
-        for layer in range(len(plan.per_layer)):
+        for layer, budget in enumerate(plan.per_layer):
+            if layer not in chosen and budget < length:  # a local layer: the last entries its window still sees
+                recent = torch.arange(length - budget, length, device=self.device)
+                chosen[layer] = recent.expand(full_keys[layer].shape[0], -1)
             if layer not in chosen:
                 keys.append(full_keys[layer])
                 values.append(full_values[layer])
@@ -505,6 +511,8 @@ class Engine:
         ``question``, after feeding the question's tokens on top of the compressed context (the cache's first
         ``cache.plan.context_len`` prompt tokens) at their original positions; they are never compressed by the
         prefill budget. With ``schedule`` the cache is cut while the answer is written (``engine/shrinking.py``)."""
+        sequence = prefill.context_len if question is None else cache.plan.context_len + len(question)
+        self.architecture.check_rope(sequence, max_new_tokens, self.loaded.name)
         common = {
             "kept": cache.kept,
             "max_new_tokens": max_new_tokens,
@@ -527,7 +535,7 @@ class Engine:
         target or for a policy that keeps everything)."""
         if target is None:
             return None
-        schedule = DecodeSchedule.make(policy, target, interval, buffer, self.geometry.num_layers, self.geometry.whole)
+        schedule = DecodeSchedule.make(policy, target, interval, buffer, self.geometry.num_layers, self.geometry.local)
         return None if schedule.cuts_nothing else schedule
 
     def decode_many(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import importlib.metadata
 import io
@@ -16,7 +17,7 @@ from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
-from pkvbench.cell.kv_formats import CacheGeometry, KVFormat, LayerShape
+from pkvbench.cell.kv_formats import CacheGeometry, KVFormat
 from pkvbench.cell.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, GGUFAlias
 from pkvbench.engine.architecture import Architecture, check_family
 from pkvbench.errors import PkvError, first_line
@@ -33,30 +34,23 @@ class ModelShape:
     geometry: CacheGeometry  # its layers of per-token entries; a hybrid's state is not known before it loads (None)
     query_heads: int
     bits: int  # the width the model computes in: its own cache's values
-    latent: bool = False  # an MLA latent per token (``engine/latent.py``)
+    architecture: Architecture  # what its layers do (``Architecture.read``)
 
     @classmethod
-    def of(cls, config, bits: int) -> ModelShape:
-        """From a transformers config and the width the model computes in: every attention layer of the config's
-        KV heads and head size, or of one latent (MLA: ``kv_lora_rank`` and the shared rotary key)."""
-        query_heads = config.num_attention_heads
-        architecture = Architecture.of(config)
-        latent = getattr(config, "kv_lora_rank", None)
-        if latent:
-            heads, key_dim, value_dim = 1, latent, config.qk_rope_head_dim
-        else:
-            heads = getattr(config, "num_key_value_heads", None) or query_heads
-            key_dim = value_dim = getattr(config, "head_dim", None) or config.hidden_size // query_heads
-        layers = tuple(
-            LayerShape(heads, key_dim, value_dim, not architecture.compressible(layer))
-            for layer in architecture.attention_layers
-        )
+    def of(cls, bits: int, architecture: Architecture) -> ModelShape:
+        """From the width the model computes in and what its layers do, read from the model's code: each attention
+        layer's cache as the model writes it (an MLA latent's one head), a hybrid's state not yet known."""
         state = None if architecture.state_layers else 0
-        return cls(CacheGeometry(layers, state), query_heads, bits, latent=bool(latent))
+        return cls(CacheGeometry(architecture.cache_shapes, state), architecture.query_heads, bits, architecture)
 
     @property
     def kv_heads(self) -> int:
         return self.geometry.layers[0].heads
+
+    @property
+    def latent(self) -> bool:
+        """An MLA latent per token (``engine/latent.py``)."""
+        return self.architecture.latent
 
     @property
     def native_format(self) -> KVFormat:
@@ -74,6 +68,7 @@ class LoadedModel:
     load_s: float
     source: str
     info: dict = field(default_factory=dict)
+    architecture: Architecture | None = None  # read before the weights loaded (``Architecture.read``)
 
     @property
     def config(self):
@@ -96,8 +91,9 @@ class LoadedModel:
         return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
 
     @property
-    def shape(self) -> ModelShape:
-        return ModelShape.of(self.config, 32 if self.dtype == "float32" else 16)
+    def bits(self) -> int:
+        """The width it computes in: its own cache's values."""
+        return 32 if self.dtype == "float32" else 16
 
     def describe(self) -> dict:
         """What a run records about its model (run.json's ``model``)."""
@@ -272,6 +268,32 @@ def check_architecture(config, name: str) -> None:
     check_family(config, name)
 
 
+# Architectures read in this process, by config (its JSON), model name and weights folder: read once each.
+_ARCHITECTURES: dict[tuple[str, str, str | None], Architecture] = {}
+
+
+def read_architecture(config, name: str, folder: str | None = None) -> Architecture:
+    """What ``config``'s model does, read from its code before its weights load (``Architecture.read``: refuses
+    what it cannot compute or pkvbench cannot run exactly, in one line); ``folder``: where its weights are, whose
+    shapes must be the config's. Read once per config."""
+    weights = folder if folder and any(Path(folder).glob("*.safetensors")) else None
+    key = (config.to_json_string(use_diff=False), name, weights)
+    if key not in _ARCHITECTURES:
+        _ARCHITECTURES[key] = Architecture.read(copy.deepcopy(config), name, Path(weights) if weights else None)
+    return _ARCHITECTURES[key]
+
+
+def _transformers_config(path: Path, name: str):
+    """The transformers config of a ``config.json`` (its family already admitted): transformers' own checks of its
+    values, refused in one line."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path.parent))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise PkvError(f"model {name}: its config is not valid: {first_line(exc)}") from None
+
+
 def is_gguf_file(name: str) -> bool:
     return name.lower().endswith(".gguf")
 
@@ -338,13 +360,13 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
         raise PkvError(f"could not load the tokenizer of {name}: {first_line(exc)}") from None
 
 
-def kernel_of_family(config, requested: str) -> str:
+def kernel_of_family(config, architecture: Architecture, requested: str) -> str:
     """The attention kernel to load the model with: ``requested``, but eager where it is sdpa and the model
     soft-caps its logits (``Architecture.attention_kernel``) or its family has no sdpa kernel (gpt-oss, whose sinks
     only its eager kernel adds); the stock reference runs on the same one (``exactness.stock_attention``)."""
     from transformers import AutoModelForCausalLM
 
-    requested = Architecture.of(config).attention_kernel(requested)
+    requested = architecture.attention_kernel(requested)
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
     if requested == "sdpa" and model_class is not None and not getattr(model_class, "_supports_sdpa", True):
         return "eager"
@@ -370,7 +392,8 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise PkvError(f"could not load model {name}: {first_line(exc)}") from None
     check_architecture(config, name)
-    attn_implementation = kernel_of_family(config, attn_implementation)
+    architecture = read_architecture(config, name, path if os.path.isdir(path) else None)
+    attn_implementation = kernel_of_family(config, architecture, attn_implementation)
     try:
         tokenizer = _tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(
@@ -389,6 +412,7 @@ def load_model(
         attn_implementation=attn_implementation,
         load_s=time.perf_counter() - started,
         source=source,
+        architecture=architecture,
     )
 
 
@@ -421,11 +445,12 @@ def model_shape(model: str, bits: int) -> ModelShape | None:
     no config can be read here (the model load then reports what is wrong)."""
     from transformers import AutoConfig
 
+    path = model_path(model)[0]
     try:
-        config = AutoConfig.from_pretrained(model_path(model)[0])
-        return ModelShape.of(config, bits)
+        config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, AttributeError, TypeError, ZeroDivisionError):
         return None
+    return ModelShape.of(bits, read_architecture(config, model, path if os.path.isdir(path) else None))
 
 
 def model_context_window(model: str) -> int | None:
@@ -440,7 +465,8 @@ def model_context_window(model: str) -> int | None:
         return gguf_header(locate_gguf(ALIASES[model]) if model in ALIASES else Path(model)).context_length
     path = _config_file(str(float_copy or model))
     config = read_json(path, "model config") if path is not None else None
-    if isinstance(config, dict):  # an architecture pkvbench cannot run is refused before its tokenizer is used
+    if isinstance(config, dict):  # a model pkvbench cannot run is refused before its tokenizer is used
         check_architecture(SimpleNamespace(**config), model)
+        read_architecture(_transformers_config(path, model), model, str(path.parent))
     window = config.get("max_position_embeddings") if isinstance(config, dict) else None
     return window if isinstance(window, int) and window > 0 else None
