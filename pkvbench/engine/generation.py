@@ -390,8 +390,8 @@ class Engine:
         """Each layer's selection under ``plan`` where the policy compresses it (a local layer keeps its window's
         entries whatever the policy: ``_gather``)."""
         length = plan.context_len
-        architecture = self.architecture
-        compressed = [i for i, k in enumerate(plan.per_layer) if k < length and architecture.compressible(i)]
+        local = self.geometry.local  # per attention layer, as ``plan.per_layer``
+        compressed = [i for i, k in enumerate(plan.per_layer) if k < length and local[i] is None]
         if not compressed:
             return {}
         stats = prefill.stats_at[length]

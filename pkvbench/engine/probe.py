@@ -60,7 +60,6 @@ class Probe:
         return marker
 
     def attention(self, module, query, key, value, attention_mask, **kwargs):
-        import torch
 
         mask = self.masks.get(id(attention_mask)) if attention_mask is not None else None
         self.calls[module.layer_idx] = LayerCall(
