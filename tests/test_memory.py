@@ -287,6 +287,7 @@ def frontier_rows() -> pd.DataFrame:
                     "memory_target": target,
                     "memory_fraction": size / 1000,
                     "budget_tokens": size,
+                    "kv_entries": size * 2,
                     "score": float(score),
                 }
             )
@@ -313,6 +314,44 @@ def test_the_frontier_marks_the_pareto_front_and_compares_each_target_with_its_b
     assert decided["snapkv · 16 bits"] == "snapkv · 4 bits better"
     text = frontier.frontier_markdown(rows)
     assert "## Accuracy per byte" in text and "snapkv · 4 bits better" in text
+
+
+def test_the_memory_view_has_a_row_per_format_and_budget_with_its_bytes_as_stored():
+    from pkvbench.reports import frontier
+
+    table = frontier.storage(frontier_rows())
+    assert table[["kv_bits", "budget"]].values.tolist() == [
+        ["16", "mem0.05"],
+        ["16", "mem0.12"],
+        ["16", "all"],
+        ["4", "mem0.05"],
+        ["4", "mem0.12"],
+        ["2", "all"],
+    ]
+    row = table.set_index(["kv_bits", "budget"]).loc[("4", "mem0.12")]
+    assert (row["kv_bytes"], row["memory"], row["bytes/entry"], row["target"], row["n"]) == (118, 11.8, 0.5, 120, 20)
+
+
+def test_lm_eval_and_the_gate_tell_formats_of_the_same_bits_apart():
+    """The cell key holds the format: fp8 and fp8_e5m2 (8 bits both), tq3 with and without QJL, are cells apart in
+    lm-eval's configurations and in the store's (and so the gate's) keys."""
+    from pkvbench.lm_eval.grid import GridSpec, cell_label
+    from pkvbench.run.runner import row_identity
+    from pkvbench.store.results import row_key, stored_as
+    from pkvbench.tasks.registry import get_task
+
+    spec = GridSpec.parse({"policy": "snapkv", "memory": "0.25", "kv_bits": "16+8+fp8+fp8_e5m2+tq3+tq3:qjl=true"})
+    assert [cell_label(cell).split("-kv")[1] for cell in spec.cells] == [
+        "16",
+        "8",
+        "fp8",
+        "fp8-e5m2",
+        "tq3",
+        "tq3-qjl=true",
+    ]
+    rows = [row_identity(get_task("needle"), "s", cell) for cell in spec.cells]
+    assert len({row_key(row) for row in rows}) == 6
+    assert [stored_as(row) for row in rows] == ["16", "8", "fp8", "fp8_e5m2", "tq3", "tq3:qjl=true"]
 
 
 # --- bad input: one line, exit 2 -------------------------------------------------------------------------------------

@@ -262,3 +262,38 @@ def test_turboquant_on_the_models_keys_and_values_is_within_the_papers_bound(eng
             errors.append(((restored - x).square().sum(-1) / x.square().sum(-1)).mean().item())
         assert max(errors) <= bound
         assert sum(errors) / len(errors) == pytest.approx(turboquant.expected_error(x.shape[-1], bits), rel=0.1)
+
+
+def test_every_policy_and_format_runs_on_one_prefill_and_the_memory_view_shows_bytes_as_stored(
+    tmp_path, capsys, loaded
+):
+    """Issue 51's grid on one short needle: every policy × every format from one prefill, each row's bytes the
+    stored tensors' (the byte formula, held against them elsewhere), the memory view a row per format and budget,
+    and the gate's baseline a cell per format."""
+    out = tmp_path / "run"
+    grid = ["--task", "needle", "--policy", "full,snapkv,pyramidkv", "--kv-bits", "16,fp8,tq4,tq3,4"]
+    args = [*grid, "--memory", "0.25,0.125", "--lengths", "300", "--depths", "50", "--max-new-tokens", "6"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", *args, "--quiet", "--out", str(out)])
+    assert exit_info.value.code == 0
+    assert "25 rows written, 0 already done, 1 prefills" in capsys.readouterr().out  # (1 + 2·2) × 5 formats
+    rows = read_rows(out)
+    formats = {"16": KVFormat(16), **{spec: parse_format(spec) for spec in ("fp8", "tq4", "tq3")}, "4": KVFormat(4)}
+    for row in rows:
+        label = row.get("kv_format") or str(row["kv_bits"])
+        assert row["kv_bytes"] == planned_bytes(formats[label], row["kv_kept"], 3, 64)
+        if row["policy"] != "full":
+            assert row["kv_bytes"] <= row["memory_target"]
+    with pytest.raises(SystemExit):
+        main(["report", str(out), "--view", "memory"])
+    text = capsys.readouterr().out
+    for label in ("16", "fp8", "tq4", "tq3", "4"):
+        for budget in ("mem0.125", "mem0.25", "all"):
+            assert f"| {label} | {budget} |" in text, (label, budget, text)
+    baseline = tmp_path / "baseline.csv"
+    for command in (["--update"], []):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["check", "--baseline", str(baseline), "--results", str(out), *command])
+        assert exit_info.value.code == 0
+    cells = baseline.read_text()
+    assert all(f",{label}," in cells for label in ("fp8", "tq4", "tq3"))
