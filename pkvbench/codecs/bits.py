@@ -9,6 +9,7 @@ eight codes fill three bytes and some codes straddle two.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -18,8 +19,10 @@ def levels(bits: int) -> int:
     return (1 << bits) - 1
 
 
-def _weights(count: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([1 << i for i in range(count)], dtype=torch.uint8, device=device)
+def _group(bits: int) -> tuple[int, int]:
+    """The fewest codes that fill whole bytes, and those bytes: 8 codes in 3 bytes at 3 bits, 2 in 1 at 4."""
+    codes = 8 // math.gcd(bits, 8)
+    return codes, bits * codes // 8
 
 
 def packed_width(count: int, bits: int) -> int:
@@ -29,28 +32,36 @@ def packed_width(count: int, bits: int) -> int:
     return count * bits // 8
 
 
+def _word_type(size: int) -> torch.dtype:
+    return torch.uint8 if size == 1 else torch.int64  # a group of bytes read as one little-endian integer
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes ``[..., D]`` (each below 2^bits) → bytes ``[..., D·bits/8]``."""
+    """Codes ``[..., D]`` (each below 2^bits) → bytes ``[..., D·bits/8]``: each group of codes one integer, code j
+    shifted by j·bits, written out as its bytes, the lowest first."""
     *lead, count = codes.shape
     width = packed_width(count, bits)
-    codes = codes.to(torch.uint8)
-    if 8 % bits == 0:  # whole codes to a byte: shift each into place and add
-        grouped = codes.view(*lead, width, 8 // bits)
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-        return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
-    stream = (codes[..., None] >> torch.arange(bits, dtype=torch.uint8, device=codes.device)) & 1
-    return (stream.view(*lead, width, 8) * _weights(8, codes.device)).sum(dim=-1, dtype=torch.uint8)
+    per_group, size = _group(bits)
+    kind = _word_type(size)
+    shifts = torch.arange(0, bits * per_group, bits, dtype=kind, device=codes.device)
+    words = (codes.view(*lead, count // per_group, per_group).to(kind) << shifts).sum(dim=-1, dtype=kind)
+    if size == 1:
+        return words
+    places = torch.arange(0, 8 * size, 8, dtype=kind, device=codes.device)
+    return ((words[..., None] >> places) & 0xFF).to(torch.uint8).view(*lead, width)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``pack``: bytes ``[..., B]`` → codes ``[..., B·8/bits]`` (uint8)."""
     *lead, width = packed.shape
-    if 8 % bits == 0:
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-        return ((packed[..., None] >> shifts) & levels(bits)).flatten(-2)
-    stream = (packed[..., None] >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
-    per_code = stream.view(*lead, width * 8 // bits, bits)
-    return (per_code * _weights(bits, packed.device)).sum(dim=-1, dtype=torch.uint8)
+    per_group, size = _group(bits)
+    kind = _word_type(size)
+    words = packed
+    if size > 1:
+        places = torch.arange(0, 8 * size, 8, dtype=kind, device=packed.device)
+        words = (packed.view(*lead, width // size, size).to(kind) << places).sum(dim=-1, dtype=kind)
+    shifts = torch.arange(0, bits * per_group, bits, dtype=kind, device=packed.device)
+    return ((words[..., None] >> shifts) & levels(bits)).to(torch.uint8).flatten(-2)
 
 
 @functools.cache

@@ -17,6 +17,7 @@ cast to e5m2 would give an infinity). The division and the product are computed 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -60,11 +61,18 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, variant: str) -> Fp8:
     return Fp8(scaled.to(fp8).view(torch.uint8), scale.reshape(1, 1, 1).float())
 
 
+@functools.cache
+def _byte_values(variant: str, device: torch.device) -> torch.Tensor:
+    """``[256]``: every float8 byte's value as float32, torch's own conversion (a byte → its value in one lookup, on
+    a CPU several times faster than converting)."""
+    return torch.arange(256, dtype=torch.uint8, device=device).view(VARIANTS[variant]).float()
+
+
 def dequantize(stored: Fp8, variant: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """``quantize``'s values back, ``[..., T, D]`` in ``dtype`` (computed in float32, rounded once); written into
     ``out`` if given. A batch of rows ``[B, ..., T, D]`` carries a scale per row ``[B, 1, 1, 1]``."""
-    codes, scale = stored.codes.view(VARIANTS[variant]), stored.scale
+    values = _byte_values(variant, stored.codes.device).take(stored.codes.long())
     if out is not None and dtype == torch.float32:
-        return torch.mul(codes.float(), scale, out=out)
-    restored = (codes.float() * scale).to(dtype)
+        return torch.mul(values, stored.scale, out=out)
+    restored = (values * stored.scale).to(dtype)
     return restored if out is None else out.copy_(restored)

@@ -140,9 +140,11 @@ def projections(dim: int, heads: int, seed: int, layer: int, device: torch.devic
 
 
 def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """Centroids of ``codes`` ``[..., H, T, D]`` from a codebook ``[..., 1, K]`` of matching leading axes."""
-    expanded = table.expand(*codes.shape[:-2], table.shape[-1])
-    return expanded.gather(-1, codes.flatten(-2).long()).view(codes.shape)
+    """Centroids of ``codes`` ``[..., H, T, D]`` from a codebook ``[..., 1, K]`` of matching leading axes (a row's
+    ``[1, K]``, a batch's ``[B, 1, K]``): one lookup in the codebooks laid end to end."""
+    count = table.shape[-1]
+    offsets = torch.arange(0, table.numel(), count, device=codes.device).view(*table.shape[:-2], 1, 1, 1)
+    return table.flatten().take(codes.long() + offsets)
 
 
 def quantize(
