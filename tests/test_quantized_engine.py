@@ -12,13 +12,14 @@ from pkvbench.codecs import fp8, turboquant
 from pkvbench.codecs.kivi import dequantize_keys, dequantize_values
 from pkvbench.engine.decoding import KeptEntries
 from pkvbench.engine.generation import CompressedCache
-from pkvbench.engine.quantized import FP8_VARIANTS, quantized_layers
+from pkvbench.engine.quantized import FP8_VARIANTS
 from pkvbench.errors import PkvError
 from pkvbench.policies import parse_policy
 from pkvbench.run.runner import Cell, check_formats, check_memory
 from pkvbench.store.results import read_rows
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
+from tests.helpers import decode_one, quantized_layers
 
 pytestmark = pytest.mark.model
 
@@ -44,7 +45,7 @@ def test_eight_bits_with_nothing_to_quantize_is_the_16_bit_cache(engine, needle)
         assert all(layer.keys is None for layer in eight.kept.layers)
         for a, b in zip(sixteen.kept.layers, eight.kept.layers):
             assert all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors))
-        assert engine.decode(prefill, sixteen, 12).tokens == engine.decode(prefill, eight, 12).tokens
+        assert decode_one(engine, prefill, sixteen, 12).tokens == decode_one(engine, prefill, eight, 12).tokens
 
 
 def test_kv_bytes_are_the_stored_tensors_and_memory_budgets_hold(engine, loaded, needle):
@@ -218,8 +219,8 @@ def test_decoding_reads_the_stored_form_token_for_token_as_the_whole_cache_read_
             n = int(reference.kept.lengths[0][head])
             assert torch.equal(keys[0, head, seen][:n], reference.kept.keys[0][head, :n])
             assert torch.equal(values[0, head, seen][:n], reference.kept.values[0][head, :n])
-        got = engine.decode(prefill, cache, 12).tokens
-        assert got == engine.decode(prefill, reference, 12).tokens, (spec, str(fmt))
+        got = decode_one(engine, prefill, cache, 12).tokens
+        assert got == decode_one(engine, prefill, reference, 12).tokens, (spec, str(fmt))
 
 
 def test_fp8_stores_torchs_own_float8_of_the_kept_values_at_vllms_scales(engine, needle):
