@@ -1,9 +1,12 @@
 """Compressed caches stored in fewer bits: one row's stored form, and the layer a batch of them decodes from.
 
 A policy selects its entries from full-precision statistics; ``StoredEntries.store`` then keeps them in a
-``kv_formats.KVFormat``: 16 bits (every entry, widened for attention where the model computes in float32), or KIVI's
+``kv_formats.KVFormat``: 16 bits (every entry, widened for attention where the model computes in float32), KIVI's
 8/4/2-bit integers (``pkvbench.codecs.kivi``) for all but each head's last R entries, which stay in 16 bits (the
-residual). The stored tensors are all there is: ``nbytes`` is their sum, what a row's ``kv_bytes`` records.
+residual), or every entry in FP8 (``codecs.fp8``) or TurboQuant (``codecs.turboquant``). A ``LayerCodec`` per layer
+is what knows a codec: how entries are packed and read back, and what a layer shares among them (FP8's scales,
+TurboQuant's rotations). The stored tensors are all there is: ``nbytes`` is their sum, what a row's ``kv_bytes``
+records (TurboQuant's rotations and QJL's projections are drawn again from their seed, not stored).
 
 ``QuantizedLayer`` (in the style of transformers' ``cache_utils`` quantized layers) holds one layer of a batch of
 stored caches — rows of one sample's grid, padded to the batch's longest and masked — and attends over them by
