@@ -107,9 +107,10 @@ def row_identity(task: TaskSpec, sample_id: str, cell: Cell) -> dict:
 
 
 def kv_fields(fmt: KVFormat) -> dict:
-    """How a row records its storage: bits per value, KIVI's group and residual, and a named codec's label."""
-    named = {"kv_format": str(fmt)} if fmt.codec != kv_formats.KIVI else {}
-    return {"kv_bits": fmt.bits, "kv_group": fmt.group, "kv_residual": fmt.residual, **named}
+    """How a row records its storage: bits per value, KIVI's group and residual, and a named format with its options
+    (None for KIVI's integers, 16 bits and the model's own cache)."""
+    named = str(fmt) if fmt.codec != kv_formats.KIVI else None
+    return {"kv_bits": fmt.bits, "kv_group": fmt.group, "kv_residual": fmt.residual, "kv_format": named}
 
 
 @dataclass(frozen=True)
