@@ -172,10 +172,10 @@ class ResolvedRun:
                 "protocol": c.protocol,
                 "query_modes": self.query_modes,
                 # only where given: a run folder of an earlier version, which had neither, resumes as the same run
-                "kv_bits": [f.bits if f else native_bits(c) for f in self.formats] if c.kv_bits is not None else None,
+                "kv_bits": [recorded_format(f, c) for f in self.formats] if c.kv_bits is not None else None,
                 **(
                     {"kv_group": c.kv_group, "kv_residual": c.kv_residual}
-                    if any(f and f.quantized for f in self.formats)
+                    if any(f and f.kivi for f in self.formats)
                     else {}
                 ),
                 # recorded only when cutting while decoding, so that runs from before the option resume as they were
@@ -236,7 +236,7 @@ def with_dependent_options(
     ``--decode-interval``/``--decode-buffer`` where no decode budget cuts; return ``config`` with their defaults
     filled in."""
     options = options_of(RunConfig)
-    quantized = any(f and f.quantized for f in formats)
+    quantized = any(f and f.kivi for f in formats)
     cutting = decode_budgets != [None]
     for names, used, purpose, needed in (
         (("kv_group", "kv_residual"), quantized, "KIVI's formats", "--kv-bits 8, 4 or 2"),
@@ -266,7 +266,7 @@ def resolve(config: RunConfig) -> ResolvedRun:
     decode_budgets = parse_decode_budgets(config.decode_budgets)
     formats = resolve_formats(config)
     config = with_dependent_options(config, formats, decode_budgets)
-    formats = [replace(f, group=config.kv_group, residual=config.kv_residual) if f else f for f in formats]
+    formats = [replace(f, group=config.kv_group, residual=config.kv_residual) if f and f.kivi else f for f in formats]
     check_decoding(policies, decode_budgets, config.decode_interval, config.decode_buffer)
     budgets = resolve_budgets(config, policies, "cr0" if decode_budgets != [None] else "128")
     if decode_budgets != [None] and formats != [None]:
@@ -304,6 +304,14 @@ def resolve_budgets(config: RunConfig, policies: list[Policy], default: str = "1
     return budgets
 
 
+def recorded_format(fmt: KVFormat | None, config: RunConfig) -> int | str:
+    """A ``--kv-bits`` value as ``run.json`` records it: bits as a number (as runs before named formats did), a named
+    format as its label (``fp8``, ``tq3:qjl=true``)."""
+    if fmt is None:
+        return native_bits(config)
+    return fmt.bits if fmt.codec == kv_formats.KIVI else str(fmt)
+
+
 def native_bits(config: RunConfig) -> int:
     """The width of the model's own cache values: its dtype's (``auto``: float32 on a CPU, bfloat16 on CUDA)."""
     from pkvbench.engine.models import resolve_device, resolve_dtype
@@ -316,21 +324,19 @@ def native_bits(config: RunConfig) -> int:
 
 
 def resolve_formats(config: RunConfig) -> list[KVFormat | None]:
-    """``--kv-bits``: each value's storage format; the model's own width is its own cache (None), token for
-    token."""
+    """``--kv-bits``: each value's storage format (``kv_formats.parse_format``); the model's own width is its own
+    cache (None), token for token."""
     if config.kv_bits is None:
         return [None]
     native = native_bits(config)
     formats: list[KVFormat | None] = []
     for item in as_list(config.kv_bits, "--kv-bits"):
-        bits = parse_int(item, "--kv-bits")
-        if bits not in kv_formats.KV_BITS:
-            raise PkvError(f"--kv-bits {item}: supported are 2, 4 and 8 (KIVI's integers), 16, and the model's own 32")
-        if bits > native:
+        fmt = kv_formats.parse_format(item)  # KIVI's group and residual: with_dependent_options
+        if fmt.codec == kv_formats.KIVI and fmt.bits > native:
             raise PkvError(
-                f"--kv-bits {bits}: the model computes in {native} bits; its own cache is --kv-bits {native}"
+                f"--kv-bits {fmt.bits}: the model computes in {native} bits; its own cache is --kv-bits {native}"
             )
-        formats.append(None if bits == native else KVFormat(bits))  # group and residual: with_dependent_options
+        formats.append(None if fmt == KVFormat(native) else fmt)
     return list(dict.fromkeys(formats))
 
 

@@ -315,7 +315,8 @@ def budgets(policies, budgets, policy_args, layers, context, protocol, as_json, 
     default=VIEWS[0],
     show_default=True,
     help="frontier: each cell's bytes and score, the Pareto front marked (runs with --kv-bits or --memory); "
-    "memory-diff: per memory target, its best cell against every other, paired.",
+    "memory-diff: per memory target, its best cell against every other, paired; memory: per storage format and "
+    "budget, the entries kept and the bytes as stored.",
 )
 def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> None:
     """One table from run folders: rows model × policy × budget (× the bits values were stored in, × query mode),
@@ -342,7 +343,8 @@ def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> 
 
         if not frontier.has_frontier(runs.rows):
             raise PkvError(f"--view {view}: the runs have no storage bits or memory budgets (--kv-bits, --memory)")
-        table = frontier.points(runs.rows) if view == "frontier" else frontier.comparisons(runs.rows)
+        views = {"frontier": frontier.points, "memory-diff": frontier.comparisons, "memory": frontier.storage}
+        table = views[view](runs.rows)
         if table.empty:
             raise PkvError(f"--view {view}: no memory target with two cells to compare")
         _write_or_echo(

@@ -158,8 +158,9 @@ class RunConfig(SampleConfig):
         None,
         kind=LIST,
         check=list_value,
-        help="Bits each kept value is stored in, comma-separated: 16, or KIVI's 8, 4, 2 (keys per channel, values per "
-        "token) [default: the model's own cache, in its dtype: 32 on a CPU].",
+        help="How each kept value is stored, comma-separated: 16 bits, KIVI's 8, 4, 2 (keys per channel, values per "
+        f"token), or {', '.join(kv_formats.NAMED)} (FP8 as vLLM stores it; TurboQuant), options inline as "
+        "fp8:scale=prompt, tq3:qjl=true (docs/memory.md) [default: the model's own cache, in its dtype: 32 on a CPU].",
     )
     kv_group: int | None = option(
         None,

@@ -92,6 +92,7 @@ def test_the_store_key_is_the_identity_but_the_model():
         "kv_bits": 2,
         "kv_group": 64,
         "kv_residual": 16,
+        "kv_format": "fp8",
     }
     assert set(changed) | {"model"} == set(schema.fields_of(schema.IDENTITY))
     for name, value in changed.items():

@@ -66,6 +66,7 @@ ROW: tuple[Field, ...] = (
     Field("kv_bits", IDENTITY, "bits per stored value"),
     Field("kv_group", IDENTITY, "KIVI's quantization group"),
     Field("kv_residual", IDENTITY, "KIVI's entries kept in 16 bits"),
+    Field("kv_format", IDENTITY, "a named storage format with its options: fp8, fp8_e5m2, tq4, tq3:qjl=true"),
     Field("memory_target", CONFIGURATION, "the bytes a memory budget allowed, or None"),
     Field("memory_fraction", MEASURE, "kv_bytes over the full cache's at 16 bits per value"),
     Field("attention_weights", CONFIGURATION, "what attention the policy needed recorded"),
@@ -103,7 +104,7 @@ def fields_of(group: str) -> tuple[str, ...]:
 
 
 # How the cache was stored; part of the store's key only where it was not the model's own (``results.stored_as``).
-STORAGE = ("kv_native", "kv_bits", "kv_group", "kv_residual")
+STORAGE = ("kv_native", "kv_bits", "kv_group", "kv_residual", "kv_format")
 # What report.load_runs adds to each row it reads: the folder it came from, the storage as one label, and the
 # policy with its bits and decode budget as figures' lines name it (axes.SERIES).
 LOADED = ("folder", "kv_stored", "series")

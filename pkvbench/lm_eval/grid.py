@@ -145,7 +145,7 @@ def cell_label(cell: Cell) -> str:
     if cell.query_mode != AWARE:
         parts.append(cell.query_mode)
     if cell.kv is not None:
-        parts.append(f"kv{cell.kv.bits}")
+        parts.append(f"kv{cell.kv.spec}")
     if cell.decode_budget is not None:
         parts.append(f"d{cell.decode_budget}")
     return re.sub(r"[^A-Za-z0-9.=-]+", "-", "_".join(parts))

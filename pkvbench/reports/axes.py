@@ -26,6 +26,7 @@ from typing import Any
 import pandas as pd
 
 from pkvbench.cell.budgets import Budget
+from pkvbench.cell.kv_formats import label_width
 from pkvbench.cell.schema import AGNOSTIC, QUERY_MODES, TABLE_KEY
 from pkvbench.errors import PkvError
 from pkvbench.policies.registry import policy_order
@@ -135,9 +136,10 @@ def decode_budget_sort_key(label: str) -> tuple[int, int]:
 
 
 def bits_sort_key(label: str) -> tuple[float, str]:
-    """Widest first: 32, 16, 8, 4, 2 (``native`` first of all: the model's own cache, width unknown)."""
-    head = str(label).split(" ")[0]
-    return (-float(head) if head.replace(".", "").isdigit() else -math.inf, str(label))
+    """Widest first: 32, 16, 8 and fp8, 4 and tq4, tq3, 2 (``native`` first of all: the model's own cache, width
+    unknown)."""
+    width = label_width(label)
+    return (-width if width is not None else -math.inf, str(label))
 
 
 def _task_key(task: str) -> tuple[int, int, str]:

@@ -107,7 +107,10 @@ def row_identity(task: TaskSpec, sample_id: str, cell: Cell) -> dict:
 
 
 def kv_fields(fmt: KVFormat) -> dict:
-    return {"kv_bits": fmt.bits, "kv_group": fmt.group, "kv_residual": fmt.residual}
+    """How a row records its storage: bits per value, KIVI's group and residual, and a named format with its options
+    (None for KIVI's integers, 16 bits and the model's own cache)."""
+    named = str(fmt) if fmt.codec != kv_formats.KIVI else None
+    return {"kv_bits": fmt.bits, "kv_group": fmt.group, "kv_residual": fmt.residual, "kv_format": named}
 
 
 @dataclass(frozen=True)
@@ -428,15 +431,21 @@ def run_grid(
 
 
 def check_formats(shape: ModelShape, cells: list[Cell]) -> None:
-    """Refuse a KIVI group that does not fit the model's heads: values are quantized per token in groups of G
-    channels, so G must divide the head size. ``shape`` is read from the model's config: this runs before the model
-    loads (and before ``--overwrite`` deletes anything)."""
+    """Refuse a format that does not fit the model's heads: a KIVI group must divide the head size (values are
+    quantized per token in groups of G channels), and TurboQuant's codes must fill whole bytes of a head. ``shape``
+    is read from the model's config: this runs before the model loads (and before ``--overwrite`` deletes
+    anything)."""
     head_dim = shape.head_dim
     for fmt in {cell.kv for cell in cells if cell.kv is not None and cell.kv.quantized}:
-        if head_dim % fmt.group or head_dim * fmt.bits % 8:
+        if fmt.kivi and (head_dim % fmt.group or head_dim * fmt.bits % 8):
             raise PkvError(
                 f"--kv-group {fmt.group} does not divide the model's head size ({head_dim}): values are quantized "
                 f"per token in groups of G channels; try {', '.join(str(g) for g in (16, 32, 64) if head_dim % g == 0)}"
+            )
+        if fmt.codec == kv_formats.TURBOQUANT and head_dim % 8:
+            raise PkvError(
+                f"--kv-bits {fmt}: the model's head size ({head_dim}) is not a multiple of 8, so a head's "
+                f"{fmt.bits}-bit codes do not fill whole bytes"
             )
 
 

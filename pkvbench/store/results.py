@@ -25,7 +25,7 @@ from typing import Any
 import pandas as pd
 
 from pkvbench.cell.budgets import ALL, MEMORY_PREFIX, REMOVED_PREFIX, Budget, budget_label
-from pkvbench.cell.kv_formats import KVFormat
+from pkvbench.cell.kv_formats import format_of_row
 from pkvbench.cell.schema import DEFAULT_QUERY_MODE, QUERY_MODES
 from pkvbench.errors import PkvError
 from pkvbench.io import (
@@ -84,13 +84,13 @@ def _given(value: Any) -> bool:
 
 def stored_as(row: Row) -> str:
     """How a row's cache was stored, as keys name it: "" for the model's own cache, else its ``KVFormat``: ``16``,
-    ``4``, ``4 g64 r32``."""
+    ``4``, ``4 g64 r32``, ``fp8``, ``tq3:qjl=true``."""
     if "kv_stored" in row:  # a row as report.load_runs reads it: already said
         return row["kv_stored"] or ""
     native = row.get("kv_native")
     if not _given(row.get("kv_bits")) or not _given(native) or native:
         return ""
-    return str(KVFormat(int(row["kv_bits"]), int(row["kv_group"]), int(row["kv_residual"])))
+    return str(format_of_row(row["kv_bits"], row.get("kv_group"), row.get("kv_residual"), row.get("kv_format")))
 
 
 def bits_label(row: Row) -> str:
