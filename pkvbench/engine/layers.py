@@ -195,9 +195,12 @@ def storage_of(requests: list) -> str:
     return "shrinking" if any(r.schedule for r in requests) else "ragged"
 
 
-def build_cache(requests: list, room: int, kv_heads: int, kinds: list[str], windows: list[int | None]) -> RaggedCache:
-    """The batch's cache: per model layer the class its attention kind and the rows' storage name."""
-    storage = storage_of(requests)
+def build_cache(
+    requests: list, room: int, kv_heads: int, kinds: list[str], windows: list[int | None], storage: str | None = None
+) -> RaggedCache:
+    """The batch's cache: per model layer the class its attention kind and the rows' storage name (``storage``: that
+    one instead of the rows', as a conversation's turn cut asks for ``shrinking``)."""
+    storage = storage or storage_of(requests)
     start = requests[0].position
     layers = []
     for layer, (kind, window) in enumerate(zip(kinds, windows)):
