@@ -16,7 +16,7 @@ import math
 
 import pandas as pd
 
-from pkvbench.cell.schema import AGNOSTIC, QUERY_MODES, TABLE_KEY
+from pkvbench.cell.schema import AGNOSTIC, NO_TURNS, QUERY_MODES, TABLE_KEY, TURN_COMPRESSIONS
 from pkvbench.policies.registry import policy_order
 
 # LongBench v1's 21 tasks in the order of its own tables (the paper's 16 English tasks keep their Table 1 order).
@@ -79,6 +79,12 @@ def decode_budget_sort_key(label: str) -> tuple[int, int]:
     return (0, 0) if not str(label).isdigit() else (1, int(label))
 
 
+def turn_compression_sort_key(label: str) -> int:
+    """No conversation first, then compressed once, then every turn."""
+    order = (NO_TURNS, *TURN_COMPRESSIONS)
+    return order.index(label) if label in order else len(order)
+
+
 def bits_sort_key(label: str) -> tuple[float, str]:
     """Widest first: 32, 16, 8, 4, 2 (``native`` first of all: the model's own cache, width unknown)."""
     head = str(label).split(" ")[0]
@@ -100,6 +106,7 @@ SORT_KEYS = {
     "query_mode": query_mode_sort_key,
     "kv_bits": bits_sort_key,
     "decode_budget": decode_budget_sort_key,
+    "turn_compression": turn_compression_sort_key,
     "task": _task_key,
 }
 
@@ -107,7 +114,7 @@ SORT_KEYS = {
 # stored in right after the policy. The optional ones show only where some row is not the paper's setting
 # (``report.row_axes``); the others are the paper's cell, model × policy × budget (``KEY``).
 ROW_AXES = ("policy", "kv_bits", *(name for name in TABLE_KEY if name in SORT_KEYS and name not in ("task", "policy")))
-OPTIONAL_AXES = ("kv_bits", "query_mode", "decode_budget")
+OPTIONAL_AXES = ("kv_bits", "query_mode", "decode_budget", "turn_compression")
 KEY = ["model", *(axis for axis in ROW_AXES if axis not in OPTIONAL_AXES)]
 # A line of a figure (``SERIES`` folds the bits and the decode budget into the policy) at a budget and query mode.
 LINE_KEY = ["model", *(axis for axis in ROW_AXES if axis not in ("kv_bits", "decode_budget"))]
