@@ -116,8 +116,9 @@ SORT_KEYS = {
 ROW_AXES = ("policy", "kv_bits", *(name for name in TABLE_KEY if name in SORT_KEYS and name not in ("task", "policy")))
 OPTIONAL_AXES = ("kv_bits", "query_mode", "decode_budget", "turn_compression")
 KEY = ["model", *(axis for axis in ROW_AXES if axis not in OPTIONAL_AXES)]
-# A line of a figure (``SERIES`` folds the bits and the decode budget into the policy) at a budget and query mode.
-LINE_KEY = ["model", *(axis for axis in ROW_AXES if axis not in ("kv_bits", "decode_budget"))]
+# A line of a figure (``SERIES`` folds the bits, the decode budget and the turn compression into the policy) at a
+# budget and query mode.
+LINE_KEY = ["model", *(axis for axis in ROW_AXES if axis not in ("kv_bits", "decode_budget", "turn_compression"))]
 
 
 def sort_rows(frame: pd.DataFrame, columns) -> pd.DataFrame:
@@ -150,6 +151,19 @@ def with_decode_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(policy=labels)
 
 
+def with_turns_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with each policy whose conversation was cut back to its budget after every turn named so
+    (``snapkv (every-turn)``): compressed once, the conversation's cache is the policy's at the prefill; the full
+    cache, never cut, keeps its name."""
+    if "turn_compression" not in frame.columns:
+        return frame
+    labels = [
+        f"{p} ({t})" if t not in (NO_TURNS, TURN_COMPRESSIONS[0]) and not is_full(p) else p
+        for p, t in zip(frame["policy"], frame["turn_compression"])
+    ]
+    return frame.assign(policy=labels)
+
+
 def with_bits_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
     """Where rows' caches were stored in several formats, each policy × bits as a policy of its own (``snapkv ·
     4 bits``): for the figures and views that key on the policy alone."""
@@ -167,11 +181,11 @@ def _ordered(values: pd.Series, key) -> pd.Categorical:
 
 def order_axes(rows: pd.DataFrame) -> pd.DataFrame:
     """``rows`` with each axis column an ordered categorical (its categories the values present, in the axis's
-    order) and ``series``: the policy with its bits (where several) and decode budget, ordered by policy, bits and
-    decode budget."""
+    order) and ``series``: the policy with its bits (where several), decode budget and turn compression, ordered by
+    policy, bits, decode budget and turn compression."""
     rows = rows.copy()
-    folded = with_decode_in_policy(with_bits_in_policy(rows))["policy"]
-    axes = [c for c in ("policy", "kv_bits", "decode_budget") if c in rows.columns]
+    folded = with_turns_in_policy(with_decode_in_policy(with_bits_in_policy(rows)))["policy"]
+    axes = [c for c in ("policy", "kv_bits", "decode_budget", "turn_compression") if c in rows.columns]
     rank = {}
     for label, *key in zip(folded, *(rows[c] for c in axes)):
         rank.setdefault(label, tuple(SORT_KEYS[axis](value) for axis, value in zip(axes, key)))

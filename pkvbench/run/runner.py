@@ -175,6 +175,8 @@ def run_sample(
     cells = [cell for cell in cells if cell.query_mode != MULTI_TURN]
     if conversations:
         yield from _Conversations(engine, task, sample, settings, prefill, conversations).rows(texts)
+    if not cells:
+        return
     batch = _Batch(engine, task, settings)
     for cell in cells:
         started = time.perf_counter()
