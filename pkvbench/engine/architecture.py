@@ -14,6 +14,7 @@ sees positions p − window + 1 … p). How the engine treats them:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -22,7 +23,6 @@ from pkvbench.errors import PkvError
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 ATTENTION_KINDS = (FULL, SLIDING)
-MATRIX = "tests/test_architectures.py"
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,6 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
     "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
 }
-# Layer kinds of transformers' cache_utils that hold no per-token keys and values (hybrid linear attention).
-RECURRENT_KINDS = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba")
 
 
 def admitted_families() -> list[str]:
@@ -121,12 +119,25 @@ def check_family(config, name: str) -> None:
 
 @dataclass(frozen=True)
 class Architecture:
-    """A model's layers as the engine sees them."""
+    """A model's layers as the engine sees them: what the decoder, its cuts and the statistics need of the model."""
 
     family: str  # config.model_type
     layer_kinds: tuple[str, ...]  # per layer: FULL or SLIDING (or a kind pkvbench refuses, e.g. linear attention)
     sliding_window: int | None  # the window of the sliding layers
     softcap: float | None = None  # attn_logit_softcapping (Gemma 2): logits become softcap·tanh(logits / softcap)
+    kv_heads: int = 0  # the heads of the keys and values the model hands its cache
+    query_heads: int = 0
+    # Read from the loaded model (``of_model``): each layer's softmax, and how its RoPE turns a head.
+    softmaxes: tuple[LayerSoftmax, ...] = ()
+    rotation: Rotation | None = None
+
+    @classmethod
+    def of_model(cls, model) -> Architecture:
+        """From a loaded model: its config's facts, and what its modules do."""
+        architecture = cls.of(model.config)
+        return dataclasses.replace(
+            architecture, softmaxes=tuple(architecture._softmaxes(model)), rotation=architecture._rotation(model)
+        )
 
     @classmethod
     def of(cls, config) -> Architecture:
@@ -141,7 +152,9 @@ class Architecture:
         if SLIDING not in kinds:
             window = None
         softcap = getattr(config, "attn_logit_softcapping", None)
-        return cls(getattr(config, "model_type", "") or "", kinds, window, softcap)
+        query_heads = getattr(config, "num_attention_heads", 0)
+        kv_heads = getattr(config, "num_key_value_heads", None) or query_heads
+        return cls(getattr(config, "model_type", "") or "", kinds, window, softcap, kv_heads, query_heads)
 
     @property
     def num_layers(self) -> int:
@@ -180,7 +193,7 @@ class Architecture:
         """Each layer's attention output projection's weight (VATP-style value scores)."""
         return [module.o_proj.weight for module in self.attention_modules(model)]
 
-    def softmaxes(self, model) -> list[LayerSoftmax]:
+    def _softmaxes(self, model) -> list[LayerSoftmax]:
         """How each layer turns its logits into attention: its module's own scale (granite's multiplier, not always
         1/sqrt(d)), the model's soft-cap, the module's sinks."""
         return [
@@ -217,7 +230,7 @@ class Architecture:
 
     # --- RoPE's pairing, read from the loaded model ------------------------------------------------------------
 
-    def rotation(self, model) -> Rotation:
+    def _rotation(self, model) -> Rotation:
         """How the model's RoPE turns a head, read by turning each unit vector of a head with the model's own
         ``apply_rotary_pos_emb`` at position 1: dimension i turns towards its partner, and the dimensions that do
         not turn lie beyond the rotary width."""

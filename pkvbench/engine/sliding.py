@@ -63,7 +63,7 @@ class PositionedLayer(RaggedLayer):
         self.next_position += new
         return out
 
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
         super().select_rows(rows, host_rows)
         self._positions = self._positions[rows]
 
@@ -81,6 +81,7 @@ class WindowMask:
     """Mixin for a ``PositionedLayer`` kind: its attention mask also hides the entries older than ``window``."""
 
     window: int
+    masked_by_lengths_alone = False  # the window hides more than the lengths do
 
     def attention_mask(self) -> torch.Tensor | None:
         mask = super().attention_mask()

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pkvbench.engine.architecture import FULL
 from pkvbench.engine.attention import decoding
 from pkvbench.engine.decoding import DecodeRequest, KeptEntries
 from pkvbench.engine.layers import build_cache
@@ -114,24 +113,15 @@ def _extend_batch(
         )
         for c in conversations
     ]
-    kinds = decoder.layer_kinds or [FULL] * len(conversations[0].kept.heads)
-    windows = decoder.windows or [None] * len(kinds)
-    cache = build_cache(requests, len(tokens), decoder.kv_heads, kinds, windows, CUTTABLE if recording else None)
+    cache = build_cache(requests, len(tokens), decoder.architecture, CUTTABLE if recording else None)
     ids = torch.tensor([tokens] * len(conversations), device=engine.device)
     steps = torch.arange(position, position + len(tokens), device=engine.device).expand(len(conversations), -1)
     with decoding(cache):
         logits = engine._forward(ids, cache, steps)
     end = position + len(tokens)
     if cut:
-        tracker = MemoryTracker(
-            cache,
-            [c.schedule for c in conversations],
-            [c.start for c in conversations],
-            decoder.softmaxes,
-            decoder.query_heads,
-            decoder.rope,
-            decoder.interleaved,
-        )
+        schedules, starts = [c.schedule for c in conversations], [c.start for c in conversations]
+        tracker = MemoryTracker(cache, schedules, starts, decoder.architecture, decoder.rope)
         for row, conversation in enumerate(conversations):
             tracker.cut(row, conversation.schedule, conversation.start, end)
     return [
