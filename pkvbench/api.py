@@ -20,7 +20,7 @@ from pkvbench.cell import budgets as budget_rules
 from pkvbench.cell import kv_formats
 from pkvbench.cell.budgets import Budget, parse_budgets, parse_decode_budgets, parse_memory_budgets, rounding_for
 from pkvbench.cell.kv_formats import KVFormat
-from pkvbench.cell.schema import PROTOCOLS, QUERY_MODES
+from pkvbench.cell.schema import EVERY_TURN, MULTI_TURN, PROTOCOLS, QUERY_MODES, TURN_COMPRESSIONS
 from pkvbench.config import (
     MAX_LAYERS,
     as_list,
@@ -132,6 +132,7 @@ class ResolvedRun:
     query_modes: list[str]
     formats: list[KVFormat | None] = field(default_factory=lambda: [None])  # None: the model's own cache
     decode_budgets: list[int | None] = field(default_factory=lambda: [None])  # None: never cut while decoding
+    turn_compressions: list[str] = field(default_factory=list)  # a conversation's cuts (with --query-mode multi-turn)
 
     @property
     def memory(self) -> bool:
@@ -143,10 +144,11 @@ class ResolvedRun:
         fixed set (the full cache) is one cell per format, whatever the budgets: it keeps ``all``."""
         keep_all = [Budget.parse(budget_rules.ALL)]
         return [
-            Cell(p, b, m, f, d)
+            Cell(p, b, m, f, d, t)
             for p in self.policies
             for b in (keep_all if self.memory and budget_rules.keeps_fixed_set(p) else self.budgets)
             for m in self.query_modes
+            for t in (self.turn_compressions if m == MULTI_TURN else [None])
             for f in self.formats
             for d in self.decode_budgets
         ]
@@ -176,6 +178,12 @@ class ResolvedRun:
                 **(
                     {"kv_group": c.kv_group, "kv_residual": c.kv_residual}
                     if any(f and f.kivi for f in self.formats)
+                    else {}
+                ),
+                # recorded only for conversations, so that runs from before them resume as they were
+                **(
+                    {"turn_compressions": self.turn_compressions, "turn_answers": c.turn_answers, "turns": c.turns}
+                    if self.turn_compressions
                     else {}
                 ),
                 # recorded only when cutting while decoding, so that runs from before the option resume as they were
@@ -223,6 +231,7 @@ def task_options(config: SampleConfig) -> TaskOptions:
         verify=config.verify,
         max_length=config.max_length,
         sample_ids=tuple(as_list(config.sample_ids, "--sample-id")) if config.sample_ids is not None else None,
+        turns=config.turns,
     )
 
 
@@ -230,17 +239,18 @@ def task_options(config: SampleConfig) -> TaskOptions:
 # ``implied`` value once the option they shape is given; given without it they would be ignored, so they are refused
 # (as --workers without --executor ray).
 def with_dependent_options(
-    config: RunConfig, formats: list[KVFormat | None], decode_budgets: list[int | None]
+    config: RunConfig, formats: list[KVFormat | None], decode_budgets: list[int | None], modes: list[str] = ()
 ) -> RunConfig:
-    """Refuse ``--kv-group``/``--kv-residual`` where no format of the run is KIVI's (8, 4 or 2 bits) and
-    ``--decode-interval``/``--decode-buffer`` where no decode budget cuts; return ``config`` with their defaults
-    filled in."""
+    """Refuse ``--kv-group``/``--kv-residual`` where no format of the run is KIVI's (8, 4 or 2 bits),
+    ``--decode-interval``/``--decode-buffer`` where no decode budget cuts and ``--turn-compression``/
+    ``--turn-answers`` where no question is asked in turn; return ``config`` with their defaults filled in."""
     options = options_of(RunConfig)
     quantized = any(f and f.kivi for f in formats)
     cutting = decode_budgets != [None]
     for names, used, purpose, needed in (
         (("kv_group", "kv_residual"), quantized, "KIVI's formats", "--kv-bits 8, 4 or 2"),
         (("decode_interval", "decode_buffer"), cutting, "the cuts while decoding", "a --decode-budget (not none)"),
+        (("turn_compressions", "turn_answers"), MULTI_TURN in modes, "conversations", f"--query-mode {MULTI_TURN}"),
     ):
         given = [options[name].flag for name in names if getattr(config, name) is not None]
         if given and not used:
@@ -265,7 +275,12 @@ def resolve(config: RunConfig) -> ResolvedRun:
     policies = parse_policies(config.policies, config.policy_args, config.protocol)
     decode_budgets = parse_decode_budgets(config.decode_budgets)
     formats = resolve_formats(config)
-    config = with_dependent_options(config, formats, decode_budgets)
+    modes = list(dict.fromkeys(as_list(config.query_modes, "--query-mode")))
+    unknown = [m for m in modes if m not in QUERY_MODES]
+    if unknown:
+        raise PkvError(f"unknown query mode {unknown[0]!r}; valid: {', '.join(QUERY_MODES)}")
+    config = with_dependent_options(config, formats, decode_budgets, modes)
+    turn_compressions = check_turns(config, policies, formats, decode_budgets) if MULTI_TURN in modes else []
     formats = [replace(f, group=config.kv_group, residual=config.kv_residual) if f and f.kivi else f for f in formats]
     check_decoding(policies, decode_budgets, config.decode_interval, config.decode_buffer)
     budgets = resolve_budgets(config, policies, "cr0" if decode_budgets != [None] else "128")
@@ -279,11 +294,37 @@ def resolve(config: RunConfig) -> ResolvedRun:
         raise PkvError("--ray-address, --workers and --gpus-per-worker go with --executor ray")
     check_model_name(config.model)
     out = Path(config.out) if config.out is not None else default_out("runs", config.model, tasks)
-    modes = list(dict.fromkeys(as_list(config.query_modes, "--query-mode")))
-    unknown = [m for m in modes if m not in QUERY_MODES]
+    return ResolvedRun(
+        config, tasks, policies, budgets, options, shard, out, modes, formats, decode_budgets, turn_compressions
+    )
+
+
+def check_turns(
+    config: RunConfig, policies: list[Policy], formats: list[KVFormat | None], decode_budgets: list[int | None]
+) -> list[str]:
+    """``--turn-compression``'s values, and a refusal of what a conversation cannot carry yet: a cache stored in
+    fewer bits, cuts while the answer is written, and — compressed every turn — a policy with no rule for a cache
+    that is not a prompt (its cut is the one ``--decode-budget`` makes, between turns)."""
+    compressions = list(dict.fromkeys(as_list(config.turn_compressions, "--turn-compression")))
+    unknown = [t for t in compressions if t not in TURN_COMPRESSIONS]
     if unknown:
-        raise PkvError(f"unknown query mode {unknown[0]!r}; valid: {', '.join(QUERY_MODES)}")
-    return ResolvedRun(config, tasks, policies, budgets, options, shard, out, modes, formats, decode_budgets)
+        raise PkvError(f"--turn-compression {unknown[0]}: valid: {', '.join(TURN_COMPRESSIONS)}")
+    if formats != [None]:
+        raise PkvError(
+            f"--query-mode {MULTI_TURN} with --kv-bits: a cache stored in fewer bits is not carried across turns yet"
+        )
+    if decode_budgets != [None]:
+        raise PkvError(
+            f"--query-mode {MULTI_TURN} with --decode-budget: a conversation's cache is not cut while an answer is written yet"
+        )
+    if EVERY_TURN in compressions:
+        for policy in policies:
+            refusal = policy.decoding_refusal()
+            if refusal:
+                raise PkvError(
+                    f"--turn-compression {EVERY_TURN} cuts by the policy's rule on the cache between turns: {refusal}"
+                )
+    return compressions
 
 
 def resolve_budgets(config: RunConfig, policies: list[Policy], default: str = "128") -> list[Budget]:

@@ -365,6 +365,14 @@ def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> 
         needed = power_table(pairwise(runs.rows), power)
         heading = f"\nSamples needed to resolve {power:g} points (paired, alpha 0.05, power 0.8):\n\n"
         text += (heading if fmt == "markdown" else "\n") + render(needed, fmt)
+    from pkvbench.reports.turns import has_turns, turn_table
+
+    if has_turns(runs.rows):
+        heading = (
+            "\nAccuracy by turn (the conversations' rows; score × 100 [95% interval]; curve: the means from the first "
+            "turn on, 0 to 100):\n\n"
+        )
+        text += (heading if fmt == "markdown" else "\n") + render(turn_table(runs.rows, intervals), fmt)
     if drift or (drift is None and (runs.rows["decode_budget"] != "none").any()):
         from pkvbench.reports.drift import length_table
 

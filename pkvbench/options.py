@@ -15,7 +15,7 @@ from typing import Any
 
 from pkvbench.cell import kv_formats
 from pkvbench.cell.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES
-from pkvbench.cell.schema import DEFAULT_QUERY_MODE, PROTOCOLS
+from pkvbench.cell.schema import DEFAULT_QUERY_MODE, MULTI_TURN, PROTOCOLS, TURN_ANSWERS, TURN_COMPRESSIONS
 from pkvbench.config import (
     FLAG,
     LIST,
@@ -60,6 +60,12 @@ class SampleConfig:
     )
     depths: Sequence[float] | str | None = option(
         None, kind=LIST, check=list_value, help="Needle depths in percent, comma-separated (default: 0,25,50,75,100)."
+    )
+    turns: int | None = option(
+        None,
+        check=whole(1),
+        help="Questions asked in turn about each context, for conversation tasks (scbench_*: default the task's; "
+        "SCBench's files: the first N turns, default all).",
     )
     limit: int | None = option(
         None, check=whole(1), help="At most this many samples per task (RULER, trec-fewshot: per task and length)."
@@ -198,7 +204,26 @@ class RunConfig(SampleConfig):
         kind=LIST,
         check=list_value,
         help="Where the question is: aware (inside the compressed prompt, the paper's protocol), agnostic (added after "
-        "the context is compressed; one compressed context answers every question), or aware,agnostic.",
+        "the context is compressed; one compressed context answers every question), multi-turn (the questions asked in "
+        "turn, one conversation carried on one compressed cache: SCBench's protocol), or several, comma-separated.",
+    )
+    turn_compressions: Sequence[str] | str | None = option(
+        None,
+        flag="--turn-compression",
+        kind=LIST,
+        check=list_value,
+        implied=(TURN_COMPRESSIONS[0],),
+        show_default=f"{TURN_COMPRESSIONS[0]}, with --query-mode {MULTI_TURN}",
+        help=f"With --query-mode {MULTI_TURN}: compress the cache once, after the context, or again after every turn, "
+        f"back to its budget ({', '.join(TURN_COMPRESSIONS)}; comma-separated, an axis of the grid).",
+    )
+    turn_answers: str | None = option(
+        None,
+        choices=TURN_ANSWERS,
+        implied=TURN_ANSWERS[0],
+        show_default=f"{TURN_ANSWERS[0]}, with --query-mode {MULTI_TURN}",
+        help=f"With --query-mode {MULTI_TURN}: what the conversation holds as each earlier answer, the model's own "
+        "(model) or the reference answer (reference: teacher-forced turns, SCBench's default).",
     )
     task_args: Mapping[str, Any] | Sequence[str] = option(
         (),

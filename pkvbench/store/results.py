@@ -26,7 +26,7 @@ import pandas as pd
 
 from pkvbench.cell.budgets import ALL, MEMORY_PREFIX, REMOVED_PREFIX, Budget, budget_label
 from pkvbench.cell.kv_formats import format_of_row
-from pkvbench.cell.schema import DEFAULT_QUERY_MODE, QUERY_MODES
+from pkvbench.cell.schema import DEFAULT_QUERY_MODE, NO_TURNS, QUERY_MODES, TURN_COMPRESSIONS
 from pkvbench.errors import PkvError
 from pkvbench.io import (
     atomic_write,
@@ -59,6 +59,7 @@ def row_key(row: Row) -> tuple[str, ...]:
     as the model's own, how it was stored (rows written before the query mode was recorded are query-aware; rows
     without a decode budget never cut their cache while decoding; before storage formats, the model's own cache)."""
     stored, decode = stored_as(row), decode_budget_label(row.get("decode_budget"))
+    turns = row.get("turn_compression")
     return (
         row["task"],
         str(row["sample_id"]),
@@ -68,6 +69,7 @@ def row_key(row: Row) -> tuple[str, ...]:
         # only where the row has them: the keys of rows of earlier versions keep their shape
         *((f"decode {decode}",) if decode != "none" else ()),
         *((stored,) if stored else ()),
+        *((f"turns {turns}",) if turns and turns != NO_TURNS else ()),
     )
 
 
@@ -139,6 +141,10 @@ def check_result_row(row: Row, where: str) -> None:
         raise PkvError(f"{where}: budget must be a number, got {budget!r}")
     if "query_mode" in row and row["query_mode"] not in QUERY_MODES:
         raise PkvError(f"{where}: query_mode must be {' or '.join(QUERY_MODES)}, got {row['query_mode']!r}")
+    if row.get("turn_compression") is not None and row["turn_compression"] not in TURN_COMPRESSIONS:
+        raise PkvError(
+            f"{where}: turn_compression must be {' or '.join(TURN_COMPRESSIONS)}, got {row['turn_compression']!r}"
+        )
     try:
         Budget.parse(str(budget))
     except PkvError as exc:
