@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +55,16 @@ def remove_file(path: str | os.PathLike) -> None:
         pass
     except OSError as exc:
         raise os_error(path, exc, "delete") from None
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+    """Delete the folder ``path`` and everything in it if it is there (one line if it cannot be)."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise os_error(exc.filename or path, exc, "delete") from None
 
 
 # The process's umask, read once at import (reading it means setting it, which is not safe once threads run).

@@ -25,6 +25,7 @@ QUERY_MODES = (AWARE, AGNOSTIC)  # in the order tables list them
 DEFAULT_QUERY_MODE = AWARE  # also what rows written before the query mode was recorded were
 # How the policies select (a row's ``protocol``): pkvbench's exact budgets, the PyramidKV paper's code, kvpress's presses.
 PROTOCOLS = ("exact", "reference", "kvpress")
+DEFAULT_PROTOCOL = PROTOCOLS[0]  # exact
 FORMATS = ("markdown", "csv", "latex")  # what a table is written as (report.render), the first by default
 
 IDENTITY, CONFIGURATION, MEASURE, SAMPLE, TEXT = "identity", "configuration", "measure", "sample", "text"

@@ -101,9 +101,9 @@ def attention_statistics(probs: torch.Tensor, visible: torch.Tensor, sink: int, 
 class FunnelRecorder:
     """Records ``attention_statistics`` of every layer's last ``window`` queries during one forward pass."""
 
-    window: int = 8
-    sink: int = 4
-    top_k: int = 128
+    window: int  # the defaults are ``FunnelConfig``'s
+    sink: int
+    top_k: int
     layers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     needed = True
 
