@@ -49,18 +49,17 @@ def make_dir(path: str | os.PathLike, what: str = "folder") -> bool:
 
 def remove_file(path: str | os.PathLike) -> None:
     """Delete the file ``path`` if it is there (one line if it cannot be)."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        raise os_error(path, exc, "delete") from None
+    _remove(os.unlink, path)
 
 
 def remove_tree(path: str | os.PathLike) -> None:
     """Delete the folder ``path`` and everything in it if it is there (one line if it cannot be)."""
+    _remove(shutil.rmtree, path)
+
+
+def _remove(remove: Callable[[Any], None], path: str | os.PathLike) -> None:
     try:
-        shutil.rmtree(path)
+        remove(path)
     except FileNotFoundError:
         pass
     except OSError as exc:

@@ -1,7 +1,10 @@
 """The options of ``pkvbench run``, ``funnel`` and ``budgets``, each declared once: a field of ``RunConfig`` /
 ``FunnelConfig`` (``SampleConfig``: what both share) / ``BudgetsConfig`` whose metadata (``config.option``) says its
 flag, kind, default, choices, help and check. The command line's flags (``cli.config_options``), a config file's keys
-(``config.read_run_config``), the Python API's checks (``api.checked``) and the runner's settings derive from it.
+(``config.read_run_config``) and the Python API's checks (``api.checked``) derive from it; its ``roles`` say where else
+the field goes, so that no table lists the fields again: what ``run.json`` records (``api.recorded``), how samples are
+chosen (``TaskOptions``), how every sample runs (``RunSettings``, below), how the model loads (``model_settings``) and
+which options lm-eval's backend takes as model args (``lm_eval.grid.MODEL_ARGS``, ``pkvbench lm-eval``'s options).
 
 Light on purpose (no torch, no pandas): the command line builds its options from it at start.
 """

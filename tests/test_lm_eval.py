@@ -360,7 +360,7 @@ def test_a_replaced_run_leaves_nothing_of_itself(earlier_run, on_session_model, 
     goes, the full cache's holds the new run's files only."""
     from pkvbench.store.results import read_rows
 
-    code, err = lm_eval_cli(capsys, "--tasks", "pkv_mc", "--overwrite", "--out", str(earlier_run))
+    code, err = lm_eval_cli(capsys, "--tasks", "pkv_mc", "--budget", "16", "--overwrite", "--out", str(earlier_run))
     assert code == 0, err
     assert sorted(p.name for p in (earlier_run / "lm_eval").iterdir()) == ["full-b16"]
     files = sorted(p.name.split("_20")[0] for p in (earlier_run / "lm_eval" / "full-b16").rglob("*.json*"))
@@ -423,7 +423,7 @@ def test_kv_bits_grid_takes_run_s_kivi_options_and_rows_say_what_was_used(on_ses
     grid = ["--policy", "snapkv", "--budget", "16", "--kv-bits", "4,8", "--kv-group", "16", "--kv-residual", "8"]
     code, err = lm_eval_cli(capsys, "--tasks", "pkv_gen,pkv_mc", *grid, "--out", str(out))
     assert code == 0, err
-    assert sorted(p.name for p in (out / "lm_eval").iterdir()) == ["snapkv-b16_kv4", "snapkv-b16_kv8"]
+    assert sorted(p.name for p in (out / "lm_eval").iterdir()) == ["snapkv-b16-kv4", "snapkv-b16-kv8"]
     rows = read_rows(out)
     assert len(rows) == 4
     assert {(r["task"], r["kv_bits"], r["kv_group"], r["kv_residual"]) for r in rows} == {
