@@ -527,17 +527,20 @@ evaluate_grid({tasks!r}, {grid!r}, sys.argv[1], limit=1, include_paths=[{data!r}
 TIMES = ("prefill_s", "extra_pass_s", "selection_s", "decode_s")  # seconds: the only fields of a row that vary
 
 
-def lm_eval_files(out: Path) -> dict[str, object]:
-    """lm-eval's files per configuration, by name without their date, with what varies between two runs left out."""
-    files = {}
+def lm_eval_files(out: Path) -> list[tuple[str, object]]:
+    """lm-eval's files per configuration, each named without its date, with what varies between two runs left out
+    (a configuration written twice has its files twice)."""
+    files = []
     for path in sorted((out / "lm_eval").rglob("*.json*")):
         name = str(path.relative_to(out)).split("_20")[0]
         if path.suffix == ".json":
             results = json.loads(path.read_text())
-            files[name] = {k: v for k, v in results.items() if k not in ("date", "total_evaluation_time_seconds")}
+            files.append(
+                (name, {k: v for k, v in results.items() if k not in ("date", "total_evaluation_time_seconds")})
+            )
         else:
-            files[name] = path.read_text()
-    return files
+            files.append((name, path.read_text()))
+    return sorted(files, key=lambda file: file[0])
 
 
 @pytest.mark.model

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from pkvbench import cli
 from pkvbench.cell.models import DEVICES
 from pkvbench.cell.schema import PROTOCOLS, QUERY_MODES
-from pkvbench.config import LIST, MODEL_ARG, options_of, options_with, read_run_config
+from pkvbench.config import LIST, options_of, read_run_config
 from pkvbench.options import EXECUTORS, BudgetsConfig, FunnelConfig, RunConfig, SampleConfig
 from pkvbench.run.runner import RunSettings
 
@@ -106,6 +106,8 @@ def test_lm_eval_takes_run_s_options_as_run_declares_them():
     ``cli.LM_EVAL_DIFFERENCES`` declares otherwise: none is written a second time."""
     run = {p.name: p for p in cli.cli.commands["run"].params}
     params = cli.cli.commands["lm-eval"].params
+    from pkvbench.config import MODEL_ARG, options_with
+
     # every run option the backend takes as a model arg (marked MODEL_ARG), and run's --limit, --out, --overwrite, --quiet
     model_args = {declared.name for declared in options_with(RunConfig, MODEL_ARG)}
     assert {"kv_group", "kv_residual", "decode_interval", "policy_args", "attn_implementation"} <= model_args
@@ -129,7 +131,7 @@ def test_the_tables_below_the_fields_are_the_fields_marked_for_them():
     args are the fields whose option is marked for them (``Option.roles``), never a list of names written again."""
     import inspect
 
-    from pkvbench.config import MODEL, RECORDED, SETTING, TASK
+    from pkvbench.config import MODEL, MODEL_ARG, RECORDED, SETTING, TASK, options_with
     from pkvbench.engine.models import load_model
     from pkvbench.lm_eval.grid import MODEL_ARGS
     from pkvbench.options import model_settings

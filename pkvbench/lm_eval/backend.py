@@ -65,6 +65,7 @@ class PkvbenchLM(TemplateLM):
                     f"the model args name a grid of {len(spec.cells)} configurations; lm-eval evaluates one model per "
                     "run: run the grid with `pkvbench lm-eval` (one prefill per request for all), or give one value each"
                 )
+            spec.check_model()  # before the model loads, as `pkvbench run` checks it
             grid = Grid(spec)
         self.grid = grid
         self.configuration = configuration
