@@ -392,7 +392,7 @@ def _settings_class() -> type:
         (o.name, Any, dataclasses.field(default=o.implied if o.implied is not None else o.default))
         for o in options_with(RunConfig, SETTING)
     ]
-    cls = dataclasses.make_dataclass("RunSettings", settings, frozen=True)
+    cls = dataclasses.make_dataclass("RunSettings", settings, frozen=True, kw_only=True)
     cls.__module__ = __name__  # where pickle (Ray's workers) finds it
     cls.__doc__ = (
         "How every sample of a run is run, whichever executor runs it: the RunConfig fields marked SETTING (the "
