@@ -34,6 +34,7 @@ TURN_ANSWERS = (MODEL_ANSWERS, REFERENCE_ANSWERS)
 NO_TURNS = "none"  # a row's turn compression where it is not a turn of a conversation (tables, the gate's cells)
 # How the policies select (a row's ``protocol``): pkvbench's exact budgets, the PyramidKV paper's code, kvpress's presses.
 PROTOCOLS = ("exact", "reference", "kvpress")
+DEFAULT_PROTOCOL = PROTOCOLS[0]  # exact
 FORMATS = ("markdown", "csv", "latex")  # what a table is written as (report.render), the first by default
 
 IDENTITY, CONFIGURATION, MEASURE, SAMPLE, TEXT = "identity", "configuration", "measure", "sample", "text"

@@ -22,13 +22,13 @@ from pkvbench.cell.kv_formats import KVFormat
 from pkvbench.cell.schema import AGNOSTIC, AWARE, DEFAULT_QUERY_MODE, EVERY_TURN, MODEL_ANSWERS, MULTI_TURN, arrange
 from pkvbench.config import int_text
 from pkvbench.engine.generation import CompressedCache, Engine, Prefill
-from pkvbench.engine.models import ModelShape
+from pkvbench.engine.models import LoadedModel, ModelShape
 from pkvbench.engine.shrinking import start_from
 from pkvbench.engine.turns import Conversation, answer_request, extend
 from pkvbench.errors import PkvError
 from pkvbench.metrics.functions import prepare_prediction
 from pkvbench.metrics.registry import METRICS
-from pkvbench.options import implied
+from pkvbench.options import RunSettings, model_settings  # RunSettings: RunConfig's fields marked SETTING
 from pkvbench.policies.base import LayerStats, Policy
 from pkvbench.store.results import ResultStore, row_key
 from pkvbench.tasks.base import Question, Sample, TaskOptions, TaskSpec
@@ -111,28 +111,19 @@ def row_identity(task: TaskSpec, sample_id: str, cell: Cell) -> dict:
     }
 
 
+def load_run_model(config) -> LoadedModel:
+    """The model as a run's model options say (``options.model_settings``: a ``RunConfig``'s, a ``ModelSpec``'s)."""
+    from pkvbench.engine.models import load_model
+
+    settings = model_settings(config)
+    return load_model(settings.pop("model"), **settings)
+
+
 def kv_fields(fmt: KVFormat) -> dict:
     """How a row records its storage: bits per value, KIVI's group and residual, and a named format with its options
     (None for KIVI's integers, 16 bits and the model's own cache)."""
     named = str(fmt) if fmt.codec != kv_formats.KIVI else None
     return {"kv_bits": fmt.bits, "kv_group": fmt.group, "kv_residual": fmt.residual, "kv_format": named}
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """How every sample of a run is run, whichever executor runs it."""
-
-    max_new_tokens: int | None = None  # instead of the task's answer length
-    decode_batch: int | None = None  # at most this many configurations decode together (None: as memory allows)
-    protocol: str = "exact"  # recorded in every row: the policies were parsed under it
-    # RunConfig's options of the same names, as a run fills them in (``options.implied``)
-    kv_group: int = implied("kv_group")  # recorded in every row (the model's own cache has no use for them)
-    kv_residual: int = implied("kv_residual")
-    decode_interval: int = implied("decode_interval")  # a decode budget cuts the cache every this many new tokens
-    decode_buffer: int = implied("decode_buffer")  # and always keeps this many of the newest entries
-    turn_answers: str | None = implied(
-        "turn_answers"
-    )  # a conversation's earlier answers: the model's, or the reference
 
 
 @dataclass
