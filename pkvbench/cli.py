@@ -144,7 +144,8 @@ def config_option(declared: Option, **differences):
     default = declared.default
     if declared.kind == LIST and isinstance(default, tuple):
         default = ",".join(default)  # typed as a comma string
-    implied = str(declared.implied) if declared.implied is not None else None  # what None means, once it is used
+    implied = declared.implied  # what None means, once it is used
+    implied = ",".join(implied) if isinstance(implied, tuple) else str(implied) if implied is not None else None
     settings = {
         "type": kind,
         "default": default,

@@ -59,7 +59,12 @@ ROW: tuple[Field, ...] = (
     ),
     Field("query_mode", IDENTITY, "where the question was: one of QUERY_MODES"),
     Field("decode_budget", IDENTITY, "the entries per KV head the cache was cut back to while decoding, or None"),
-    Field("turn_compression", IDENTITY, "a conversation's: compressed once, or every turn (TURN_COMPRESSIONS)"),
+    Field(
+        "turn_compression",
+        IDENTITY,
+        "a conversation's: compressed once, or every turn (TURN_COMPRESSIONS)",
+        only_with="turn_compression",
+    ),
     Field("model", IDENTITY, "the model's alias, Hugging Face id or GGUF path"),
     Field("task_version", CONFIGURATION, "the task file's version"),
     Field("task_hash", CONFIGURATION, "hash of the task's prompt-shaping keys"),
