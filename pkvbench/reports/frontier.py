@@ -18,7 +18,7 @@ import math
 import pandas as pd
 
 from pkvbench.cell.schema import AWARE, SAMPLE_KEY
-from pkvbench.reports.axes import MEMORY_KINDS, ROW_AXES, budget_kind, cell_label, of_kind, present
+from pkvbench.reports.axes import MEMORY_KINDS, budget_kind, cell_label, of_kind, present
 from pkvbench.reports.paired import ALL_TASKS, pairwise
 from pkvbench.reports.report import report_table, row_axes, stores_formats
 
