@@ -24,7 +24,7 @@ import itertools
 import random
 import re
 
-from pkvbench.tasks.base import Generator, Sample, TaskOptions, TaskSpec, chat_ids, chat_messages, context_length
+from pkvbench.tasks.base import Generator, Sample, TaskOptions, TaskSpec, split_chat_prompt
 from pkvbench.tasks.ruler import _wonderwords
 
 
@@ -41,9 +41,7 @@ def _sample(tokenizer, spec: TaskSpec, sample_id: str, context: str, answer: str
     template = config["prompt"]
     head = template[: template.index("{context}")].format(**fields)
     user = head + context + template[template.index("{context}") + len("{context}") :].format(**fields)
-    messages = chat_messages(config.get("system"), [user])
-    ids = chat_ids(tokenizer, messages)
-    context_len = context_length(tokenizer, ids, messages, None, len(head) + len(context))
+    ids, context_len = split_chat_prompt(tokenizer, config.get("system"), user, len(head) + len(context))
     ids += tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
     return Sample.one_question(sample_id, ids, context_len, [answer], extras={"answer_lines": answer.count("\n") + 1})
 
