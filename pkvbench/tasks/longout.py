@@ -114,30 +114,20 @@ def _selected(samples: list[Sample], options: TaskOptions) -> list[Sample]:
     return [s for s in samples if s.sample_id in wanted]
 
 
-LIST_RECALL_GENERATOR = Generator(
-    list_recall_samples,
-    ("items", "prompt", "defaults"),
-    (),
-    "n<number>",
-    optional=("system",),
-    template="prompt",
-    fields=frozenset({"context", "items"}),
-)
-CHAIN_TRACE_GENERATOR = Generator(
-    chain_trace_samples,
-    ("steps", "prompt", "defaults"),
-    (),
-    "n<number>",
-    optional=("system",),
-    template="prompt",
-    fields=frozenset({"context", "start", "steps"}),
-)
-PASSAGE_COPY_GENERATOR = Generator(
-    passage_copy_samples,
-    ("haystack", "answer_tokens", "prompt", "defaults"),
-    (),
-    "n<number>",
-    optional=("system",),
-    template="prompt",
-    fields=frozenset({"context"}),
-)
+def _long_output_generator(build, keys: tuple[str, ...], fields: set[str]) -> Generator:
+    """A long-output task's generator: its own ``keys`` besides the prompt and its defaults, and the ``fields`` its
+    prompt may name; an optional system prompt, sample ids ``n<number>``, nothing shaped by the sample options."""
+    return Generator(
+        build,
+        (*keys, "prompt", "defaults"),
+        (),
+        "n<number>",
+        optional=("system",),
+        template="prompt",
+        fields=frozenset(fields),
+    )
+
+
+LIST_RECALL_GENERATOR = _long_output_generator(list_recall_samples, ("items",), {"context", "items"})
+CHAIN_TRACE_GENERATOR = _long_output_generator(chain_trace_samples, ("steps",), {"context", "start", "steps"})
+PASSAGE_COPY_GENERATOR = _long_output_generator(passage_copy_samples, ("haystack", "answer_tokens"), {"context"})

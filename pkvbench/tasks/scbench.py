@@ -205,35 +205,23 @@ def needles_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sam
     return generate(tokenizer, spec, options, draw)
 
 
-_GENERATED = ("template", "question", "defaults")
-_SHAPED = ("lengths", "turns")
-SCBENCH_KV_GENERATOR = Generator(
-    kv_samples, _GENERATED, _SHAPED, NUMBERED_IDS, optional=("system", "answer_prefix"), fields=frozenset({"context"})
-)
-SCBENCH_PREFIX_SUFFIX_GENERATOR = Generator(
-    prefix_suffix_samples,
-    (*_GENERATED, "string_length", "affix_length"),
-    _SHAPED,
-    NUMBERED_IDS,
-    optional=("system", "answer_prefix"),
-    fields=frozenset({"context"}),
-)
-SCBENCH_VT_GENERATOR = Generator(
-    vt_samples,
-    (*_GENERATED, "noise", "num_hops"),
-    _SHAPED,
-    NUMBERED_IDS,
-    optional=("system", "answer_prefix"),
-    fields=frozenset({"context"}),
-)
-SCBENCH_NEEDLES_GENERATOR = Generator(
-    needles_samples,
-    (*_GENERATED, "noise", "needle"),
-    _SHAPED,
-    NUMBERED_IDS,
-    optional=("system", "answer_prefix"),
-    fields=frozenset({"context"}),
-)
+def _generated(build, *keys: str) -> Generator:
+    """A generated SCBench task's generator: its template, question and defaults plus its own ``keys``; its prompts
+    shaped by ``--lengths`` and ``--turns``."""
+    return Generator(
+        build,
+        ("template", "question", "defaults", *keys),
+        ("lengths", "turns"),
+        NUMBERED_IDS,
+        optional=("system", "answer_prefix"),
+        fields=frozenset({"context"}),
+    )
+
+
+SCBENCH_KV_GENERATOR = _generated(kv_samples)
+SCBENCH_PREFIX_SUFFIX_GENERATOR = _generated(prefix_suffix_samples, "string_length", "affix_length")
+SCBENCH_VT_GENERATOR = _generated(vt_samples, "noise", "num_hops")
+SCBENCH_NEEDLES_GENERATOR = _generated(needles_samples, "noise", "needle")
 
 
 # --- SCBench's released files ----------------------------------------------------------------------------------------
