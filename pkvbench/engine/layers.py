@@ -168,11 +168,12 @@ def storage_of(requests: list) -> str:
     return "shrinking" if any(r.schedule for r in requests) else "ragged"
 
 
-def build_cache(requests: list, room: int, architecture: Architecture) -> RaggedCache:
-    """The batch's cache: per model layer the class its attention kind and the rows' storage name; a recurrent
+def build_cache(requests: list, room: int, architecture: Architecture, storage: str | None = None) -> RaggedCache:
+    """The batch's cache: per model layer the class its attention kind and the rows' storage name (``storage``: that
+    one instead of the rows', as a conversation that records for its cuts asks for ``shrinking``); a recurrent
     layer's rows' states stacked (``recurrent.StateLayer``; beside the entries in a ``hybrid`` layer); nothing
     where the layer caches nothing."""
-    storage = storage_of(requests)
+    storage = storage or storage_of(requests)
     start = requests[0].position
     expanders = architecture.expanders or (None,) * architecture.num_layers
     layers, attention = [], []
