@@ -70,13 +70,22 @@ SHARED = (
     "it reads"
 )
 NO_ROW = "not proven yet: no row in tests/test_architectures.py (one row away: its layers are an admitted family's)"
+COMPRESSES_ITSELF = "its attention compresses its own cache (built-in compressed attention): nothing left to compare"
+OWN_CACHE = "it keeps a cache class of its own (MiniMaxCache) and refuses any other, a compressed one included"
 TWO_ATTENTIONS = "two attention modules per decoder layer: its cache holds two layers' entries per layer"
 MLA_HANDLED = (
     "a layer's cache is one latent head: positions of the latent kept, statistics of the expanded heads folded to "
     "it; the policies that read cached keys or values themselves (marked MLA: refused above) and gqa=query refused"
 )
-HYBRID_LAYERS = "linear_attention (a recurrent state, kept whole) and full_attention, per layer_types"
-MAMBA_LAYERS = "linear_attention (Mamba: a convolution and an SSM state, kept whole) and full_attention"
+# A hybrid's recurrent layers and attention layers: what its configs declare and what pkvbench runs of them.
+RECURRENT_LAYERS = {
+    "layers": "linear_attention (a recurrent state, kept whole) and full_attention, per layer_types",
+    "kinds": (FULL, "linear_attention"),
+}
+MAMBA_LAYERS = {
+    "layers": "linear_attention (Mamba: a convolution and an SSM state, kept whole) and full_attention",
+    "kinds": (FULL, "linear_attention"),
+}
 FAMILIES: dict[str, Family] = {
     "llama": Family(HALF_ROPE + "; Llama 3.1 and YaRN scaling", "the reference layout"),
     "mistral": Family(
@@ -127,20 +136,17 @@ FAMILIES: dict[str, Family] = {
         "hybrid: gated delta rule (linear attention) layers between attention layers; gated attention output; "
         "q/k norms; partial RoPE; mixture-of-experts MLP",
         "the recurrent layers' states kept whole; the attention layers compressed",
-        layers=HYBRID_LAYERS,
-        kinds=(FULL, "linear_attention"),
+        **RECURRENT_LAYERS,
     ),
     "qwen3_5_text": Family(
         "hybrid as qwen3_next (gated delta rule and attention layers); dense MLP",
         "as qwen3_next",
-        layers=HYBRID_LAYERS,
-        kinds=(FULL, "linear_attention"),
+        **RECURRENT_LAYERS,
     ),
     "olmo_hybrid": Family(
         "hybrid: gated delta rule layers and attention layers (q/k norms over all heads)",
         "as qwen3_next",
-        layers=HYBRID_LAYERS,
-        kinds=(FULL, "linear_attention"),
+        **RECURRENT_LAYERS,
     ),
     "lfm2": Family(
         "hybrid: short convolution layers (a state of the last inputs) and attention layers; q/k norms",
@@ -149,9 +155,10 @@ FAMILIES: dict[str, Family] = {
         kinds=(FULL, "conv"),
     ),
     "lfm3": Family(
-        "hybrid: short convolution layers, global and local (sliding) attention layers, per layer_types",
-        "the convolution states kept whole; local layers kept whole; global layers compressed",
-        layers="conv (kept whole), full_attention and sliding_attention (local, kept whole), per layer_types",
+        "hybrid: short convolution layers, global and local (sliding) attention layers, per layer_types; a "
+        "proportional RoPE on the global layers (half their pairs at frequency 0)",
+        "the convolution states kept whole; local layers keep what their window sees; global layers compressed",
+        layers="conv (kept whole), full_attention and sliding_attention (local: its window's entries), per layer_types",
         kinds=(FULL, SLIDING, "conv"),
     ),
     "lfm2_moe": Family(
@@ -169,21 +176,18 @@ FAMILIES: dict[str, Family] = {
     "bamba": Family(
         "hybrid: Mamba-2 layers (a convolution and an SSM state) and attention layers (attn_layer_indices)",
         "the Mamba layers' states kept whole; the attention layers compressed",
-        layers=MAMBA_LAYERS,
-        kinds=(FULL, "linear_attention"),
+        **MAMBA_LAYERS,
     ),
     "granitemoehybrid": Family(
         "hybrid: Mamba-2 layers and attention layers without RoPE (Granite-4; RoPE optional); mixture-of-experts "
         "MLP; multipliers",
         "as bamba; nothing to un-rotate where it has no RoPE",
-        layers=MAMBA_LAYERS,
-        kinds=(FULL, "linear_attention"),
+        **MAMBA_LAYERS,
     ),
     "jamba": Family(
         "hybrid: Mamba layers and attention layers without RoPE (attn_layer_period); mixture-of-experts MLP",
         "as bamba; nothing to un-rotate (no RoPE)",
-        layers=MAMBA_LAYERS,
-        kinds=(FULL, "linear_attention"),
+        **MAMBA_LAYERS,
     ),
     "nemotron_h": Family(
         "hybrid: Mamba-2, attention (no RoPE) and MLP blocks, one mixer per block (layers_block_type)",
@@ -223,17 +227,11 @@ FAMILIES: dict[str, Family] = {
     "mistral_large4": Family("indexed attention (Mistral Large 4)", "", refused=INDEXED),
     "glm5_next": Family("indexed attention and linear attention layers", "", refused=INDEXED),
     "deepseek_v4": Family(
-        "compressed_sparse_attention and heavily_compressed_attention layers",
-        "",
-        refused="its attention compresses its own cache (built-in compressed attention): nothing left to compare",
+        "compressed_sparse_attention and heavily_compressed_attention layers", "", refused=COMPRESSES_ITSELF
     ),
     "zamba": Family("hybrid: Mamba layers and one attention block shared by several layers", "", refused=SHARED),
     "zamba2": Family("hybrid: Mamba-2 layers and attention blocks shared by several layers", "", refused=SHARED),
-    "minimax": Family(
-        "hybrid: lightning (linear) attention and attention layers",
-        "",
-        refused="it keeps a cache class of its own (MiniMaxCache) and refuses any other, a compressed one included",
-    ),
+    "minimax": Family("hybrid: lightning (linear) attention and attention layers", "", refused=OWN_CACHE),
     "kimi_linear": Family(
         "hybrid: Kimi delta attention layers (a recurrent state) and MLA attention layers without RoPE",
         "the recurrent layers' states kept whole; " + MLA_HANDLED,
