@@ -20,6 +20,7 @@ from pkvbench.cell import budgets as budget_rules
 from pkvbench.cell import kv_formats
 from pkvbench.cell.budgets import Budget, parse_budgets, parse_decode_budgets, parse_memory_budgets, rounding_for
 from pkvbench.cell.kv_formats import KVFormat
+from pkvbench.cell.models import DEVICE_MAP_STRATEGIES, Placement
 from pkvbench.cell.schema import PROTOCOLS, QUERY_MODES
 from pkvbench.config import (
     MAX_LAYERS,
@@ -76,6 +77,38 @@ def checked(config: SampleConfig) -> Any:
     """``config`` with every value checked and parsed as the command line parses it (``"5"`` → 5)."""
     expect_config(config, SampleConfig, "checked")
     return replace(config, **{name: o.parse(getattr(config, name)) for name, o in options_of(type(config)).items()})
+
+
+def placement_of(config: SampleConfig) -> Placement | None:
+    """``--device-map``, ``--max-memory`` and ``--offload-folder`` as one ``Placement`` (None: the model on one
+    device). The latter two only shape a device map: alone they would be ignored, so they are refused."""
+    if config.device_map is None:
+        given = [options_of(SampleConfig)[n].flag for n in ("max_memory", "offload_folder") if getattr(config, n)]
+        if given:
+            raise PkvError(
+                f"{' and '.join(given)} only {'shapes' if len(given) == 1 else 'shape'} --device-map; give it"
+            )
+        return None
+    if config.max_memory and config.device_map not in DEVICE_MAP_STRATEGIES:
+        raise PkvError(
+            f"--max-memory sizes the devices a strategy ({', '.join(DEVICE_MAP_STRATEGIES)}) fills; a device map file "
+            "places every module itself"
+        )
+    folder = str(config.offload_folder) if config.offload_folder is not None else None
+    return Placement(config.device_map, dict(config.max_memory) or None, folder)
+
+
+def load(config: SampleConfig):
+    """The model of ``config``, on its device or placed as its ``placement_of`` says (``engine.models.load_model``)."""
+    from pkvbench.engine.models import load_model
+
+    return load_model(
+        config.model,
+        device=config.device,
+        dtype=config.dtype,
+        attn_implementation=config.attn_implementation,
+        placement=placement_of(config),
+    )
 
 
 # --- what fits the model -------------------------------------------------------------------------------------------
@@ -278,6 +311,7 @@ def resolve(config: RunConfig) -> ResolvedRun:
     if config.executor != "ray" and (config.ray_address, config.workers, config.gpus_per_worker) != (None, None, None):
         raise PkvError("--ray-address, --workers and --gpus-per-worker go with --executor ray")
     check_model_name(config.model)
+    placement_of(config)
     out = Path(config.out) if config.out is not None else default_out("runs", config.model, tasks)
     modes = list(dict.fromkeys(as_list(config.query_modes, "--query-mode")))
     unknown = [m for m in modes if m not in QUERY_MODES]
@@ -453,15 +487,14 @@ def _execute(
         from pkvbench.run.ray_executor import ModelSpec, RaySettings, run_grid_on_ray
 
         workers = RaySettings(config.ray_address, config.workers, config.gpus_per_worker)
-        model = ModelSpec(config.model, config.device, config.dtype, config.attn_implementation, config.seed)
+        model = ModelSpec(
+            config.model, config.device, config.dtype, config.attn_implementation, config.seed, placement_of(config)
+        )
         return run_grid_on_ray(workers, model, *grid, on_model=record, **how)
     from pkvbench.engine.generation import Engine
-    from pkvbench.engine.models import load_model
     from pkvbench.run.runner import run_grid
 
-    loaded = load_model(
-        config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation
-    )
+    loaded = load(config)
     record(loaded.describe())
     return run_grid(Engine(loaded), *grid, **how)
 
@@ -506,7 +539,6 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
     """Prefill each sample once and measure attention concentration per layer and head; write the tables, the
     figure and the verdict into ``config.out`` (rerunning resumes)."""
     from pkvbench.engine.generation import Engine
-    from pkvbench.engine.models import load_model
     from pkvbench.reports.figures.plots import plot_funnel
     from pkvbench.run import funnel
 
@@ -518,6 +550,7 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
     if len(overlay) != 1:
         raise PkvError("--budget takes one budget here (the one drawn over the curves)")
     check_model_name(config.model)
+    placement_of(config)
     options = fit_to_model(config.model, tasks, options, None, decodes=False)
     out = Path(config.out) if config.out is not None else default_out("funnel", config.model, tasks)
     record = recorded(config, tasks, options, {"window": config.window, "sink": config.sink, "top_k": config.top_k})
@@ -527,9 +560,7 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
     with store.claim(record, overwrite=config.overwrite, session=this_session):
         make_deterministic(config.seed)
         items = samples_of(tasks, config.model, options)
-        loaded = load_model(
-            config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation
-        )
+        loaded = load(config)
         store.record_with_first_row(
             {"options": record, "model": loaded.describe(), **provenance(config.seed), **this_session}
         )

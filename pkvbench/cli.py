@@ -749,7 +749,7 @@ def run_option(name: str):
     "--question-split",
     help="Needed with --query-mode agnostic: the question starts where this text last occurs in the context.",
 )
-@_options(run_option("device"), run_option("dtype"), run_option("limit"))
+@_options(*map(run_option, ("device", "dtype", "device_map", "max_memory", "offload_folder", "limit")))
 @click.option("--num-fewshot", type=Number(whole(0)), help="Few-shot examples (default: each task's own).")
 @click.option(
     "--include-path",
@@ -777,7 +777,7 @@ def lm_eval_command(tasks, include_paths, limit, num_fewshot, bootstrap_iters, o
     grid.update(
         {arg: grid.pop(field) for arg, field in GRID_ARGS.items()}
     )  # model args as lm-eval's backend names them
-    model_args = {name: value for name, value in grid.items() if value is not None}
+    model_args = {name: value for name, value in grid.items() if value not in (None, ())}
     run = evaluate_grid(
         as_list(tasks, "--tasks"),
         model_args,
@@ -801,7 +801,11 @@ def lm_eval_command(tasks, include_paths, limit, num_fewshot, bootstrap_iters, o
 
 
 def _quiet_libraries() -> None:
-    """Library chatter (load bars, GGUF notices) would bury our own output."""
+    """Library chatter (load bars, GGUF notices, accelerate's note that offloaded weights wait on the meta device)
+    would bury our own output."""
+    import logging
+
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

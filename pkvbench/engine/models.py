@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from pkvbench.cell.kv_formats import CacheGeometry, KVFormat
-from pkvbench.cell.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, GGUFAlias
+from pkvbench.cell.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, GGUFAlias, Placement
 from pkvbench.engine.architecture import Architecture, check_family
 from pkvbench.errors import PkvError, first_line
 from pkvbench.io import read_json
@@ -68,6 +68,7 @@ class LoadedModel:
     load_s: float
     source: str
     info: dict = field(default_factory=dict)
+    placement: dict | None = None  # where accelerate placed each module (``placement.describe``); None: on ``device``
 
     @property
     def config(self):
@@ -104,6 +105,7 @@ class LoadedModel:
             "kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "attention": self.attn_implementation,  # the kernel it ran on (eager for a soft-capped model)
+            **({"device_map": self.placement} if self.placement is not None else {}),
         }
 
 
@@ -346,12 +348,19 @@ def kernel_of_family(config, requested: str) -> str:
 
 
 def load_model(
-    name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"
+    name: str = DEFAULT_MODEL,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    attn_implementation: str = "sdpa",
+    placement: Placement | None = None,
 ) -> LoadedModel:
-    """Load an alias, a Hugging Face hub id or a local folder, ready for the engine."""
+    """Load an alias, a Hugging Face hub id or a local folder, ready for the engine: on ``device``, or placed over
+    several devices (and the CPU or the disk) by accelerate as ``placement`` says (``engine/placement.py``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from pkvbench.engine import placement as placing
     from pkvbench.engine.attention import install_recording_attention
 
     check_model_name(name)
@@ -365,14 +374,21 @@ def load_model(
         raise PkvError(f"could not load model {name}: {first_line(exc)}") from None
     check_architecture(config, name)
     attn_implementation = kernel_of_family(config, attn_implementation)
+    dispatch = placing.dispatch_arguments(placement, device) if placement and placement.dispatched else {}
     try:
         tokenizer = _tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+            path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation, **dispatch
         )
     except (OSError, ValueError, ImportError) as exc:
+        placing.remove_with(None, dispatch, placement)
         raise PkvError(f"could not load model {name}: {first_line(exc)}") from None
-    model.to(device).eval()
+    if dispatch:
+        placing.remove_with(model, dispatch, placement)
+        device = str(placing.execution_device(model))  # where its inputs go and its logits come back
+    else:
+        model.to(device)
+    model.eval()
     install_recording_attention(model)
     return LoadedModel(
         model=model,
@@ -383,6 +399,7 @@ def load_model(
         attn_implementation=attn_implementation,
         load_s=time.perf_counter() - started,
         source=source,
+        placement=placing.describe(model),
     )
 
 

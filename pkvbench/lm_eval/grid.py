@@ -57,6 +57,9 @@ PLAIN_ARGS = {
     "decode_interval": "decode_interval",
     "decode_buffer": "decode_buffer",
     "decode_batch": "decode_batch",
+    "device_map": "device_map",  # accelerate's placement over devices, as lm-eval's hf backend takes it
+    "max_memory": "max_memory",
+    "offload_folder": "offload_folder",
 }
 # What lm-eval hands every backend (``create_from_arg_string``'s additional config), of no use to this one: the
 # engine batches a request's configurations itself.
@@ -113,6 +116,7 @@ class GridSpec:
                 fields[field_name] = values
         config = api.checked(api.RunConfig(**fields))
         check_model_name(config.model)
+        api.placement_of(config)
         policies = parse_policies(config.policies, config.policy_args, config.protocol)
         decode_budgets = parse_decode_budgets(config.decode_budgets)
         api.check_decoding(policies, decode_budgets, config.decode_interval, config.decode_buffer)
@@ -176,12 +180,10 @@ class Grid:
 
     def __init__(self, spec: GridSpec, engine=None):
         from pkvbench.engine.generation import Engine
-        from pkvbench.engine.models import load_model
 
         self.spec = spec
         if engine is None:
-            c = spec.config
-            engine = Engine(load_model(c.model, device=c.device, dtype=c.dtype))
+            engine = Engine(api.load(spec.config))
         self.engine = engine
         check_formats(engine.loaded.shape, spec.cells)
         self.generated: dict[Generation, list[dict]] = {}  # per request, per cell: run_sample's row
