@@ -106,7 +106,7 @@ def test_lm_eval_takes_run_s_options_as_run_declares_them():
     params = cli.cli.commands["lm-eval"].params
     assert {p.name for p in params} - LM_EVAL_OWN == {
         *("model", "policies", "budgets", "memory", "kv_bits", "decode_budgets", "query_modes"),
-        *("device", "dtype", "limit", "out", "overwrite", "quiet"),
+        *("device", "dtype", "device_map", "max_memory", "offload_folder", "limit", "out", "overwrite", "quiet"),
     }
     for param in params:
         if param.name in LM_EVAL_OWN:
