@@ -67,18 +67,22 @@ GRIDS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory, tokenizer):
-    """A tiny random model of 4 layers saved with the embedded model's tokenizer, and a device map file for it."""
+def tiny_model(folder, tokenizer, family: str = "llama"):
+    """A tiny random model of 4 layers saved in ``folder/model`` with the embedded model's tokenizer, and
+    ``DEVICE_MAP`` in ``folder/map.json``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder = tmp_path_factory.mktemp(request.param)
-    config = AutoConfig.for_model(request.param, **{**TINY, "num_hidden_layers": 4, **FAMILIES[request.param]})
+    config = AutoConfig.for_model(family, **{**TINY, "num_hidden_layers": 4, **FAMILIES[family]})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
     (folder / "map.json").write_text(json.dumps(DEVICE_MAP))
-    return request.param, folder
+    return folder
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory, tokenizer):
+    return request.param, tiny_model(tmp_path_factory.mktemp(request.param), tokenizer, request.param)
 
 
 def outcome(folder) -> list[dict]:
