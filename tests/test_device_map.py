@@ -114,7 +114,8 @@ def test_a_run_on_the_cpu_and_the_disk_writes_the_rows_of_the_run_on_one_device(
 
 def test_offloaded_weights_wait_on_the_meta_device_and_load_for_each_forward(family, tmp_path):
     """The disk's layers hold no weight between forwards: accelerate's hooks load them for each forward (counted)
-    and drop them after; the sinks the statistics read were loaded for the read, onto the layer's device."""
+    and drop them after; the sinks the statistics read were loaded for the read, onto the layer's device; reading
+    the model's layers (the probe) leaves every hook accelerate installed in place."""
     from accelerate.utils import has_offloaded_params
 
     from pkvbench.cell.budgets import Budget
@@ -126,7 +127,10 @@ def test_offloaded_weights_wait_on_the_meta_device_and_load_for_each_forward(fam
 
     name, folder = family
     placement = Placement(str(folder / "map.json"), offload_folder=str(tmp_path / "offload"))
-    placed = Engine(load_model(str(folder / "model"), device="cpu", dtype="float32", placement=placement))
+    loaded = load_model(str(folder / "model"), device="cpu", dtype="float32", placement=placement)
+    hooked = {module: module.forward for module in loaded.model.modules() if hasattr(module, "_hf_hook")}
+    placed = Engine(loaded)  # reads each layer's behaviour through a forward of its own (engine/probe.py)
+    assert hooked and all(module.__dict__.get("forward") is forward for module, forward in hooked.items())
     plain = Engine(load_model(str(folder / "model"), device="cpu", dtype="float32"))
     layers = placed.model.model.layers
     projections = [layers[i].self_attn.q_proj for i in OFFLOADED]

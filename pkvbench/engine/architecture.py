@@ -1,15 +1,21 @@
-"""What pkvbench must know of a model's architecture, read once from its config: the seam between the engine and
-the model families.
+"""What pkvbench must know of a model's architecture: the seam between the engine and the model families.
 
-Per layer, its attention kind, as transformers' ``cache_utils`` reads it (``config.layer_types``, else inferred:
-a ``sliding_window`` makes every layer slide): ``full_attention`` or ``sliding_attention`` (the token at position p
-sees positions p − window + 1 … p). How the engine treats them:
+Each layer's behaviour is read from the model's own code (``engine/probe.py``), never from a config key the model
+may ignore or read differently: its window and whether it is causal from the mask the model builds for it, its scale,
+soft-cap and sinks from what its attention module passes its kernel, RoPE's pairing from ``apply_rotary_pos_emb``,
+RoPE's switches from the rotary embedding. Before the weights load this runs on a model built on the ``meta``
+device (``Architecture.read``), so a configuration the model cannot compute, or pkvbench cannot run exactly, is
+refused in one line first; once loaded, on the model itself (``Architecture.of_model``).
+
+Per layer, its attention kind: ``full_attention``, or ``sliding_attention`` (the token at position p sees positions
+p − window + 1 … p). How the engine treats them:
 
 - a model whose every layer slides (Mistral-7B-v0.1; Qwen2/Qwen3 with ``use_sliding_window`` and
-  ``max_window_layers`` 0) is compressed as any other; the window is applied while decoding (``sliding``);
-- in a model that mixes local (sliding) and global layers, the local layers are never compressed by a policy: they
-  keep their entries, counted in the row's entries and bytes, and decode under their window; the global layers are
-  compressed.
+  ``max_window_layers`` 0) is compressed as any other; the window is applied while decoding (``sliding``); a prompt
+  longer than the window is run only by policies that score without the prompt's attention (``check_prompt``);
+- in a model that mixes local (sliding) and global layers, a policy compresses the global layers; each local layer
+  keeps what its window can still see — the prompt's last window − 1 entries, as transformers' sliding cache layer
+  keeps them — counted in the row's entries and bytes, and decodes under its window.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import dataclasses
 import inspect
 from dataclasses import dataclass
 
-from pkvbench.errors import PkvError
+from pkvbench.engine.probe import LayerSoftmax
+from pkvbench.errors import PkvError, first_line
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -43,7 +50,7 @@ class Family:
 HALF_ROPE = "RoPE over the whole head (rotate-half)"
 EVERY_LAYER_SLIDES = "full, or sliding on every layer (sliding_window)"
 WINDOW_LAYERS = "full, or sliding from max_window_layers on (use_sliding_window)"
-LOCAL_AND_GLOBAL = "local (sliding, kept whole) and global (full) per layer_types"
+LOCAL_AND_GLOBAL = "local (sliding: its window's entries kept) and global (full) per layer_types"
 MLA = "MLA caches a compressed latent"
 FAMILIES: dict[str, Family] = {
     "llama": Family(HALF_ROPE + "; Llama 3.1 and YaRN scaling", "the reference layout"),
@@ -54,7 +61,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "qwen2": Family(
         "a sliding window on the layers from max_window_layers on, where use_sliding_window",
-        "every layer sliding: as mistral; some: the local layers kept whole",
+        "every layer sliding: as mistral; some: the local layers keep what their window sees",
         layers=WINDOW_LAYERS,
     ),
     "qwen3": Family("q/k norms; an optional sliding window as qwen2", "as qwen2", layers=WINDOW_LAYERS),
@@ -71,18 +78,20 @@ FAMILIES: dict[str, Family] = {
     "granite": Family("attention, residual and logit multipliers", "the module's own scaling"),
     "gemma2": Family(
         "soft-capped attention logits (attn_logit_softcapping); query_pre_attn_scalar; local and global layers",
-        "statistics soft-cap the logits as the model does; the eager kernel (sdpa cannot soft-cap); local layers kept whole",
+        "statistics soft-cap the logits as the model does; the eager kernel (sdpa cannot soft-cap); local layers keep "
+        "what their window sees",
         layers=LOCAL_AND_GLOBAL,
     ),
     "gemma3_text": Family(
         "per-layer RoPE (local layers at rope_local_base_freq); q/k norms; local and global layers",
-        "each layer's own RoPE (un-rotation, decode-time rotation); local layers kept whole",
+        "each layer's own RoPE (un-rotation, decode-time rotation); local layers keep what their window sees",
         layers=LOCAL_AND_GLOBAL,
     ),
     "gpt_oss": Family(
         "attention sinks in the softmax; RoPE tables of one entry per pair; mixture-of-experts MLP; no sdpa kernel; "
         "local and global layers",
-        "sinks in every statistic's denominator; eager kernel; RoPE as read from the model; local layers kept whole",
+        "sinks in every statistic's denominator; eager kernel; RoPE as read from the model; local layers keep what "
+        "their window sees",
         layers=LOCAL_AND_GLOBAL,
     ),
     "cohere": Family(
@@ -99,8 +108,9 @@ def admitted_families() -> list[str]:
 
 
 def check_family(config, name: str) -> None:
-    """Refuse, in one line and before the model loads, a family pkvbench has not proven (``FAMILIES``) or layers it
-    cannot describe (``config``: a transformers config or anything with its attributes)."""
+    """Refuse, in one line and before the model loads, a family pkvbench has not proven (``FAMILIES``), layers it
+    cannot describe or a configuration no model could compute with (``check_config``). ``config``: a transformers
+    config or anything with its attributes (a ``config.json`` read as it is)."""
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:
@@ -109,6 +119,7 @@ def check_family(config, name: str) -> None:
         )
     if family.refused:
         raise PkvError(f"model {name} is a {model_type!r} model, not supported: {family.refused}")
+    check_config(config, name)
     kinds = set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_KINDS)
     if kinds:
         raise PkvError(
@@ -117,44 +128,170 @@ def check_family(config, name: str) -> None:
         )
 
 
+def _whole_number(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_config(config, name: str) -> None:
+    """Refuse, in one line, the values of a config no model can be built or run with: what the probe of the model's
+    own code (``Architecture.read``) would otherwise stop on with an internal error, or run on silently."""
+
+    def given(key: str):
+        return getattr(config, key, None)
+
+    def refuse(what: str) -> None:
+        raise PkvError(f"model {name}: {what}")
+
+    layers = given("num_hidden_layers")
+    if layers is not None and (not _whole_number(layers) or layers < 1):
+        refuse(f"num_hidden_layers is {layers!r}; a model needs at least one layer")
+    heads, kv_heads = given("num_attention_heads"), given("num_key_value_heads")
+    for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if value is not None and (not _whole_number(value) or value < 1):
+            refuse(f"{key} is {value!r}; it must be a whole number of heads, at least 1")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        refuse(f"its {kv_heads} KV heads do not divide its {heads} attention heads (each KV head serves a group)")
+    window = given("sliding_window")
+    if window is not None and not _whole_number(window):
+        refuse(f"sliding_window is {window!r}; it must be a whole number of tokens (or null: no window)")
+    if window is not None and window < 1:
+        refuse(f"sliding_window is {window}: a window of {window} tokens hides every token (null: no window)")
+    kinds = given("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, (list, tuple)) or not all(isinstance(kind, str) for kind in kinds):
+            refuse(f"layer_types must be a list with one layer kind per layer, not {kinds!r}"[:300])
+        if _whole_number(layers) and len(kinds) != layers:
+            refuse(f"layer_types names {len(kinds)} layers, num_hidden_layers {layers}")
+        if SLIDING in kinds and window is None:
+            refuse(f"layer {kinds.index(SLIDING)} is a sliding_attention layer, but the config gives no sliding_window")
+    softcap = given("attn_logit_softcapping")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
+        refuse(f"attn_logit_softcapping is {softcap!r}; a soft-cap must be above 0 (it divides the logits; null: none)")
+
+
+# Keyword arguments of an attention call whose effect pkvbench knows: the scale, the soft-cap and the sinks enter
+# its statistics; the window reaches sdpa and eager through the mask; the rest change nothing it computes.
+KNOWN_ATTENTION_ARGUMENTS = frozenset(
+    {"dropout", "scaling", "softcap", "s_aux", "sliding_window", "position_ids", "use_cache", "cache_position"}
+)
+
+
 @dataclass(frozen=True)
 class Architecture:
-    """A model's layers as the engine sees them: what the decoder, its cuts and the statistics need of the model."""
+    """A model's layers as the engine sees them: what the decoder, its cuts and the statistics need of the model,
+    read from what the model's code does (``engine/probe.py``)."""
 
     family: str  # config.model_type
-    layer_kinds: tuple[str, ...]  # per layer: FULL or SLIDING (or a kind pkvbench refuses, e.g. linear attention)
-    sliding_window: int | None  # the window of the sliding layers
-    softcap: float | None = None  # attn_logit_softcapping (Gemma 2): logits become softcap·tanh(logits / softcap)
+    layer_kinds: tuple[str, ...]  # per layer: FULL or SLIDING
+    # Per layer: the window a new token sees while the answer is written (None: everything): its mask's, or the
+    # window of the model's own cache where that keeps fewer (a stray sliding_window on Llama: ``generate``'s
+    # cache slides, its masks do not).
+    windows: tuple[int | None, ...]
+    # Per layer: the window of the mask it computes the prompt with (``prompt_limit``: the statistics' reach).
+    prompt_windows: tuple[int | None, ...] = ()
     kv_heads: int = 0  # the heads of the keys and values the model hands its cache
     query_heads: int = 0
-    # Read from the loaded model (``of_model``): each layer's softmax, and how its RoPE turns a head.
+    head_dim: int = 0
+    # Per layer: how it turns logits into attention (the sinks' values only once the weights are loaded).
     softmaxes: tuple[LayerSoftmax, ...] = ()
-    rotation: Rotation | None = None
+    rotation: Rotation | None = None  # how its RoPE turns a head (read from the loaded model)
+    rope_switch: int | None = None  # the longest sequence rotated by RoPE's short tables (``probe.rope_switch``)
 
     @classmethod
-    def of_model(cls, model) -> Architecture:
-        """From a loaded model: its config's facts, and what its modules do."""
-        architecture = cls.of(model.config)
-        return dataclasses.replace(
-            architecture, softmaxes=tuple(architecture._softmaxes(model)), rotation=architecture._rotation(model)
+    def read(cls, config, name: str = "the model", weights=None) -> Architecture:
+        """Before the weights load: the model built on the ``meta`` device from ``config`` and probed; refuses, in
+        one line, what it cannot compute or pkvbench cannot run exactly, and (``weights``: a folder of
+        ``.safetensors`` files) weights whose shapes are not the config's."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        check_family(config, name)
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, ZeroDivisionError) as exc:
+            raise PkvError(f"model {name}: its config cannot build the model: {first_line(exc)}") from None
+        if weights is not None:
+            check_weights(model, weights, name)
+        return cls._probed(model, name)
+
+    @classmethod
+    def of_model(cls, model, name: str = "the model") -> Architecture:
+        """From a loaded model: what its modules do, its sinks' values and RoPE's pairing included."""
+        architecture = cls._probed(model, name)
+        return dataclasses.replace(architecture, rotation=architecture._rotation(model))
+
+    @classmethod
+    def _probed(cls, model, name: str) -> Architecture:
+        from pkvbench.engine.attention import install_recording_attention
+        from pkvbench.engine.probe import cache_windows, layer_calls, mask_reach, rope_switch
+
+        install_recording_attention(model)  # the probe reads the calls through pkvbench's wrapper
+        config = model.config
+        try:
+            calls = layer_calls(model)
+        except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, ZeroDivisionError) as exc:
+            raise PkvError(f"model {name}: its config cannot run the model: {first_line(exc)}") from None
+        layers = len(cls.attention_modules(model))
+        missing = [layer for layer in range(layers) if layer not in calls]
+        if not layers or missing:
+            raise PkvError(f"model {name}: layer {missing[0] if missing else 0} calls no attention pkvbench can read")
+        reaches: dict[int, object] = {}  # one read per mask the model builds, whatever the layers sharing it
+        kinds, windows, prompt_windows, softmaxes = [], [], [], []
+        cached = cache_windows(config, layers)
+        for layer in range(layers):
+            call = calls[layer]
+            key = id(call.mask) if call.mask is not None else -int(call.is_causal) - 1
+            if key not in reaches:
+                reaches[key] = mask_reach(call.mask, call.is_causal)
+            reach = reaches[key]
+            if not reach.causal:
+                raise PkvError(
+                    f"model {name}: layer {layer} attends to later tokens (not causal, e.g. "
+                    "use_bidirectional_attention); pkvbench runs causal attention only"
+                )
+            if not reach.pattern:
+                raise PkvError(f"model {name}: layer {layer}'s attention mask is neither causal nor a sliding window")
+            if reach.window == 0:
+                raise PkvError(f"model {name}: layer {layer}'s window hides every token (sliding_window 0?)")
+            unknown = sorted(set(call.kwargs) - KNOWN_ATTENTION_ARGUMENTS)
+            if unknown:
+                raise PkvError(
+                    f"model {name}: layer {layer}'s attention takes {', '.join(unknown)}, which pkvbench does not model"
+                )
+            if call.query_heads % call.kv_heads:
+                raise PkvError(
+                    f"model {name}: its {call.kv_heads} KV heads do not divide its {call.query_heads} attention heads"
+                )
+            softcap = call.kwargs.get("softcap")
+            if softcap is not None and not softcap > 0:
+                raise PkvError(
+                    f"model {name}: layer {layer} soft-caps its logits at {softcap!r}; a cap must be above 0"
+                )
+            scaling = call.kwargs.get("scaling")
+            window = min((w for w in (reach.window, cached[layer]) if w is not None), default=None)
+            kinds.append(FULL if window is None else SLIDING)
+            windows.append(window)
+            prompt_windows.append(reach.window)
+            softmaxes.append(
+                LayerSoftmax(
+                    float(scaling) if scaling is not None else call.head_dim**-0.5, softcap, call.kwargs.get("s_aux")
+                )
+            )
+        first = calls[0]
+        rotary = getattr(model.model, "rotary_emb", None)
+        switch = None if rotary is None else rope_switch(type(rotary), config, tuple(kinds))
+        return cls(
+            getattr(config, "model_type", "") or "",
+            tuple(kinds),
+            tuple(windows),
+            tuple(prompt_windows),
+            kv_heads=first.kv_heads,
+            query_heads=first.query_heads,
+            head_dim=first.head_dim,
+            softmaxes=tuple(softmaxes),
+            rope_switch=switch,
         )
-
-    @classmethod
-    def of(cls, config) -> Architecture:
-        """From a transformers config (or anything with its attributes)."""
-        window = getattr(config, "sliding_window", None)
-        if getattr(config, "use_sliding_window", True) is False:
-            window = None
-        kinds = getattr(config, "layer_types", None)
-        if not kinds:
-            kinds = [SLIDING if window else FULL] * config.num_hidden_layers
-        kinds = tuple(kinds)
-        if SLIDING not in kinds:
-            window = None
-        softcap = getattr(config, "attn_logit_softcapping", None)
-        query_heads = getattr(config, "num_attention_heads", 0)
-        kv_heads = getattr(config, "num_key_value_heads", None) or query_heads
-        return cls(getattr(config, "model_type", "") or "", kinds, window, softcap, kv_heads, query_heads)
 
     @property
     def num_layers(self) -> int:
@@ -162,11 +299,12 @@ class Architecture:
 
     def window(self, layer: int) -> int | None:
         """The layer's sliding window, None for full attention."""
-        return self.sliding_window if self.layer_kinds[layer] == SLIDING else None
+        return self.windows[layer]
 
     @property
-    def windows(self) -> list[int | None]:
-        return [self.window(layer) for layer in range(self.num_layers)]
+    def sliding_window(self) -> int | None:
+        """The narrowest window of any layer (None: no layer slides)."""
+        return min((w for w in self.windows if w is not None), default=None)
 
     @property
     def every_layer_slides(self) -> bool:
@@ -181,12 +319,23 @@ class Architecture:
         """Whether a policy may compress the layer: every layer but a mixed model's local ones."""
         return not (self.mixed and self.layer_kinds[layer] == SLIDING)
 
+    @property
+    def local(self) -> tuple[int | None, ...]:
+        """Per layer: a mixed model's local layer's reach — the prompt entries its window can still see from the
+        next token on (window − 1), all it keeps, as transformers' sliding cache layer — or None where a policy
+        compresses the layer (``kv_formats.CacheGeometry.local``)."""
+        return tuple(None if self.compressible(layer) else self.windows[layer] - 1 for layer in range(self.num_layers))
+
+    @property
+    def softcapped(self) -> bool:
+        return any(softmax.softcap is not None for softmax in self.softmaxes)
+
     # --- the loaded model's modules: the one place that names their paths -------------------------------------
 
     @staticmethod
     def attention_modules(model) -> list:
         """Each decoder layer's attention module (``transformers``' shared layout: ``model.model.layers[i]
-        .self_attn``, with ``layer_idx``, ``scaling``, ``o_proj``)."""
+        .self_attn``, with ``layer_idx``, ``o_proj``)."""
         return [layer.self_attn for layer in model.model.layers]
 
     def output_weight(self, model, layer: int):
@@ -196,31 +345,59 @@ class Architecture:
 
         return stored(self.attention_modules(model)[layer].o_proj, "weight")
 
-    def _softmaxes(self, model) -> list[LayerSoftmax]:
-        """How each layer turns its logits into attention: its module's own scale (granite's multiplier, not always
-        1/sqrt(d)), the model's soft-cap, the module's sinks."""
-        return [
-            LayerSoftmax(float(module.scaling), self.softcap, self.sinks(module))
-            for module in self.attention_modules(model)
-        ]
-
     @staticmethod
     def rotary(model):
         """The model's rotary embedding module (cos, sin of positions; its width may be part of a head)."""
         return model.model.rotary_emb
 
     @property
+    def prompt_window(self) -> int | None:
+        """The narrowest window any layer computes the prompt under (None: none has one)."""
+        return min((w for w in self.prompt_windows if w is not None), default=None)
+
+    @property
     def prompt_limit(self) -> int | None:
-        """The longest prompt the engine prefills exactly: a compressed sliding layer's statistics assume every
-        query sees the whole prompt, so a model whose every layer slides takes prompts up to its window."""
-        return self.sliding_window if self.every_layer_slides else None
+        """The longest prompt whose attention statistics the engine computes exactly: they assume every query sees
+        the whole prompt, so on a model whose every layer computes the prompt under a window, prompts up to its
+        (narrowest) window."""
+        if self.prompt_windows and all(w is not None for w in self.prompt_windows):
+            return min(self.prompt_windows)
+        return None
+
+    def check_rope(self, length: int, new_tokens: int, name: str = "the model") -> None:
+        """Refuse, in one line, an answer of up to ``new_tokens`` after a prompt of ``length`` tokens that carries the
+        sequence across RoPE's switch (``rope_switch``): the prompt's cached keys keep the tables of its side, where
+        the model's own ``generate`` computes every key again with the other's."""
+        switch = self.rope_switch
+        if switch is not None and length <= switch < length + new_tokens - 1:
+            raise PkvError(
+                f"model {name} switches its RoPE tables past {switch} tokens (longrope): a prompt of {length} tokens "
+                f"and an answer of up to {new_tokens} cross it, and the prompt's cached keys would keep the short "
+                f"tables; use prompts above {switch} tokens or answers of {switch - length + 1} tokens at most"
+            )
+
+    def check_window(self, length: int, policies, name: str = "the model") -> None:
+        """Refuse, in one line, a policy that scores from the prompt's attention (``attention_statistics``) on a
+        prompt of ``length`` tokens past an all-sliding model's window: pkvbench computes those statistics as if
+        every query saw the whole prompt. The other policies run there exactly."""
+        limit = self.prompt_limit
+        if limit is None or length <= limit:
+            return
+        for policy in policies:
+            if attention_statistics(policy.needs) or attention_statistics(policy.decoding_needs):
+                raise PkvError(
+                    f"{policy.label} scores from the prompt's attention, which pkvbench computes as if every query "
+                    f"saw the whole prompt: model {name} slides a window of {limit} tokens on every layer, and a "
+                    f"prompt of {length} tokens exceeds it (policies that score from keys, queries or positions — "
+                    "full, streamingllm, knorm, keydiff, random, rkv, expected_attention — run on it)"
+                )
 
     # --- soft-capped logits and per-layer RoPE (Gemma 2, Gemma 3) ---------------------------------------------
 
     def attention_kernel(self, requested: str) -> str:
         """The kernel the model runs on: transformers' sdpa cannot soft-cap logits (it refuses Gemma 2), so a
         soft-capped model takes the eager kernel, which caps them as the model was trained to."""
-        return "eager" if self.softcap is not None and requested == "sdpa" else requested
+        return "eager" if self.softcapped and requested == "sdpa" else requested
 
     def rope(self, model, layer: int, like, positions) -> tuple:
         """The RoPE cos and sin layer ``layer`` rotates its queries and keys at ``positions`` ``[1, n]`` with (``like``:
@@ -254,26 +431,29 @@ class Architecture:
         width = int(moving.nonzero().max()) + 1 if bool(moving.any()) else 0
         return Rotation(interleaved=width > 2 and int(turned[0].abs().argmax()) == 1, width=width)
 
-    # --- attention sinks ----------------------------------------------------------------------------------------
 
-    @staticmethod
-    def sinks(module):
-        """The attention module's sinks ``[Hq]`` (gpt-oss: a learned logit per head that joins the softmax's
-        denominator, no value attached), or None; loaded for the read where accelerate offloaded them."""
-        from pkvbench.engine.placement import onloaded
+def check_weights(model, folder, name: str) -> None:
+    """Refuse weights (the ``.safetensors`` files in ``folder``, read from their headers) whose shapes are not those
+    the config gives ``model`` (built from it, on any device): a ``head_dim`` or head count the weights were not
+    made with would load only by re-drawing them."""
+    from safetensors import safe_open
 
-        return onloaded(module, "sinks")
+    expected = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as stored:
+            for key in stored.keys():  # noqa: SIM118 (a safetensors file is not iterable)
+                shape = tuple(stored.get_slice(key).get_shape())
+                if key in expected and expected[key] != shape:
+                    raise PkvError(
+                        f"model {name}: its config makes {key} of shape {list(expected[key])}, its weights hold "
+                        f"{list(shape)}: the config (head_dim, heads, sizes) is not the weights'"
+                    )
 
 
-@dataclass(frozen=True)
-class LayerSoftmax:
-    """How a layer turns q·k into attention weights, as the statistics must too: the logits scaled by ``scaling``,
-    soft-capped to softcap·tanh(logits / softcap) where ``softcap`` (Gemma 2), and each head's ``sinks`` logit ``[Hq]``
-    joining the denominator where the module has them (gpt-oss; ``attention.attention_softmax``)."""
-
-    scaling: float
-    softcap: float | None = None
-    sinks: object = None  # a tensor [Hq] or None
+def attention_statistics(needs) -> bool:
+    """Whether a policy's ``Needs`` include statistics of the prompt's attention (window sums, accumulated or
+    bidirectional attention, KVzip's reconstruction), which assume every query sees the whole prompt."""
+    return bool(needs.windows or needs.accumulated or needs.bidirectional or needs.reconstruction)
 
 
 @dataclass(frozen=True)
