@@ -17,7 +17,7 @@ import torch
 
 from pkvbench.cli import main
 from pkvbench.store.results import read_rows
-from tests.test_architectures import CUT_WHILE_DECODING, EVERY_POLICY, TINY
+from tests.test_architectures import CUT_WHILE_DECODING, EVERY_POLICY, ROWS, TINY, prompt, save
 
 FAMILIES = {
     "llama": {},
@@ -227,3 +227,58 @@ def test_a_map_that_names_a_gpu_is_one_line_where_there_is_none(tmp_path, capsys
         pytest.skip("a machine with CUDA has GPU 0")
     with pytest.raises(PkvError, match="--device-map places modules on 0, but no CUDA device is available"):
         dispatch_arguments(Placement({**DEVICE_MAP, "lm_head": 0}), "cpu")
+
+
+def split_over_cpu_and_disk(folder) -> dict[str, str]:
+    """A device map of the model saved in ``folder``: its even layers (and every module beside the layers but the
+    embedding, and the output layer where the embedding's weight is tied to it) offloaded to the disk, the rest on
+    the CPU; read from the model built on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    device_map = {"lm_head": "cpu" if config.tie_word_embeddings else "disk"}
+    for name, _ in model.model.named_children():
+        if name == "layers":
+            device_map |= {f"model.layers.{i}": "disk" if i % 2 == 0 else "cpu" for i in range(len(model.model.layers))}
+        else:
+            device_map[f"model.{name}"] = "cpu" if name == "embed_tokens" else "disk"
+    return device_map
+
+
+# The families whose attention the Llama and gpt-oss runs above do not cover: partial RoPE, a mixed local/global
+# model, soft-capped logits, per-layer RoPE, interleaved RoPE (the three last tie the output layer to the embedding).
+PLACED_ROWS = [row for row in ROWS if row.name in ("phi3", "qwen2-mixed", "gemma2", "gemma3_text", "cohere")]
+
+
+@pytest.mark.parametrize("row", PLACED_ROWS, ids=lambda row: row.name)
+def test_a_family_placed_on_the_cpu_and_the_disk_decodes_as_on_one_device(row, tmp_path, tokenizer):
+    """A family's tiny model (tests/test_architectures.py's row), half its layers offloaded to the disk: a batch of
+    caches — StreamingLLM's, SnapKV's, H2O's cut while the answer is written — keeps the entries and writes the
+    tokens of the model on one device."""
+    from pkvbench.cell.budgets import Budget
+    from pkvbench.cell.models import Placement
+    from pkvbench.engine.generation import Engine
+    from pkvbench.engine.models import load_model
+    from pkvbench.policies.spec import parse_policy
+
+    folder = tmp_path / "model"
+    save(row, folder, tokenizer)
+    placement = Placement(split_over_cpu_and_disk(folder), offload_folder=str(tmp_path / "offload"))
+    outcomes = []
+    for where in (None, placement):
+        engine = Engine(load_model(str(folder), device="cpu", dtype="float32", placement=where))
+        policies = [parse_policy(name) for name in ("streamingllm", "snapkv", "h2o")]
+        prefill = engine.prefill(prompt(row), policies, decoding=policies[2:])
+        caches = [engine.compress(prefill, policy, Budget(row.budget)) for policy in policies[:2]]
+        caches.append(engine.compress(prefill, policies[2], Budget(2 * row.budget)))
+        schedules = [None, None, engine.schedule(policies[2], row.budget, 4, 4)]
+        requests = [
+            engine.request(prefill, cache, row.new_tokens, schedule=schedule)
+            for cache, schedule in zip(caches, schedules)
+        ]
+        kept = [[[heads.tolist() for heads in layer] for layer in cache.kept_positions()] for cache in caches]
+        outcomes.append(([decoded.tokens for decoded in engine.decode_many(requests)], kept))
+    assert engine.loaded.placement is not None and "disk" in engine.loaded.placement.values()
+    assert outcomes[1] == outcomes[0]
