@@ -119,15 +119,14 @@ def test_offloaded_weights_wait_on_the_meta_device_and_load_for_each_forward(fam
     from accelerate.utils import has_offloaded_params
 
     from pkvbench.cell.budgets import Budget
-    from pkvbench.cell.models import Placement
     from pkvbench.engine.generation import Engine
     from pkvbench.engine.models import load_model
     from pkvbench.policies.spec import parse_policy
     from tests.helpers import decode_one
 
     name, folder = family
-    placement = Placement(str(folder / "map.json"), offload_folder=str(tmp_path / "offload"))
-    loaded = load_model(str(folder / "model"), device="cpu", dtype="float32", placement=placement)
+    placement = {"device_map": str(folder / "map.json"), "offload_folder": str(tmp_path / "offload")}
+    loaded = load_model(str(folder / "model"), device="cpu", dtype="float32", **placement)
     hooked = {module: module.forward for module in loaded.model.modules() if hasattr(module, "_hf_hook")}
     placed = Engine(loaded)  # reads each layer's behaviour through a forward of its own (engine/probe.py)
     assert hooked and all(module.__dict__.get("forward") is forward for module, forward in hooked.items())
@@ -258,17 +257,16 @@ def test_a_family_placed_on_the_cpu_and_the_disk_decodes_as_on_one_device(row, t
     caches — StreamingLLM's, SnapKV's, H2O's cut while the answer is written — keeps the entries and writes the
     tokens of the model on one device."""
     from pkvbench.cell.budgets import Budget
-    from pkvbench.cell.models import Placement
     from pkvbench.engine.generation import Engine
     from pkvbench.engine.models import load_model
     from pkvbench.policies.spec import parse_policy
 
     folder = tmp_path / "model"
     save(row, folder, tokenizer)
-    placement = Placement(split_over_cpu_and_disk(folder), offload_folder=str(tmp_path / "offload"))
+    placement = {"device_map": split_over_cpu_and_disk(folder), "offload_folder": str(tmp_path / "offload")}
     outcomes = []
-    for where in (None, placement):
-        engine = Engine(load_model(str(folder), device="cpu", dtype="float32", placement=where))
+    for where in ({}, placement):
+        engine = Engine(load_model(str(folder), device="cpu", dtype="float32", **where))
         policies = [parse_policy(name) for name in ("streamingllm", "snapkv", "h2o")]
         prefill = engine.prefill(prompt(row), policies, decoding=policies[2:])
         caches = [engine.compress(prefill, policy, Budget(row.budget)) for policy in policies[:2]]

@@ -143,19 +143,19 @@ def test_ray_options_need_the_ray_executor(tmp_path, capsys, flag):
 def test_a_worker_of_several_gpus_places_its_model_over_them():
     """``--gpus-per-worker 2`` on a cluster of 4 GPUs: two workers, each placing its model over its two GPUs
     (``--device-map auto`` unless a map is given); a fraction of more than one GPU is refused."""
+    from dataclasses import replace
     from types import SimpleNamespace
 
-    from pkvbench.cell.models import Placement
     from pkvbench.errors import PkvError
     from pkvbench.run.ray_executor import ModelSpec, RaySettings, _placement
 
     cluster = SimpleNamespace(cluster_resources=lambda: {"CPU": 8.0, "GPU": 4.0})
-    model = ModelSpec("smollm2-135m", "auto", "auto", "sdpa", 0)
+    model = ModelSpec(model="smollm2-135m", device="auto", dtype="auto", attn_implementation="sdpa", seed=0)
     placed, gpus, workers = _placement(cluster, RaySettings(gpus_per_worker=2), model, pending=10)
-    assert (placed.device, placed.placement, gpus, workers) == ("cuda", Placement("auto"), 2, 2)
-    given = ModelSpec("smollm2-135m", "cuda", "auto", "sdpa", 0, Placement("map.json"))
-    assert _placement(cluster, RaySettings(gpus_per_worker=2), given, pending=10)[0].placement == Placement("map.json")
-    assert _placement(cluster, RaySettings(gpus_per_worker=1), model, pending=10)[0].placement is None
+    assert (placed.device, placed.device_map, gpus, workers) == ("cuda", "auto", 2, 2)
+    given = replace(model, device="cuda", device_map="map.json")
+    assert _placement(cluster, RaySettings(gpus_per_worker=2), given, pending=10)[0].device_map == "map.json"
+    assert _placement(cluster, RaySettings(gpus_per_worker=1), model, pending=10)[0].device_map is None
     with pytest.raises(PkvError, match="--gpus-per-worker 1.5: a worker of more than one GPU takes whole GPUs"):
         _placement(cluster, RaySettings(gpus_per_worker=1.5), model, pending=10)
 

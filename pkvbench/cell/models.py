@@ -136,3 +136,26 @@ def max_memory_value(value: Any, what: str) -> dict[int | str, int | str]:
             raise PkvError(f"{what}: {key_text} is given twice")
         memory[device] = int(size) if isinstance(size, str) and size.isdigit() else size
     return memory
+
+
+def placement_of(
+    device_map: Any = None, max_memory: Any = (), offload_folder: str | os.PathLike | None = None
+) -> Placement | None:
+    """``--device-map``, ``--max-memory`` and ``--offload-folder`` as one ``Placement`` (None: the model on one
+    device), checked now. The latter two only shape a device map: alone they would be ignored, so they are refused;
+    and a map file places every module itself, so ``--max-memory`` goes with a strategy only."""
+    memory = max_memory_value(max_memory or (), "--max-memory")
+    if device_map is None:
+        given = [flag for flag, value in (("--max-memory", memory), ("--offload-folder", offload_folder)) if value]
+        if given:
+            raise PkvError(
+                f"{' and '.join(given)} only {'shapes' if len(given) == 1 else 'shape'} --device-map; give it"
+            )
+        return None
+    read_device_map(device_map)
+    if memory and device_map not in DEVICE_MAP_STRATEGIES:
+        raise PkvError(
+            f"--max-memory sizes the devices a strategy ({', '.join(DEVICE_MAP_STRATEGIES)}) fills; a device map file "
+            "places every module itself"
+        )
+    return Placement(device_map, memory or None, os.fspath(offload_folder) if offload_folder is not None else None)

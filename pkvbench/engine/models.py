@@ -12,13 +12,14 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
 from pkvbench.cell.kv_formats import CacheGeometry, KVFormat
-from pkvbench.cell.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, GGUFAlias, Placement
+from pkvbench.cell.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, GGUFAlias, placement_of
 from pkvbench.engine.architecture import Architecture, check_family
 from pkvbench.errors import PkvError, first_line
 from pkvbench.io import read_json
@@ -393,10 +394,13 @@ def load_model(
     device: str = "auto",
     dtype: str = "auto",
     attn_implementation: str = "sdpa",
-    placement: Placement | None = None,
+    device_map: str | os.PathLike | Mapping | None = None,
+    max_memory: Mapping | Sequence[str] = (),
+    offload_folder: str | os.PathLike | None = None,
 ) -> LoadedModel:
     """Load an alias, a Hugging Face hub id or a local folder, ready for the engine: on ``device``, or placed over
-    several devices (and the CPU or the disk) by accelerate as ``placement`` says (``engine/placement.py``)."""
+    several devices (and the CPU or the disk) by accelerate as ``device_map``, ``max_memory`` and ``offload_folder``
+    say (``cell.models.placement_of``, ``engine/placement.py``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -404,6 +408,7 @@ def load_model(
     from pkvbench.engine.attention import install_recording_attention
 
     check_model_name(name)
+    placement = placement_of(device_map, max_memory, offload_folder)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     started = time.perf_counter()
@@ -415,7 +420,7 @@ def load_model(
     check_architecture(config, name)
     architecture = read_architecture(config, name, path if os.path.isdir(path) else None)
     attn_implementation = kernel_of_family(config, architecture, attn_implementation)
-    dispatch = placing.dispatch_arguments(placement, device) if placement and placement.dispatched else {}
+    dispatch = placing.dispatch_arguments(placement, device) if placement else {}
     try:
         tokenizer = _tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(

@@ -15,12 +15,19 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from pkvbench.cell.models import Placement
 from pkvbench.errors import PkvError, first_line
-from pkvbench.run.runner import RowWriter, RunSettings, RunStats, pending_cells, plan_grid, run_sample
+from pkvbench.run.runner import (
+    RowWriter,
+    RunSettings,
+    RunStats,
+    load_run_model,
+    pending_cells,
+    plan_grid,
+    run_sample,
+)
 
 RAY_HINT = "--executor ray needs Ray: pip install 'pkvbench[ray]'"
 CPUS_PER_WORKER = 1  # also the worker's torch threads
@@ -38,14 +45,18 @@ class RaySettings:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What a worker needs to load the same model the local executor would, seeded the same way."""
+    """What a worker needs to load the same model the local executor would, seeded the same way: the run's model
+    options (``options.model_settings``) and its seed."""
 
-    name: str
+    model: str
     device: str
     dtype: str
     attn_implementation: str
     seed: int
-    placement: Placement | None = None  # over the devices Ray gives the worker (``--device-map``, several GPUs)
+    # Placed over the devices Ray gives the worker (``--device-map``; a worker of several GPUs: auto unless given).
+    device_map: str | Mapping | None = None
+    max_memory: Mapping | Sequence[str] = ()
+    offload_folder: str | None = None
 
 
 def check_ray() -> None:
@@ -61,18 +72,11 @@ class SampleWorker:
         import torch
 
         from pkvbench.engine.generation import Engine
-        from pkvbench.engine.models import load_model
         from pkvbench.run.provenance import make_deterministic
 
         torch.set_num_threads(threads)
         make_deterministic(spec.seed)
-        self.loaded = load_model(
-            spec.name,
-            device=spec.device,
-            dtype=spec.dtype,
-            attn_implementation=spec.attn_implementation,
-            placement=spec.placement,
-        )
+        self.loaded = load_run_model(spec)
         self.engine = Engine(self.loaded)
 
     def describe(self) -> dict:
@@ -112,7 +116,7 @@ def run_grid_on_ray(
     if model.device == "cuda" and cluster.gpus_per_worker == 0:
         raise PkvError("--device cuda with --gpus-per-worker 0: a worker has a GPU only when it reserves one")
     plan = plan_grid(
-        tasks, None if items is not None else load_tokenizer(model.name), cells, options, store, shard, items
+        tasks, None if items is not None else load_tokenizer(model.model), cells, options, store, shard, items
     )
     ray = _connect(cluster)
     try:
@@ -165,8 +169,8 @@ def _placement(ray, settings: RaySettings, model: ModelSpec, pending: int) -> tu
         raise PkvError("--device cuda: the Ray cluster has no GPUs")
     if model.device == "auto":  # a worker uses a GPU when Ray reserves it one, whatever its node has
         model = replace(model, device="cuda" if gpus_per_worker else "cpu")
-    if gpus_per_worker > 1 and model.device == "cuda" and model.placement is None:
-        model = replace(model, placement=Placement("auto"))
+    if gpus_per_worker > 1 and model.device == "cuda" and model.device_map is None:
+        model = replace(model, device_map="auto")
     fits = int(cpus // CPUS_PER_WORKER)
     if gpus_per_worker:
         fits = min(fits, int(gpus / gpus_per_worker + 1e-9))
