@@ -228,6 +228,23 @@ def test_a_map_that_names_a_gpu_is_one_line_where_there_is_none(tmp_path, capsys
         dispatch_arguments(Placement({**DEVICE_MAP, "lm_head": 0}), "cpu")
 
 
+def test_a_map_that_splits_tied_weights_is_one_line_before_the_weights_load(tmp_path):
+    """SmolLM2 ties its output layer to its embedding: the map that puts lm_head on the disk and the embedding on
+    the CPU is refused before loading (accelerate would fail at the first forward)."""
+    from transformers import AutoConfig
+
+    from pkvbench.engine.models import load_model, model_path
+    from pkvbench.engine.placement import check_tied_weights
+    from pkvbench.errors import PkvError
+
+    assert AutoConfig.from_pretrained(model_path("smollm2-135m")[0]).tie_word_embeddings
+    (tmp_path / "map.json").write_text(json.dumps(DEVICE_MAP))
+    with pytest.raises(PkvError, match="places lm_head on disk and model.embed_tokens on cpu, but this model's output"):
+        load_model("smollm2-135m", device="cpu", device_map=str(tmp_path / "map.json"))
+    check_tied_weights({**DEVICE_MAP, "lm_head": "cpu"}, AutoConfig.for_model("llama", tie_word_embeddings=True))
+    check_tied_weights(DEVICE_MAP, AutoConfig.for_model("llama", tie_word_embeddings=False))
+
+
 def split_over_cpu_and_disk(folder) -> dict[str, str]:
     """A device map of the model saved in ``folder``: its even layers (and every module beside the layers but the
     embedding, and the output layer where the embedding's weight is tied to it) offloaded to the disk, the rest on

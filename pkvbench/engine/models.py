@@ -420,7 +420,7 @@ def load_model(
     check_architecture(config, name)
     architecture = read_architecture(config, name, path if os.path.isdir(path) else None)
     attn_implementation = kernel_of_family(config, architecture, attn_implementation)
-    dispatch = placing.dispatch_arguments(placement, device) if placement else {}
+    dispatch = placing.dispatch_arguments(placement, device, config) if placement else {}
     try:
         tokenizer = _tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(

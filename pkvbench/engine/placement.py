@@ -82,7 +82,25 @@ def cuda_devices(devices) -> list[torch.device]:
     return list(dict.fromkeys(torch.device(d) for d in devices if torch.device(d).type == "cuda"))
 
 
-def dispatch_arguments(placement: Placement, device: str) -> dict:
+def check_tied_weights(device_map: dict, config) -> None:
+    """A model whose output layer shares the embedding's weight (``tie_word_embeddings``) keeps that one tensor in one
+    place: a map that puts the two modules on different devices would fail at the first forward, so it is refused."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return
+
+    def device_of(tensor: str):
+        holders = [module for module in device_map if module == "" or tensor.startswith(module + ".")]
+        return device_map[max(holders, key=len)] if holders else None
+
+    output, embedding = device_of("lm_head.weight"), device_of("model.embed_tokens.weight")
+    if output is not None and embedding is not None and output != embedding:
+        raise PkvError(
+            f"--device-map places lm_head on {output} and model.embed_tokens on {embedding}, but this model's output "
+            "layer shares the embedding's weight (tie_word_embeddings): place them on one device"
+        )
+
+
+def dispatch_arguments(placement: Placement, device: str, config=None) -> dict:
     """``from_pretrained``'s keyword arguments for ``placement``: accelerate's device map (a strategy, or the file's
     or mapping's modules), ``max_memory`` (with ``--device cpu``, a strategy's GPUs left out) and the folder weights
     placed on the disk go to (a temporary one, removed with the model, unless given)."""
@@ -90,6 +108,8 @@ def dispatch_arguments(placement: Placement, device: str) -> dict:
     gpus = [] if isinstance(device_map, str) else [d for d in device_map.values() if d not in ("cpu", "disk", "mps")]
     if gpus and not torch.cuda.is_available():
         raise PkvError(f"--device-map places modules on {gpus[0]}, but no CUDA device is available")
+    if not isinstance(device_map, str):
+        check_tied_weights(device_map, config)
     max_memory = dict(placement.max_memory) if placement.max_memory else None
     if isinstance(device_map, str) and device == "cpu":
         from accelerate.utils import get_max_memory
