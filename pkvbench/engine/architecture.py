@@ -338,9 +338,12 @@ class Architecture:
         .self_attn``, with ``layer_idx``, ``o_proj``)."""
         return [layer.self_attn for layer in model.model.layers]
 
-    def output_weights(self, model) -> list:
-        """Each layer's attention output projection's weight (VATP-style value scores)."""
-        return [module.o_proj.weight for module in self.attention_modules(model)]
+    def output_weight(self, model, layer: int):
+        """Layer ``layer``'s attention output projection's weight (VATP-style value scores), where accelerate keeps it
+        (``placement.onloaded``: an offloaded one is read on the CPU, not onto the layer's device)."""
+        from pkvbench.engine.placement import stored
+
+        return stored(self.attention_modules(model)[layer].o_proj, "weight")
 
     @staticmethod
     def rotary(model):
@@ -413,10 +416,12 @@ class Architecture:
         not turn lie beyond the rotary width."""
         import torch
 
+        from pkvbench.engine.placement import execution_device
+
         module = self.attention_modules(model)[0]
         apply = inspect.getmodule(type(module)).apply_rotary_pos_emb
         dim = module.head_dim
-        device = next(model.parameters()).device
+        device = execution_device(self.rotary(model))
         positions = torch.ones(1, dim, dtype=torch.long, device=device)
         cos, sin = self.rope(model, 0, torch.zeros(1, device=device), positions)
         basis = torch.eye(dim, device=device)[None, None]  # [1, 1, d, d]: d "tokens", each a unit vector
