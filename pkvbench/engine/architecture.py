@@ -550,13 +550,16 @@ class Architecture:
     # An attention module's output projection: ``o_proj`` (the shared layout), ``out_proj`` (LFM2).
     OUTPUT_PROJECTIONS = ("o_proj", "out_proj")
 
-    def output_weights(self, model) -> list:
-        """Each attention layer's output projection's weight (VATP-style value scores), in the order of
-        ``attention_layers``."""
-        return [
-            next(getattr(module, name) for name in self.OUTPUT_PROJECTIONS if hasattr(module, name)).weight
-            for module in self.attention_modules(model)
-        ]
+    def output_weight(self, model, layer: int):
+        """Attention layer ``layer``'s (an index of ``attention_layers``) output projection's weight (VATP-style
+        value scores), where accelerate keeps it (``placement.onloaded``: an offloaded one is read on the CPU, not
+        onto the layer's device)."""
+        from pkvbench.engine.placement import stored
+
+        module = self.attention_modules(model)[layer]
+        return stored(
+            next(getattr(module, name) for name in self.OUTPUT_PROJECTIONS if hasattr(module, name)), "weight"
+        )
 
     @staticmethod
     def rotary(model):
@@ -634,6 +637,8 @@ class Architecture:
         not turn lie beyond the rotary width."""
         import torch
 
+        from pkvbench.engine.placement import execution_device
+
         module = self.attention_modules(model)[0]
         if latent(module) or self.rotary(model) is None:
             # A latent cache's queries are not un-rotated (Expected Attention, their one reader, is refused there);
@@ -641,7 +646,7 @@ class Architecture:
             return Rotation(interleaved=False, width=0)
         apply = inspect.getmodule(type(module)).apply_rotary_pos_emb
         dim = module.head_dim
-        device = next(model.parameters()).device
+        device = execution_device(self.rotary(model))
         positions = torch.ones(1, dim, dtype=torch.long, device=device)
         cos, sin = self.rope(model, self.attention_layers[0], torch.zeros(1, device=device), positions)
         # Tables of the model's shape that turn every pair a quarter: a pair whose frequency is 0 (LFM3's

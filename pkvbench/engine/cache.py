@@ -305,7 +305,12 @@ class RaggedCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def select_rows(self, rows: Sequence[int]) -> None:
-        """Keep only these batch rows (host row numbers: no read back)."""
-        index = device_rows(rows, self.layers[self.attention_layers[0]].lengths.device)
+        """Keep only these batch rows (host row numbers: no read back), each layer by an index on its own device
+        (a model placed over several devices keeps each layer's cache where the layer runs)."""
+        index: dict[torch.device, torch.Tensor] = {}
+        first = self.layers[self.attention_layers[0]]
         for layer in self.layers:
-            layer.select_rows(index, host_rows=rows)
+            device = getattr(layer, "lengths", first.lengths).device  # a state layer's rows: by the first's index
+            if device not in index:
+                index[device] = device_rows(rows, device)
+            layer.select_rows(index[device], host_rows=rows)

@@ -98,12 +98,12 @@ def _attention_only(model, modules: dict) -> Iterator[None]:
     """Every decoder layer runs its attention module (``modules``: by layer) alone, with what the model hands the
     layer; a layer without one (a hybrid's recurrent layers) passes its input on."""
     layers = list(model.model.layers)
+    # A layer returns its hidden states, or a tuple of them and its attention weights where the model takes them so
+    # (Bamba, Falcon-H1: ``layer_outputs[0]``, ``hidden_states, attn_weights = decoder_layer(...)``).
     source = inspect.getsource(type(model.model).forward)
+    tupled = re.search(r"(layer_outputs|hidden_states, \w+) = decoder_layer\(", source) is not None
 
-    def attention_only(layer, module):
-        # A layer returns its hidden states, or a tuple of them and its attention weights where the model takes
-        # them so (Bamba, Falcon-H1: ``layer_outputs[0]``, ``hidden_states, attn_weights = decoder_layer(...)``).
-        tupled = re.search(r"(layer_outputs|hidden_states, \w+) = decoder_layer\(", source) is not None
+    def attention_only(module):
 
         def forward(hidden_states, *args, **kwargs):
             if module is not None:
@@ -112,13 +112,21 @@ def _attention_only(model, modules: dict) -> Iterator[None]:
 
         return forward
 
-    for index, layer in enumerate(layers):
-        layer.forward = attention_only(layer, modules.get(index))
+    # Where accelerate placed the model (``--device-map``), its hook wraps a layer's forward and calls the layer's own
+    # as ``_old_forward``: the probe takes that one's place, so the hook still moves the inputs to the layer's device,
+    # and each layer gets back exactly what it had.
+    slots = [(layer, "_old_forward" if hasattr(layer, "_hf_hook") else "forward") for layer in layers]
+    saved = [layer.__dict__.get(slot) for layer, slot in slots]
+    for index, (layer, slot) in enumerate(slots):
+        setattr(layer, slot, attention_only(modules.get(index)))
     try:
         yield
     finally:
-        for layer in layers:
-            del layer.forward
+        for (layer, slot), own in zip(slots, saved):
+            if own is None:
+                delattr(layer, slot)
+            else:
+                setattr(layer, slot, own)
 
 
 def layer_calls(model, modules: dict) -> tuple[dict[int, LayerCall], object]:
