@@ -100,6 +100,38 @@ ROWS = [
             "initializer_range": 0.2,
         },
     ),
+    Row("mixtral", "mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    Row(
+        "qwen2_moe",
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
+    ),
+    Row("ministral", "ministral", {"sliding_window": 128, "layer_types": ["sliding_attention"] * 2}, length=120),
+    Row("olmo3", "olmo3", {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]}, length=60),
+    Row("seed_oss", "seed_oss"),
+    Row("apertus", "apertus"),
+    Row("arcee", "arcee"),
+    Row("granitemoe", "granitemoe", {"num_local_experts": 4, "num_experts_per_tok": 2, "attention_multiplier": 0.3}),
+    Row("phimoe", "phimoe", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    Row(
+        "vaultgemma",
+        "vaultgemma",
+        {
+            "sliding_window": 64,
+            "attn_logit_softcapping": 2.0,
+            "query_pre_attn_scalar": 1,
+            "initializer_range": 0.05,
+            "tie_word_embeddings": False,  # tied, its random model repeats its input token whatever the cache
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+        length=60,
+    ),
+    Row("internlm3", "internlm3"),
 ]
 
 

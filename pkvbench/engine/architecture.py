@@ -89,6 +89,42 @@ FAMILIES: dict[str, Family] = {
         "interleaved RoPE (pairs 2i, 2i + 1); q/k layer norms; a logit scale; attention and MLP in parallel",
         "RoPE's pairing read from the model's own apply_rotary_pos_emb; un-rotated as it pairs",
     ),
+    "mixtral": Family(
+        "mixture-of-experts MLP; an optional sliding window on every layer",
+        "attention as mistral",
+        layers=EVERY_LAYER_SLIDES,
+    ),
+    "qwen2_moe": Family(
+        "mixture-of-experts MLP with a shared expert; q/k/v biases; the optional window as qwen2",
+        "attention as qwen2",
+        layers=WINDOW_LAYERS,
+    ),
+    "ministral": Family(
+        "sliding layers per layer_types (every layer by default)",
+        "every layer sliding: as mistral; some: the local layers kept whole",
+        layers=LOCAL_AND_GLOBAL,
+    ),
+    "olmo3": Family(
+        "q/k norms over all heads; local and global layers, a RoPE per layer kind",
+        "each layer's own RoPE; local layers kept whole",
+        layers=LOCAL_AND_GLOBAL,
+    ),
+    "seed_oss": Family("q/k/v biases", "attention as llama"),
+    "apertus": Family("q/k norms; Llama 3.1 RoPE scaling; xIELU MLP", "attention as llama"),
+    "arcee": Family("an ungated ReLU² MLP", "attention as llama"),
+    "granitemoe": Family("mixture-of-experts MLP; granite's multipliers", "the module's own scaling"),
+    "phimoe": Family(
+        "mixture-of-experts MLP; q/k/v biases; an optional sliding window on every layer",
+        "attention as mistral",
+        layers=EVERY_LAYER_SLIDES,
+    ),
+    "vaultgemma": Family(
+        "Gemma 2's attention (soft-capped logits, query_pre_attn_scalar) without its post-norms; local and global "
+        "layers",
+        "as gemma2",
+        layers=LOCAL_AND_GLOBAL,
+    ),
+    "internlm3": Family("optional projection biases; loaded as llama", "as llama"),
     "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
     "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
 }
