@@ -47,6 +47,7 @@ class Row:
     length: int = 40  # prompt tokens
     new_tokens: int = 24
     budget: int = 16  # StreamingLLM's entries per head
+    norms: float = 0.0  # the spread of random norm weights (a random model's are all ones, so prove nothing)
 
 
 ROWS = [
@@ -132,6 +133,46 @@ ROWS = [
         length=60,
     ),
     Row("internlm3", "internlm3"),
+    # NoPE layers (layer 1: no rotary embedding): un-rotation is the identity there.
+    Row("smollm3", "smollm3", {"no_rope_layers": [1, 0], "pad_token_id": 0, "tie_word_embeddings": False}),
+    Row(
+        "exaone4",
+        "exaone4",
+        {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},  # layer 1 global and NoPE
+        length=60,
+        norms=0.5,
+    ),
+    # RoPE tables laid out as rotate-half's, applied to interleaved pairs (the first half spread over the pairs).
+    Row("glm", "glm", {"pad_token_id": 0}),
+    Row("glm4", "glm4", {"pad_token_id": 0}),
+    Row(
+        "glm4_moe",
+        "glm4_moe",
+        {
+            "pad_token_id": 0,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "use_qk_norm": True,
+        },
+        norms=0.5,
+    ),
+    Row("ernie4_5", "ernie4_5", {"tie_word_embeddings": False}),
+    Row(
+        "ernie4_5_moe",
+        "ernie4_5_moe",
+        {"tie_word_embeddings": False, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32},
+    ),
+    Row("helium", "helium"),
+    # q/k norms after RoPE, with weights that are not all ones.
+    Row("hunyuan_v1_dense", "hunyuan_v1_dense", norms=0.5),
+    Row("hunyuan_v1_moe", "hunyuan_v1_moe", {"num_experts": 4, "moe_topk": 2}, norms=0.5),
+    Row(
+        "dots1",
+        "dots1",
+        {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1},
+        norms=0.5,
+    ),
 ]
 
 
@@ -144,7 +185,12 @@ def build(row: Row, folder, tokenizer):
 
     config = AutoConfig.for_model(row.model_type, **{**TINY, **row.settings})
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if row.norms and "norm" in name and weight.dim() == 1:
+                weight.add_(row.norms * torch.randn_like(weight))
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return Engine(load_model(str(folder), device="cpu", dtype="float32"))
 
@@ -186,43 +232,78 @@ def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
     assert streamed != reference  # the masked check proves something only where dropping entries changes the answer
 
 
-def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(family, monkeypatch):
+def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(family):
     """The recorded window sums and accumulated attention equal the stock eager kernel's attention weights (the
-    module's own scale, whatever the family); the queries Expected Attention un-rotates equal the model's pre-RoPE
-    queries (captured at its ``apply_rotary_pos_emb``), a partial RoPE's pass-through dimensions included."""
-    import inspect
-
+    module's own scale, whatever the family); the queries Expected Attention un-rotates equal the queries the model's
+    own kernel gets when its rotary embedding turns nothing (each attention module called again on its own input,
+    cos 1 and sin 0): a partial RoPE's pass-through dimensions, a NoPE layer (un-rotated by the identity) and a norm
+    after RoPE (Hunyuan) included."""
     from pkvbench.engine.attention import StatsRecorder, unrotate
     from pkvbench.engine.exactness import stock_attention
     from pkvbench.policies.base import Needs
 
     row, engine, _ = family
     ids = prompt(row)
-    modeling = inspect.getmodule(type(engine.architecture.attention_modules(engine.model)[0]))
-    rotate, before_rope = modeling.apply_rotary_pos_emb, []
-
-    def spy(q, *args, **kwargs):
-        before_rope.append(q[0].float().clone())
-        return rotate(q, *args, **kwargs)
-
-    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", spy)
     needs = Needs(windows=frozenset({8}), accumulated=True, queries=frozenset({row.length}))
     recorder = StatsRecorder(
         needs,
         rope=engine.rope,
-        interleaved=engine.rotation.interleaved,
+        rotation=engine.rotation,
         sinks=[softmax.sinks for softmax in engine.softmaxes],
     )
     engine.recorded_forward(ids, recorder)
-    with stock_attention(engine.model, "eager"), torch.inference_mode():
-        weights = engine.model(ids, output_attentions=True).attentions
+    modules = engine.architecture.attention_modules(engine.model)
+    inputs = {}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda module, args, kwargs: inputs.setdefault(module.layer_idx, (args, kwargs)), with_kwargs=True
+        )
+        for module in modules
+    ]
+    try:
+        with stock_attention(engine.model, "eager"), torch.inference_mode():
+            weights = engine.model(ids, output_attentions=True, use_cache=False).attentions
+    finally:
+        for hook in hooks:
+            hook.remove()
+    unturned = queries_unturned(modules, inputs)
     for layer, attention in enumerate(weights):
         cos, sin = engine.rope(0, row.length, layer)  # each layer's own (Gemma 3's local and global differ)
         stats = recorder.layers[row.length, layer]
         torch.testing.assert_close(stats.window_scores[8], attention[0, :, -8:].sum(1), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(stats.accumulated, attention[0].sum(1), atol=1e-4, rtol=1e-4)
-        plain = unrotate(stats.recent_queries, cos, sin, engine.rotation.interleaved)
-        torch.testing.assert_close(plain, before_rope[layer], atol=1e-5, rtol=1e-4)
+        plain = unrotate(stats.recent_queries, cos, sin, engine.rotation.interleaved, engine.rotation.scale(layer))
+        torch.testing.assert_close(plain, unturned[layer], atol=1e-5, rtol=1e-4)
+
+
+class _Queries:
+    """A recorder that keeps the queries each layer's kernel gets."""
+
+    needed = True
+
+    def __init__(self):
+        self.seen = {}
+
+    def observe(self, layer_idx, query, key, scaling, **_):
+        self.seen[layer_idx] = query[0].float().clone()
+
+
+def queries_unturned(modules, inputs: dict) -> dict:
+    """Each attention module called again on its input (``inputs``: layer → its call's args and kwargs) with the
+    rotary embedding replaced by the identity: the queries its kernel then gets, per layer ``[Hq, T, d]``."""
+    from pkvbench.engine.attention import recording
+
+    def identity(embedding):
+        if isinstance(embedding, tuple):  # cos, sin
+            return torch.ones_like(embedding[0]), torch.zeros_like(embedding[1])
+        return torch.ones_like(embedding)  # complex frequencies (Llama 4)
+
+    queries = _Queries()
+    with recording(queries), torch.inference_mode():
+        for layer, module in enumerate(modules):
+            args, kwargs = inputs[layer]
+            module(*args, **{**kwargs, "position_embeddings": identity(kwargs["position_embeddings"])})
+    return queries.seen
 
 
 def test_a_batch_of_policies_decodes_as_each_alone(family):

@@ -14,8 +14,11 @@ sees positions p − window + 1 … p). How the engine treats them:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from pkvbench.errors import PkvError
 
@@ -125,6 +128,34 @@ FAMILIES: dict[str, Family] = {
         layers=LOCAL_AND_GLOBAL,
     ),
     "internlm3": Family("optional projection biases; loaded as llama", "as llama"),
+    "smollm3": Family(
+        "NoPE layers (no_rope_layers: every 4th layer skips RoPE)",
+        "which layers rotate read from the model; un-rotation and decode-time rotation the identity on NoPE layers",
+    ),
+    "exaone4": Family(
+        "q/k norms; local layers with RoPE, global layers NoPE (where sliding_window)",
+        "NoPE read from the model; local layers kept whole",
+        layers=LOCAL_AND_GLOBAL,
+    ),
+    "glm": Family(
+        "partial RoPE with interleaved pairs, its tables laid out as rotate-half's (GLM-4)",
+        "RoPE's pairing, width and tables read from the model's own apply_rotary_pos_emb",
+    ),
+    "glm4": Family("GLM's partial interleaved RoPE; norms after attention and MLP", "as glm"),
+    "glm4_moe": Family("GLM's partial interleaved RoPE; optional q/k norms; mixture-of-experts MLP", "as glm"),
+    "ernie4_5": Family(
+        "interleaved RoPE over the whole head, its tables laid out as rotate-half's",
+        "RoPE's pairing and tables read from the model's own apply_rotary_pos_emb",
+    ),
+    "ernie4_5_moe": Family("Ernie 4.5's RoPE; mixture-of-experts MLP", "as ernie4_5"),
+    "helium": Family("interleaved RoPE, its tables laid out as rotate-half's", "as ernie4_5"),
+    "hunyuan_v1_dense": Family(
+        "q/k norms after RoPE",
+        "the norm's weights read from the model; un-rotation divides them out, Expected Attention's moments turn "
+        "through them",
+    ),
+    "hunyuan_v1_moe": Family("Hunyuan's norms after RoPE; mixture-of-experts MLP", "as hunyuan_v1_dense"),
+    "dots1": Family("q/k norms; mixture-of-experts MLP with shared experts", "attention as qwen3"),
     "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
     "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
 }
@@ -251,26 +282,42 @@ class Architecture:
             return rotary(like, positions, layer_type=self.layer_kinds[layer])
         return rotary(like, positions)
 
-    # --- RoPE's pairing, read from the loaded model ------------------------------------------------------------
+    # --- how each layer rotates, read from the loaded model ----------------------------------------------------
 
     def rotation(self, model) -> Rotation:
-        """How the model's RoPE turns a head, read by turning each unit vector of a head with the model's own
-        ``apply_rotary_pos_emb`` at position 1: dimension i turns towards its partner, and the dimensions that do
-        not turn lie beyond the rotary width."""
+        """How each layer's RoPE turns a head, read from what the model does (``_watch_rotary``): a layer whose
+        attention never calls a rotary function is NoPE (SmolLM3's ``no_rope_layers``, Exaone 4's global layers,
+        Llama 4's every 4th), whatever its config says; a layer whose kernel gets other queries than the function
+        gave has a norm after RoPE (Hunyuan: ``_scale_after_rotation``). Then the function turns each unit vector of
+        a head at position 1: dimension i turns towards its partner (the pairing), and the dimensions that do not turn
+        lie beyond the rotary width."""
         import torch
 
-        module = self.attention_modules(model)[0]
-        apply = inspect.getmodule(type(module)).apply_rotary_pos_emb
-        dim = module.head_dim
+        modules = self.attention_modules(model)
+        calls, kernel_queries = _watch_rotary(model, modules)
+        dim = modules[0].head_dim
+        rotates = tuple(layer in calls for layer in range(len(modules)))
+        if not calls:
+            return Rotation(interleaved=False, width=0, dim=dim, rotates=rotates)
+        first = calls[min(calls)]
+        with torch.inference_mode():
+            scales = tuple(
+                _scale_after_rotation(modules[layer], calls[layer], kernel_queries.get(layer), layer)
+                if layer in calls
+                else None
+                for layer in range(len(modules))
+            )
+        rotation = Rotation(False, dim, dim, rotates, scales, first.function, first.heads_axis)
         device = next(model.parameters()).device
         positions = torch.ones(1, dim, dtype=torch.long, device=device)
-        cos, sin = self.rope(model, 0, torch.zeros(1, device=device), positions)
+        embedding = self.rope(model, min(calls), torch.zeros(1, device=device), positions)
         basis = torch.eye(dim, device=device)[None, None]  # [1, 1, d, d]: d "tokens", each a unit vector
-        turned = apply(basis, basis, cos.float(), sin.float())[0][0, 0].clone()  # row i: where e_i turns
+        turned = rotation.turn(basis, embedding)[0, 0].clone()  # row i: where e_i turns
         turned.fill_diagonal_(0.0)
         moving = turned.abs().sum(dim=-1) > 0
         width = int(moving.nonzero().max()) + 1 if bool(moving.any()) else 0
-        return Rotation(interleaved=width > 2 and int(turned[0].abs().argmax()) == 1, width=width)
+        interleaved = width > 2 and int(turned[0].abs().argmax()) == 1
+        return dataclasses.replace(rotation, interleaved=interleaved, width=width)
 
     # --- attention sinks ----------------------------------------------------------------------------------------
 
@@ -295,17 +342,148 @@ class LayerSoftmax:
 @dataclass(frozen=True)
 class Rotation:
     """How a model's RoPE turns a head: the first ``width`` dimensions in pairs, dimension i with i + width/2
-    (transformers' ``rotate_half``: llama and most) or, ``interleaved``, 2i with 2i + 1 (Cohere); the dimensions
-    beyond pass as they are (Phi-3's partial RoPE)."""
+    (transformers' ``rotate_half``: llama and most) or, ``interleaved``, 2i with 2i + 1 (Cohere, GLM); the dimensions
+    beyond pass as they are (Phi-3's partial RoPE). ``rotates``: per layer, whether it rotates at all (a NoPE layer
+    does not); ``scales``: per layer, a norm's weights after RoPE; ``function``: the model's own rotary function,
+    taking queries with their heads on ``heads_axis``."""
 
     interleaved: bool
     width: int
+    dim: int = 0  # the head size
+    rotates: tuple[bool, ...] = ()
+    scales: tuple = ()  # per layer: the weights [d] of a norm after RoPE (``_scale_after_rotation``), or None
+    function: Callable | None = field(default=None, compare=False)
+    heads_axis: int = 1
 
-    def tables(self, cos, sin):
-        """The rotary module's cos and sin ``[n, c]`` over the whole rotated width: a module that gives one per pair
-        (gpt-oss: c = width / 2) spread to both dimensions of each pair."""
-        if cos.shape[-1] == self.width:
-            return cos, sin
-        if self.interleaved:
-            return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
-        return cos.repeat(1, 2), sin.repeat(1, 2)
+    def scale(self, layer: int):
+        """Layer ``layer``'s weights of a norm after RoPE ``[d]``, or None."""
+        return self.scales[layer] if self.scales else None
+
+    def turn(self, x, embedding):
+        """``x`` ``[1, k, n, d]`` turned by the model's own rotary function with ``embedding`` (what its rotary module
+        gives for the n positions: cos and sin, or Llama 4's complex frequencies)."""
+        arguments = embedding if isinstance(embedding, tuple) else (embedding,)
+        laid = x if self.heads_axis == 1 else x.transpose(1, 2)
+        turned = self.function(laid, laid, *arguments)[0]
+        return turned if self.heads_axis == 1 else turned.transpose(1, 2)
+
+    def tables(self, embedding, layer: int, count: int):
+        """Layer ``layer``'s cos and sin ``[count, width]`` (float32) at the ``count`` positions ``embedding`` is of,
+        as the model's own function applies them, whatever layout its rotary module gives them in (one entry per
+        pair: gpt-oss; the first half spread over the pairs: GLM, Helium, Ernie 4.5; complex: Llama 4): read by
+        turning two vectors, 1 and σ (σᵢ = ±1 as ``rotate_half`` signs dimension i), which gives
+        y₁ = c + σ·s and y₂ = σ·c − s. A NoPE layer: the identity (cos 1, sin 0)."""
+        import torch
+
+        device = _device_of(embedding)
+        if not self.rotates[layer]:
+            return torch.ones(count, self.width, device=device), torch.zeros(count, self.width, device=device)
+        from pkvbench.engine.attention import rotate_half
+
+        ones = torch.ones(self.dim, device=device)
+        signs = ones.clone()
+        signs[: self.width] = rotate_half(ones[: self.width], self.interleaved)
+        probes = torch.stack([ones, signs])[None, :, None].expand(1, 2, count, self.dim).contiguous()
+        first, second = self.turn(probes, embedding)[0].float()
+        signs = signs[: self.width]
+        first, second = first[:, : self.width], second[:, : self.width] * signs
+        return (first + second) / 2, signs * (first - second) / 2
+
+
+def _device_of(embedding):
+    return (embedding[0] if isinstance(embedding, tuple) else embedding).device
+
+
+@dataclass(frozen=True)
+class _RotaryCall:
+    """A layer's call of its model's rotary function: the function, the axis its queries' heads lie on (1, or 2 for
+    Llama 4's), and the queries it gave ``[batch, heads, n, d]``."""
+
+    function: Callable
+    heads_axis: int
+    turned: object
+
+
+def _watch_rotary(model, modules) -> tuple[dict[int, _RotaryCall], dict]:
+    """One forward pass over a few tokens, watching the rotary functions of the model's modeling module
+    (``apply_rotary*``) and the queries each layer's kernel gets (``attention.recording``): per layer that calls one,
+    its call; per layer, its kernel's queries."""
+    import torch
+
+    from pkvbench.engine.attention import recording  # (attention imports this module)
+
+    modeling = inspect.getmodule(type(modules[0]))
+    names = [name for name, value in vars(modeling).items() if name.startswith("apply_rotary") and callable(value)]
+    layer_of = {id(module): index for index, module in enumerate(modules)}
+    current: list[int] = []
+    calls: dict[int, _RotaryCall] = {}
+    heads = model.config.num_attention_heads
+
+    def watched(function):
+        def spy(query, *args, **kwargs):
+            turned = function(query, *args, **kwargs)
+            if current and current[-1] not in calls:
+                axis = 1 if query.shape[1] == heads else 2
+                calls[current[-1]] = _RotaryCall(function, axis, turned[0] if axis == 1 else turned[0].transpose(1, 2))
+            return turned
+
+        return spy
+
+    def enter(module, _):
+        current.append(layer_of[id(module)])
+
+    def leave(*_):
+        current.pop()
+
+    hooks = [module.register_forward_pre_hook(enter) for module in modules]
+    hooks += [module.register_forward_hook(leave) for module in modules]
+    originals = {name: getattr(modeling, name) for name in names}
+    count = heads + 3  # tokens: never the number of heads, so the layout is plain
+    queries: dict = {}
+    kernel = SimpleNamespace(needed=True, observe=lambda layer, query, *_, **__: queries.__setitem__(layer, query))
+    try:
+        for name, function in originals.items():
+            setattr(modeling, name, watched(function))
+        device = next(model.parameters()).device
+        with torch.inference_mode(), recording(kernel):
+            model(input_ids=torch.arange(1, count + 1, device=device)[None], use_cache=False)
+    finally:
+        for name, function in originals.items():
+            setattr(modeling, name, function)
+        for hook in hooks:
+            hook.remove()
+    return calls, queries
+
+
+def _scale_after_rotation(module, call: _RotaryCall, kernel_query, layer: int):
+    """The weights ``[d]`` of a norm a layer applies to its queries after RoPE (Hunyuan's ``query_layernorm``:
+    w ⊙ x / rms(x)), found among the attention module's own submodules as the one that turns what the rotary function
+    gave into what the kernel got; None where the kernel gets the function's queries as they are. A norm over the
+    head commutes with RoPE up to its weights (rms(R x) = rms(x)): un-rotating divides them out first
+    (``Rotation.unrotate``). Anything else after RoPE is refused, in one line."""
+    import torch
+
+    turned = call.turned
+    if kernel_query is None or kernel_query.shape != turned.shape or torch.equal(kernel_query, turned):
+        return None
+    tolerance = {"atol": 1e-4, "rtol": 1e-3} if turned.dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for child in module.children():
+        if isinstance(child, torch.nn.Linear):
+            continue
+        laid = turned if call.heads_axis == 1 else turned.transpose(1, 2)
+        try:
+            normed = child(laid)
+        except (TypeError, RuntimeError):
+            continue
+        normed = normed if call.heads_axis == 1 else normed.transpose(1, 2)
+        if normed.shape != kernel_query.shape or not torch.allclose(normed, kernel_query, **tolerance):
+            continue
+        scale = child(torch.ones_like(laid[..., :1, :1, :])).flatten().float()
+        weighted = scale * turned.float()  # a norm over the head: the kernel's queries are c·w ⊙ x, c per token
+        factor = (weighted * kernel_query.float()).sum(-1, keepdim=True) / (weighted * weighted).sum(-1, keepdim=True)
+        if torch.allclose(factor * weighted, kernel_query.float(), **tolerance):
+            return scale
+    raise PkvError(
+        f"layer {layer}'s attention changes its queries after RoPE in a way pkvbench cannot undo (not a norm over "
+        "the head); not supported"
+    )

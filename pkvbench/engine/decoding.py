@@ -147,7 +147,7 @@ class BatchDecoder:
         query_heads: int | None = None,
         layer_kinds: list[str] | None = None,
         windows: list[int | None] | None = None,
-        interleaved: bool = False,
+        rotation=None,
     ):
         self.forward = forward
         self.tokenizer = tokenizer
@@ -158,7 +158,7 @@ class BatchDecoder:
         self.rope = (
             rope  # RoPE's cos, sin of positions (start, count) of a layer: Expected Attention's cuts while decoding
         )
-        self.interleaved = interleaved  # how that RoPE pairs dimensions (``attention.rotate_half``)
+        self.rotation = rotation  # how that RoPE pairs dimensions, norms after it (``architecture.Rotation``)
         # Per layer, how it turns logits into attention (``architecture.LayerSoftmax``): the cuts' statistics.
         self.softmaxes = softmaxes
         self.query_heads = query_heads or kv_heads
@@ -211,7 +211,7 @@ class BatchDecoder:
             self.softmaxes,
             self.query_heads,
             self.rope,
-            self.interleaved,
+            self.rotation,
         )
         rows = [_Row(request, index) for index, request in enumerate(requests)]
         position = requests[0].position

@@ -164,7 +164,7 @@ class Engine:
             query_heads=loaded.num_query_heads,
             layer_kinds=list(self.architecture.layer_kinds),
             windows=self.architecture.windows,
-            interleaved=self.rotation.interleaved,
+            rotation=self.rotation,
         )
 
     @property
@@ -188,8 +188,8 @@ class Engine:
         (``Architecture.rope``: Gemma 3's local and global layers rotate differently), paired as ``self.rotation``
         says."""
         positions = torch.arange(start, start + count, device=self.device)[None]
-        cos, sin = self.architecture.rope(self.model, layer, torch.zeros(1, device=self.device), positions)
-        return self.rotation.tables(cos[0].float(), sin[0].float())
+        embedding = self.architecture.rope(self.model, layer, torch.zeros(1, device=self.device), positions)
+        return self.rotation.tables(embedding, layer, count)
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -231,9 +231,7 @@ class Engine:
         input_ids = input_ids.to(self.device)
         cuts = tuple(sorted(set(cuts))) or (input_ids.shape[1],)
         needs = Needs.union([*(p.needs for p in policies), *(prefill_needs(p) for p in decoding)])
-        recorder = StatsRecorder(
-            needs, cuts, self.rope, self.rotation.interleaved, [softmax.sinks for softmax in self.softmaxes]
-        )
+        recorder = StatsRecorder(needs, cuts, self.rope, self.rotation, [softmax.sinks for softmax in self.softmaxes])
         cache = DynamicCache()
         with too_big_for_memory("the prefill's statistics", input_ids.shape[1]):
             logits, seconds = self.recorded_forward(input_ids, recorder, cache)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pkvbench.cell import budgets
+from pkvbench.engine.architecture import Rotation
 from pkvbench.engine.attention import attention_softmax, last_queries_sums, rotate_moments, soft_cap_
 from pkvbench.engine.cache import RaggedCache
 from pkvbench.engine.sliding import PositionedLayer
@@ -275,7 +276,7 @@ class MemoryTracker:
         softmaxes: list,
         query_heads: int,
         rope: Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None,
-        interleaved: bool = False,
+        rotation: Rotation | None = None,
     ):
         self.cache = cache
         self.query_heads = query_heads
@@ -283,7 +284,7 @@ class MemoryTracker:
         self.starts = starts
         self.softmaxes = softmaxes  # per layer: ``architecture.LayerSoftmax``
         self.rope = rope  # (start, count, layer) → the layer's RoPE cos, sin
-        self.interleaved = interleaved  # RoPE's pairing (``attention.rotate_half``)
+        self.rotation = rotation or Rotation(interleaved=False, width=0)  # RoPE's pairing, norms after it
         self.live = list(range(len(schedules)))
         self.memory = [RowMemory() for _ in schedules]
         self.forwarded = False  # whether a forward has read the caches yet (their states from then on count)
@@ -326,8 +327,9 @@ class MemoryTracker:
             )
             if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
                 moments = start.moments[index]
+                interleaved, scale = self.rotation.interleaved, self.rotation.scale(index)
                 rotated = {
-                    (sink, future): rotate_moments(*moments[sink], *self.rope(end, future, index), self.interleaved)
+                    (sink, future): rotate_moments(*moments[sink], *self.rope(end, future, index), interleaved, scale)
                     for sink, future in needs.query_stats
                 }
                 stats = dataclasses.replace(stats, query_stats=rotated)
