@@ -9,7 +9,9 @@ sees positions p − window + 1 … p). How the engine treats them:
   ``max_window_layers`` 0) is compressed as any other; the window is applied while decoding (``sliding``);
 - in a model that mixes local (sliding) and global layers, the local layers are never compressed by a policy: they
   keep their entries, counted in the row's entries and bytes, and decode under their window; the global layers are
-  compressed.
+  compressed;
+- ``chunked_attention`` (Llama 4, ``attention_chunk_size``): the token at position p sees its chunk only, positions
+  p − p mod chunk … p. A chunked layer is kept whole as a local layer is, and decodes under its chunk.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from pkvbench.errors import PkvError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-ATTENTION_KINDS = (FULL, SLIDING)
+CHUNKED = "chunked_attention"
+ATTENTION_KINDS = (FULL, SLIDING, CHUNKED)
 MATRIX = "tests/test_architectures.py"
 
 
@@ -156,6 +159,13 @@ FAMILIES: dict[str, Family] = {
     ),
     "hunyuan_v1_moe": Family("Hunyuan's norms after RoPE; mixture-of-experts MLP", "as hunyuan_v1_dense"),
     "dots1": Family("q/k norms; mixture-of-experts MLP with shared experts", "attention as qwen3"),
+    "llama4_text": Family(
+        "chunked layers (attention_chunk_size) with RoPE as complex frequencies and an L2 norm after it; global layers "
+        "NoPE (every 4th), their queries scaled by position (attn_temperature_tuning); mixture-of-experts MLP",
+        "chunked layers kept whole, decoding under their chunk; NoPE, the pairing and the norm read from the model; "
+        "the temperature's position from the sequence's length as transformers counts it",
+        layers="chunked (kept whole) and global (full) per layer_types",
+    ),
     "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
     "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
 }
@@ -191,9 +201,10 @@ class Architecture:
     """A model's layers as the engine sees them."""
 
     family: str  # config.model_type
-    layer_kinds: tuple[str, ...]  # per layer: FULL or SLIDING (or a kind pkvbench refuses, e.g. linear attention)
+    layer_kinds: tuple[str, ...]  # per layer: FULL, SLIDING or CHUNKED (or a kind pkvbench refuses, e.g. linear)
     sliding_window: int | None  # the window of the sliding layers
     softcap: float | None = None  # attn_logit_softcapping (Gemma 2): logits become softcap·tanh(logits / softcap)
+    chunk: int | None = None  # the chunk of the chunked layers (Llama 4's attention_chunk_size)
 
     @classmethod
     def of(cls, config) -> Architecture:
@@ -208,15 +219,17 @@ class Architecture:
         if SLIDING not in kinds:
             window = None
         softcap = getattr(config, "attn_logit_softcapping", None)
-        return cls(getattr(config, "model_type", "") or "", kinds, window, softcap)
+        chunk = getattr(config, "attention_chunk_size", None) if CHUNKED in kinds else None
+        return cls(getattr(config, "model_type", "") or "", kinds, window, softcap, chunk)
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
 
     def window(self, layer: int) -> int | None:
-        """The layer's sliding window, None for full attention."""
-        return self.sliding_window if self.layer_kinds[layer] == SLIDING else None
+        """How far back the layer's tokens see: its sliding window, or its chunk (a chunked layer); None for full
+        attention."""
+        return {SLIDING: self.sliding_window, CHUNKED: self.chunk}.get(self.layer_kinds[layer])
 
     @property
     def windows(self) -> list[int | None]:
@@ -232,8 +245,9 @@ class Architecture:
         return SLIDING in self.layer_kinds and not self.every_layer_slides
 
     def compressible(self, layer: int) -> bool:
-        """Whether a policy may compress the layer: every layer but a mixed model's local ones."""
-        return not (self.mixed and self.layer_kinds[layer] == SLIDING)
+        """Whether a policy may compress the layer: every layer but a mixed model's local ones and chunked ones."""
+        kind = self.layer_kinds[layer]
+        return not (self.mixed and kind == SLIDING) and kind != CHUNKED
 
     # --- the loaded model's modules: the one place that names their paths -------------------------------------
 

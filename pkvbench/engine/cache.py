@@ -216,11 +216,13 @@ def device_rows(rows: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 class RaggedCache(Cache):
-    """A batch of compressed caches, one ``RaggedLayer`` per model layer."""
+    """A batch of compressed caches, one ``RaggedLayer`` per model layer; ``start``: the position of the first new
+    token (every row's: the rows of a batch write the same tokens at each step)."""
 
-    def __init__(self, layers: list[RaggedLayer]):
+    def __init__(self, layers: list[RaggedLayer], start: int = 0):
         super().__init__(layers=layers)
         self.step_memo: dict = {}
+        self.seen = [start] * len(layers)  # per layer: the tokens the sequence has had (the next one's position)
         for layer in layers:
             if hasattr(layer, "step_memo"):
                 layer.step_memo, layer.memo_shared = self.step_memo, True
@@ -228,7 +230,14 @@ class RaggedCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx == 0:  # a new step: the last one's masks are stale
             self.step_memo.clear()
+        self.seen[layer_idx] += key_states.shape[-2]
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The tokens the sequence has had, as transformers' own cache layers count them (a sliding layer's
+        ``cumulative_length``), not the entries a compressed cache holds: Llama 4 scales its NoPE layers' queries by
+        the position this gives (``attn_temperature_tuning``)."""
+        return self.seen[layer_idx]
 
     def select_rows(self, rows: torch.Tensor | Sequence[int]) -> None:
         """Keep only these batch rows: a device index, or host row numbers (no read back)."""

@@ -85,9 +85,9 @@ def _masks_by_kind(
     config, visible: torch.Tensor, position: int, kept_whole: tuple[str, ...], dtype: torch.dtype
 ) -> dict:
     """The one query's 4-D masks ``[1, 1, 1, position + 1]`` per layer kind: what it may see of the cache's entries
-    (at positions 0 … position), a sliding kind within its window; boolean, or added to the logits in ``dtype``
+    (at positions 0 … position), a sliding kind within its window, a chunked kind within its chunk; boolean, or added to the logits in ``dtype``
     where the model runs the eager kernel (Gemma 2)."""
-    from pkvbench.engine.architecture import SLIDING, Architecture
+    from pkvbench.engine.architecture import CHUNKED, SLIDING, Architecture
 
     architecture = Architecture.of(config)
     entries = torch.arange(position + 1, device=visible.device)
@@ -96,6 +96,8 @@ def _masks_by_kind(
         seen = torch.ones_like(visible) if kind in kept_whole else visible
         if kind == SLIDING:
             seen = seen & (entries > position - architecture.sliding_window)
+        if kind == CHUNKED:
+            seen = seen & (entries >= position - position % architecture.chunk)
         masks[kind] = seen[None, None, None]
     if config._attn_implementation == "eager":  # the eager kernel adds its masks to the logits
         return {

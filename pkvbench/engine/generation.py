@@ -277,10 +277,10 @@ class Engine:
 
         length = len(prompt)
         prefix, passes = repeat_inputs(self.tokenizer, prompt, chunk)
-        # The fused path attends to the whole prompt: not for a sliding window shorter than a pass's reach.
-        sliding = self.architecture.sliding_window
-        if sliding:
-            fused = fused and all(length + len(ids) <= sliding for _, _, ids in passes)
+        # The fused path attends to the whole prompt: not for a sliding window or chunk shorter than a pass's reach.
+        reach = min((window for window in self.architecture.windows if window), default=None)
+        if reach:
+            fused = fused and all(length + len(ids) <= reach for _, _, ids in passes)
         scores = [torch.zeros(self.loaded.num_kv_heads, length, device=self.device) for _ in layers]
         for layer_scores in scores:  # the chat prefix and the sinks are always kept
             layer_scores[:, : max(prefix, min(SINK, length))] = float("inf")
