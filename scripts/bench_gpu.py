@@ -84,6 +84,11 @@ DECODE_POLICIES = {"full": "full", "128": "snapkv", "adakv 128": "adakv(snapkv)"
 LONGER = {"llama-3.2-1b": 131072}  # a decode length beyond the statistics' for a model whose cache fits it
 
 
+def decode_alone(engine: Engine, prefill, cache, new_tokens: int):
+    """One compressed cache decoded greedily, alone (a batch of one)."""
+    return engine.decode_many([engine.request(prefill, cache, new_tokens)])[0]
+
+
 def synthetic_tokenizer(size: int = 1000):
     """A word-level tokenizer of ``size`` words ``w0`` … (no chat template): what the engine asks of a tokenizer —
     end ids, decoding, KVzip's repeat request — without a file or a download."""
@@ -388,14 +393,14 @@ def decode_per_token(engine: Engine, ids: torch.Tensor, new_tokens: int, bandwid
     rows, seconds = [], {}
     for label, policy in policies.items():
         cache = engine.compress(prefill, policy, Budget(128))
-        engine.decode(prefill, cache, 2)  # warm-up
+        decode_alone(engine, prefill, cache, 2)  # warm-up
         with Peak(device) as peak:
             decoded, best = min(
-                (timed(device, lambda: engine.decode(prefill, cache, new_tokens)) for _ in range(2)),
+                (timed(device, lambda: decode_alone(engine, prefill, cache, new_tokens)) for _ in range(2)),
                 key=lambda pair: pair[1],
             )
         seconds[label] = best / max(1, len(decoded.tokens) - 1)
-        share = kernel_share(device, lambda: engine.decode(prefill, cache, new_tokens), best)
+        share = kernel_share(device, lambda: decode_alone(engine, prefill, cache, new_tokens), best)
         floor = (weights + cache_bytes(cache.kept, new_tokens)) / bandwidth
         rows.append(
             row(
@@ -420,10 +425,10 @@ def exactness(device: str, length: int, new_tokens: int) -> list[dict]:
     full, streaming = parse_policy("full"), parse_policy("streamingllm")
     prefill = engine.prefill(ids, [full, streaming])
     checks = {}
-    ours = engine.decode(prefill, engine.compress(prefill, full, Budget(64)), new_tokens).tokens
+    ours = decode_alone(engine, prefill, engine.compress(prefill, full, Budget(64)), new_tokens).tokens
     checks["full cache = model.generate"] = ours == generate_reference(engine.model, ids, new_tokens)
     compressed = engine.compress(prefill, streaming, Budget(64))
-    ours = engine.decode(prefill, compressed, new_tokens).tokens
+    ours = decode_alone(engine, prefill, compressed, new_tokens).tokens
     visible = torch.zeros(length, dtype=torch.bool)
     visible[: streaming.sink] = True
     visible[length - (64 - streaming.sink) :] = True
@@ -467,20 +472,20 @@ def statistics_exactness(engine: Engine, ids: torch.Tensor, dtype: torch.dtype) 
         )
     ]
     queries = {}
-    recorder = attention.StatsRecorder(h2o.needs)
+    recorder = attention.StatsRecorder(h2o.needs, engine.softmaxes)
     original = recorder.observe
 
-    def observe(layer_idx, query, key, scaling, logsumexp=None):
-        queries[layer_idx] = (query[0], key[0], scaling, logsumexp)
-        return original(layer_idx, query, key, scaling, logsumexp=logsumexp)
+    def observe(layer_idx, query, key, logsumexp=None):
+        queries[layer_idx] = (query[0], key[0], engine.softmaxes[layer_idx], logsumexp)
+        return original(layer_idx, query, key, logsumexp=logsumexp)
 
     recorder.observe = observe
     with torch.inference_mode():
         engine.recorded_forward(ids, recorder)
     worst, overlap = 0.0, []
-    for layer_idx, (query, key, scaling, _) in queries.items():
+    for layer_idx, (query, key, softmax, _) in queries.items():
         fused = recorder.layers[length, layer_idx].accumulated
-        chunked = attention.accumulated_attention(query.float(), key.float(), scaling)
+        chunked = attention.accumulated_attention(query.float(), key.float(), softmax)
         worst = max(worst, ((fused - chunked).abs() / chunked.clamp(min=1e-6)).max().item())
         overlap.append(top_overlap(fused, chunked, 32))
     fused_route = all(lse is not None for *_, lse in queries.values())

@@ -29,7 +29,7 @@ from pkvbench.api import FunnelConfig, RunConfig
 from pkvbench.cli import main
 from pkvbench.errors import PkvError
 from pkvbench.store.lock import FolderLock
-from pkvbench.store.outputs import write_file
+from tests.helpers import write_file
 
 # --- folders as pkvbench writes them -----------------------------------------------------------------------------
 

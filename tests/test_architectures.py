@@ -23,6 +23,7 @@ import torch
 from pkvbench.cell.budgets import Budget
 from pkvbench.engine.exactness import generate_reference, masked_reference
 from pkvbench.policies.spec import parse_policy
+from tests.helpers import decode_one
 
 VOCAB = 49152  # the embedded model's tokenizer
 TINY = {
@@ -230,12 +231,12 @@ def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
     full, streaming = parse_policy("full"), parse_policy("streamingllm")
     prefill = engine.prefill(ids, [full, streaming])
 
-    ours = engine.decode(prefill, engine.compress(prefill, full, Budget(row.budget)), row.new_tokens).tokens
+    ours = decode_one(engine, prefill, engine.compress(prefill, full, Budget(row.budget)), row.new_tokens).tokens
     reference = generate_reference(engine.model, ids, row.new_tokens)
     assert ours == reference
 
     compressed = engine.compress(prefill, streaming, Budget(row.budget))
-    streamed = engine.decode(prefill, compressed, row.new_tokens).tokens
+    streamed = decode_one(engine, prefill, compressed, row.new_tokens).tokens
     visible = torch.zeros(row.length, dtype=torch.bool)
     visible[: streaming.sink] = True
     visible[row.length - (row.budget - streaming.sink) :] = True
@@ -263,12 +264,7 @@ def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(fam
     row, engine, _ = family
     ids = prompt(row)
     needs = Needs(windows=frozenset({8}), accumulated=True, queries=frozenset({row.length}))
-    recorder = StatsRecorder(
-        needs,
-        rope=engine.rope,
-        rotation=engine.rotation,
-        sinks=[softmax.sinks for softmax in engine.softmaxes],
-    )
+    recorder = StatsRecorder(needs, engine.softmaxes, rope=engine.rope, rotation=engine.rotation)
     engine.recorded_forward(ids, recorder)
     modules = engine.architecture.attention_modules(engine.model)
     inputs = {}
@@ -284,7 +280,7 @@ def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(fam
     finally:
         for hook in hooks:
             hook.remove()
-    unturned = queries_unturned(modules, inputs)
+    unturned = queries_unturned(modules, inputs, engine.softmaxes)
     for layer, attention in enumerate(weights):
         cos, sin = engine.rope(0, row.length, layer)  # each layer's own (Gemma 3's local and global differ)
         stats = recorder.layers[row.length, layer]
@@ -295,29 +291,24 @@ def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(fam
         torch.testing.assert_close(plain, unturned[layer], atol=1e-5, rtol=1e-4)
 
 
-class _Queries:
-    """A recorder that keeps the queries each layer's kernel gets."""
-
-    needed = True
-
-    def __init__(self):
-        self.seen = {}
-
-    def observe(self, layer_idx, query, key, scaling, **_):
-        self.seen[layer_idx] = query[0].float().clone()
-
-
-def queries_unturned(modules, inputs: dict) -> dict:
+def queries_unturned(modules, inputs: dict, softmaxes) -> dict:
     """Each attention module called again on its input (``inputs``: layer → its call's args and kwargs) with the
     rotary embedding replaced by the identity: the queries its kernel then gets, per layer ``[Hq, T, d]``."""
-    from pkvbench.engine.attention import recording
+    from pkvbench.engine.attention import Recorder, recording
+
+    class Queries(Recorder):
+        def __init__(self):
+            self.softmaxes, self.seen = softmaxes, {}
+
+        def observe(self, layer_idx, query, key, logsumexp=None):
+            self.seen[layer_idx] = query[0].float().clone()
 
     def identity(embedding):
         if isinstance(embedding, tuple):  # cos, sin
             return torch.ones_like(embedding[0]), torch.zeros_like(embedding[1])
         return torch.ones_like(embedding)  # complex frequencies (Llama 4)
 
-    queries = _Queries()
+    queries = Queries()
     with recording(queries), torch.inference_mode():
         for layer, module in enumerate(modules):
             args, kwargs = inputs[layer]
@@ -357,6 +348,7 @@ def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage
     kept in the model's dtype, or packed in 4 bits (then the window reaches into the packed part and the residual).
     A chunked layer of chunk 32: positions 32 … 59 (the new token's chunk) and the new token."""
     from pkvbench.cell.kv_formats import KVFormat
+    from pkvbench.engine.architecture import Architecture
     from pkvbench.engine.decoding import DecodeRequest, KeptEntries
     from pkvbench.engine.layers import build_cache
     from pkvbench.engine.quantized import StoredEntries
@@ -373,7 +365,8 @@ def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage
             kept = StoredEntries.store(kept, KVFormat(4, group=16, residual=5), torch.float32)
         requests.append(DecodeRequest(kept=kept, position=start, max_new_tokens=4))
         kept_positions.append(positions)
-    layer = build_cache(requests, room=4, kv_heads=heads, kinds=[kind], windows=[window]).layers[0]
+    architecture = Architecture("test", (kind,), window, kv_heads=heads, query_heads=heads, chunk=window)
+    layer = build_cache(requests, room=4, architecture=architecture).layers[0]
     layer.update(torch.randn(2, heads, 1, dim), torch.randn(2, heads, 1, dim))
     mask = layer.attention_mask()
     if storage == "stored":  # the packed columns' positions, then the residual's
@@ -395,6 +388,7 @@ def test_decode_time_statistics_soft_cap_their_logits_as_the_models_eager_kernel
 
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
+    from pkvbench.engine.architecture import LayerSoftmax
     from pkvbench.engine.shrinking import ShrinkingLayer
     from pkvbench.policies.base import Needs
 
@@ -419,14 +413,15 @@ def test_decode_time_statistics_soft_cap_their_logits_as_the_models_eager_kernel
     )
     new_key, query = draw(1, heads, 1, dim), draw(1, heads * group, 1, dim)
     layer.update(new_key, new_key.clone())
-    layer.observe(query, scaling, softcap)
+    layer.observe(query, LayerSoftmax(scaling, softcap))
     module = SimpleNamespace(num_key_value_groups=group, training=False)
     _, weights = eager_attention_forward(
         module, query, layer.keys, layer.values, None, scaling=scaling, softcap=softcap
     )
     torch.testing.assert_close(layer._accumulated[0, :, : count + 1], weights[0, :, 0])
 
-    stats = layer.row_stats(0, 0, Needs(windows=frozenset({window})), scaling, count + 1, heads * group, softcap)
+    softmax = LayerSoftmax(scaling, softcap)
+    stats = layer.row_stats(0, 0, Needs(windows=frozenset({window})), softmax, count + 1, heads * group)
     latest = layer._queries  # the window's queries, the new one last, at positions count + 1 - window … count
     entries, rows = torch.arange(count + 1), torch.arange(count + 1 - window, count + 1)
     causal = torch.zeros(window, count + 1).masked_fill_(entries[None] > rows[:, None], torch.finfo(torch.float32).min)

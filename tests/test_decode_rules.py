@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from pkvbench.engine.architecture import LayerSoftmax
 from pkvbench.engine.attention import last_queries_sums
 from pkvbench.engine.shrinking import DecodeSchedule, RowMemory, ShrinkingLayer, prefill_needs
 from pkvbench.policies import LayerStats, parse_policy, registry
@@ -61,7 +62,7 @@ def max_pool(row, kernel):
 
 def test_last_queries_sums_are_the_causal_attention_of_the_newest_entries_tokens():
     keys, _, queries = tensors()
-    sums = last_queries_sums(queries, keys, SCALE, {1, WINDOW})
+    sums = last_queries_sums(queries, keys, LayerSoftmax(SCALE), {1, WINDOW})
     for w in (1, WINDOW):
         expected = longhand_window_sums(queries, keys, w)
         assert torch.allclose(sums[w], torch.tensor(expected), atol=1e-5)
@@ -290,7 +291,7 @@ def test_a_cut_compacts_one_row_and_leaves_the_others():
     assert cache.lengths.tolist() == [[4, 4], [5, 5]]
     assert cache._positions[0, :, 3].tolist() == [50, 50] and cache._positions[1, :, 4].tolist() == [50, 50]
     query = torch.randn(2, 4, 1, 2)
-    cache.observe(query, 1.0)
+    cache.observe(query, LayerSoftmax(1.0))
     assert cache.query_counts.tolist() == [2, 2] and torch.equal(cache._queries[:, :, -1], query[:, :, 0])
     # each row's new attention sums to one per query head over its own entries
     assert torch.allclose(cache._accumulated[0, :, :4].sum(-1), torch.tensor([1.0 + 3, 1 + 3, 1 + 3, 1 + 3]))
@@ -312,12 +313,16 @@ def test_the_attention_wrapper_hands_each_steps_queries_to_a_shrinking_layer():
     from types import SimpleNamespace
 
     from pkvbench.engine.attention import _decoding_attention
+    from pkvbench.engine.cache import RaggedCache
 
-    cache = layer([[3, 3]], accumulate=True)
+    shrinking = layer([[3, 3]], accumulate=True)
+    cache = RaggedCache([shrinking], [LayerSoftmax(0.5)])
     new = torch.ones((1, 2, 1, 2))
-    cache.update(new, new)
+    cache.update(new, new, 0)
     query = torch.randn(1, 4, 1, 2)
-    module = SimpleNamespace(scaling=0.5, num_key_value_groups=2)
-    _decoding_attention(lambda *args, **kwargs: (None, None), "sdpa", cache, module, query, cache.keys, cache.values)
-    assert torch.equal(cache._queries[0, :, -1], query[0, :, 0]) and cache.query_counts.tolist() == [2]
-    assert torch.allclose(cache._accumulated[0, :, :4].sum(-1), torch.full((4,), 4.0))
+    module = SimpleNamespace(layer_idx=0, num_key_value_groups=2)
+    _decoding_attention(
+        lambda *args, **kwargs: (None, None), "sdpa", cache, module, query, shrinking.keys, shrinking.values
+    )
+    assert torch.equal(shrinking._queries[0, :, -1], query[0, :, 0]) and shrinking.query_counts.tolist() == [2]
+    assert torch.allclose(shrinking._accumulated[0, :, :4].sum(-1), torch.full((4,), 4.0))

@@ -10,6 +10,7 @@ import torch
 
 from pkvbench.cell.budgets import Budget
 from pkvbench.engine import attention
+from pkvbench.engine.architecture import LayerSoftmax
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
 from pkvbench.engine.decoding import DecodeRequest, KeptEntries, greedy_rows, plan_batches
 from pkvbench.policies import parse_policy
@@ -70,7 +71,7 @@ def test_a_cache_of_query_heads_repeats_each_new_entry_to_its_group():
 
 def test_rows_leave_the_batch():
     layer = ragged([[3], [1], [2]])
-    layer.select_rows(torch.tensor([0, 2]))
+    layer.select_rows(torch.tensor([0, 2]), [0, 2])
     assert layer.lengths.tolist() == [[3], [2]] and layer.keys.shape[0] == 2
 
 
@@ -327,7 +328,7 @@ def one_step_masks(cache, new):
 def test_a_step_builds_each_mask_once_for_layers_of_the_same_lengths():
     lengths = torch.tensor([[3, 3], [1, 1]])
     layers = [RaggedLayer(torch.zeros(2, 2, 3, 2), torch.zeros(2, 2, 3, 2), lengths, 4, 2) for _ in range(3)]
-    cache = RaggedCache(layers)
+    cache = RaggedCache(layers, [LayerSoftmax(1.0)] * 3)
     new = torch.zeros((2, 2, 1, 2))
     masks = one_step_masks(cache, new)
     assert masks[0] is masks[1] is masks[2]
@@ -347,7 +348,8 @@ def test_stored_layers_of_the_same_counts_share_their_step_mask():
         store_layer(torch.randn(2, n, 16), torch.randn(2, n, 16), torch.tensor([n, n]), fmt, torch.bfloat16)
         for n in (40, 20)
     ]
-    cache = RaggedCache([QuantizedLayer(rows, fmt, torch.float32, room=4, kv_heads=2) for _ in range(3)])
+    layers = [QuantizedLayer(rows, fmt, torch.float32, room=4, kv_heads=2) for _ in range(3)]
+    cache = RaggedCache(layers, [LayerSoftmax(1.0)] * 3)
     new = torch.zeros((2, 2, 1, 16))
     masks = one_step_masks(cache, new)
     assert masks[0] is masks[1] is masks[2]
@@ -375,3 +377,46 @@ def test_flex_attention_is_left_to_layer_kinds_that_mask_more_and_to_calls_with_
         assert not attention._flex_applies("eager", plain, query, {})
     with attention.ragged_kernel("masked"):
         assert not attention._flex_applies("sdpa", plain, query, {})
+
+
+def test_a_layer_kind_that_leaves_out_part_of_the_contract_fails_when_built():
+    """``DecodingLayer`` is the base of every kind: one without ``held`` (or any other abstract member) cannot be
+    built, and every kind the table builds is one."""
+    from pkvbench.engine.cache import DecodingLayer
+    from pkvbench.engine.layers import LAYER_KINDS
+
+    class Forgetful(DecodingLayer):
+        lengths = torch.zeros(1, 1)
+
+        def lazy_initialization(self, key_states, value_states): ...
+        def update(self, key_states, value_states, *args, **kwargs): ...
+        def get_mask_sizes(self, query_length): ...
+        def get_seq_length(self): ...
+        def get_max_length(self): ...
+        def attention_mask(self): ...
+        def select_rows(self, rows, host_rows=None): ...
+
+    with pytest.raises(TypeError, match="held"):
+        Forgetful()
+    assert all(issubclass(kind, DecodingLayer) for kind, _ in LAYER_KINDS.values())
+
+
+def test_a_cut_reads_its_rows_counts_from_the_host():
+    """A cut while decoding scores a row's entries per layer (``ShrinkingLayer.row_stats``): its count and its query
+    ring's come from the host copies, so a cut on a GPU waits for nothing (issue 48: it read ``lengths[row, 0]`` back
+    per layer, row and cut)."""
+    from pkvbench.engine.architecture import LayerSoftmax
+    from pkvbench.engine.shrinking import ShrinkingLayer
+    from pkvbench.policies.base import Needs
+
+    generator = torch.Generator().manual_seed(2)
+    keys = torch.randn(2, 2, 6, 8, generator=generator)
+    positions = torch.arange(6).expand(2, 2, 6).clone()
+    layer = ShrinkingLayer(
+        keys, keys.clone(), torch.tensor([[6, 6], [4, 4]]), 3, 2, positions,
+        queries=torch.randn(2, 4, 3, 8, generator=generator), query_counts=[3, 2], start=6,
+    )  # fmt: skip
+    guard = NoHostReads()
+    with guard():
+        stats = layer.row_stats(1, 0, Needs(windows=frozenset({2}), queries=frozenset({2})), LayerSoftmax(0.5), 6, 4)
+    assert stats.context_len == 4 and stats.recent_queries.shape == (4, 2, 8)

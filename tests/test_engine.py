@@ -12,6 +12,7 @@ from pkvbench.engine.generation import CompressedCache
 from pkvbench.policies import Needs, parse_policy
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
+from tests.helpers import decode_one
 
 pytestmark = pytest.mark.model
 POLICIES = ["full", "streamingllm", "h2o", "snapkv", "pyramidkv"]
@@ -29,18 +30,18 @@ def prefill(engine, needle_ids):
 
 
 def test_full_cache_equals_model_generate(engine, loaded, needle_ids, prefill):
-    ours = engine.decode(prefill, engine.compress(prefill, parse_policy("full"), Budget(128)), 32)
+    ours = decode_one(engine, prefill, engine.compress(prefill, parse_policy("full"), Budget(128)), 32)
     assert ours.tokens == generate_reference(loaded.model, needle_ids, 32)
 
 
 def test_every_policy_with_budget_at_least_T_equals_full(engine, prefill):
-    full = engine.decode(prefill, engine.compress(prefill, parse_policy("full"), Budget(1)), 32).tokens
+    full = decode_one(engine, prefill, engine.compress(prefill, parse_policy("full"), Budget(1)), 32).tokens
     for spec in POLICIES[1:]:
         policy = parse_policy(spec)
         for budget in (Budget(prefill.context_len), Budget(5000)):
             cache = engine.compress(prefill, policy, budget)
             assert cache.kept_per_layer == [prefill.context_len] * 30
-            assert engine.decode(prefill, cache, 32).tokens == full, spec
+            assert decode_one(engine, prefill, cache, 32).tokens == full, spec
         # The gather path itself, keeping every entry, is exact too.
         kept = [policy.select(stats, prefill.context_len) for stats in prefill.stats]
         index = [k[:, :, None].expand(-1, -1, prefill.keys[0].shape[-1]) for k in kept]
@@ -51,14 +52,14 @@ def test_every_policy_with_budget_at_least_T_equals_full(engine, prefill):
             ),
             plan=cache.plan,
         )
-        assert engine.decode(prefill, gathered, 32).tokens == full, spec
+        assert decode_one(engine, prefill, gathered, 32).tokens == full, spec
 
 
 def test_compressed_decoding_keeps_original_positions(engine, loaded, needle_ids, prefill):
     """StreamingLLM drops the same positions in every layer and head, so a stock model given the full cache and a
     mask hiding the dropped prompt positions from new tokens must produce the same tokens."""
     cache = engine.compress(prefill, parse_policy("streamingllm"), Budget(64))
-    ours = engine.decode(prefill, cache, 24).tokens
+    ours = decode_one(engine, prefill, cache, 24).tokens
     length = prefill.context_len
     visible = torch.zeros(length, dtype=torch.bool)
     visible[:4] = True
@@ -73,7 +74,7 @@ def test_recorded_statistics_match_eager_attention(engine, loaded):
     ids = torch.tensor([loaded.tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]])
     with attention_kernel(loaded.model, "eager"), torch.inference_mode():
         attentions = loaded.model(ids, output_attentions=True).attentions
-    recorder = StatsRecorder(Needs(windows=frozenset({8}), accumulated=True))
+    recorder = StatsRecorder(Needs(windows=frozenset({8}), accumulated=True), engine.softmaxes)
     with recording(recorder), torch.inference_mode():
         loaded.model(ids)
     for layer, probs in enumerate(attentions):
@@ -117,11 +118,11 @@ def test_a_cache_of_query_heads_decodes_exactly(engine, loaded, prefill):
     kv_heads = engine.compress(prefill, parse_policy("streamingllm"), Budget(64))
     query_heads = engine.compress(prefill, parse_policy("streamingllm:gqa=query"), Budget(64))
     assert query_heads.kept.heads == (loaded.num_query_heads,) * 30 and query_heads.nbytes == 30 * 64 * per_entry
-    assert engine.decode(prefill, query_heads, 24).tokens == engine.decode(prefill, kv_heads, 24).tokens
-    full = engine.decode(prefill, engine.compress(prefill, parse_policy("full"), Budget(1)), 24).tokens
+    assert decode_one(engine, prefill, query_heads, 24).tokens == decode_one(engine, prefill, kv_heads, 24).tokens
+    full = decode_one(engine, prefill, engine.compress(prefill, parse_policy("full"), Budget(1)), 24).tokens
     for spec in ("snapkv", "pyramidkv", "h2o"):
         whole = engine.compress(prefill, parse_policy(spec, protocol="reference"), Budget(5000))
-        assert engine.decode(prefill, whole, 24).tokens == full, spec
+        assert decode_one(engine, prefill, whole, 24).tokens == full, spec
 
 
 def test_recording_h2o_statistics_leaves_the_prefill_bit_for_bit(engine, needle_ids, prefill):

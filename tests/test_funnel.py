@@ -10,6 +10,7 @@ import torch
 
 from pkvbench.cell.schema import FUNNEL_STATISTICS
 from pkvbench.cli import main
+from pkvbench.engine.architecture import LayerSoftmax
 from pkvbench.run.funnel import (
     FunnelRecorder,
     attention_statistics,
@@ -84,8 +85,8 @@ def test_heads_are_measured_separately():
 def test_recorder_measures_the_last_window_of_causal_softmax_attention():
     gen = torch.Generator().manual_seed(3)
     query, key = torch.randn(6, 40, 8, generator=gen), torch.randn(2, 40, 8, generator=gen)
-    recorder = FunnelRecorder(window=5, sink=2, top_k=3)
-    recorder.observe(7, query[None], key[None], 0.3)
+    recorder = FunnelRecorder([LayerSoftmax(0.3)] * 8, window=5, sink=2, top_k=3)
+    recorder.observe(7, query[None], key[None])
     expected = attention_statistics(naive_attention(query, key, 0.3)[:, -5:], torch.arange(36, 41), 2, 3)
     assert set(recorder.layers) == {7}
     for name in FUNNEL_STATISTICS:

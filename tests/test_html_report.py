@@ -11,7 +11,6 @@ import pytest
 
 from pkvbench.errors import PkvError
 from pkvbench.reports.figures.html_figures import (
-    budget_axis,
     budget_curve_figures,
     curve_points,
     needle_heatmap_figures,
@@ -83,15 +82,15 @@ def result_row(sample: str, policy: str, budget: int) -> dict:
     }
 
 
-def write_run(folder: Path, samples=SAMPLES, shard: str | None = None) -> Path:
+def write_run(folder: Path, samples=SAMPLES, shard: str | None = None, policies=POLICIES) -> Path:
     folder.mkdir(parents=True)
-    rows = [result_row(s, p, b) for s in samples for p in POLICIES for b in BUDGETS]
+    rows = [result_row(s, p, b) for s in samples for p in policies for b in BUDGETS]
     (folder / "samples.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     record = {
         "options": {
             "model": MODEL,
             "tasks": ["needle"],
-            "policies": list(POLICIES),
+            "policies": list(policies),
             "budgets": list(BUDGETS),
             "protocol": "exact",
             "query_modes": ["aware"],
@@ -106,7 +105,7 @@ def write_run(folder: Path, samples=SAMPLES, shard: str | None = None) -> Path:
             "dtype": "float32",
             "layers": 4,
         },
-        "policies": {p: {} for p in POLICIES},
+        "policies": {p: {} for p in policies},
         "executor": "local",
         "versions": {"pkvbench": "0.1.0", "torch": "2.13.0", "transformers": "5.0.0", "python": "3.11.2"},
         "commit": "0123456789abcdef0123456789abcdef01234567",
@@ -119,6 +118,11 @@ def write_run(folder: Path, samples=SAMPLES, shard: str | None = None) -> Path:
 @pytest.fixture
 def run_folder(tmp_path):
     return write_run(tmp_path / "demo")
+
+
+def embedded_data(page: str) -> dict:
+    """The page's data, as its script reads it."""
+    return json.loads(re.search(r'<script type="application/json" id="pkvbench-data">(.*?)</script>', page, re.S)[1])
 
 
 def sample_entry(data: dict, sample_id: str) -> dict:
@@ -204,18 +208,6 @@ def test_intervals_in_the_summary_are_drawn_and_hovered(run_folder):
     assert "ci_high" not in json.dumps(no_interval[0]["spec"])
 
 
-@pytest.mark.parametrize(
-    "label,expected",
-    [
-        ("128", ("entries per head", 128.0)),
-        ("0.05", ("fraction of the prompt", 0.05)),
-        ("cr0.25", ("compression ratio", 0.25)),
-    ],
-)
-def test_budget_kinds_get_their_own_panels(label, expected):
-    assert budget_axis(label) == expected
-
-
 def test_a_policy_missing_at_a_budget_keeps_the_heatmap_grid_aligned():
     """needle_more runs StreamingLLM at 64 only: its square at 0.05 is there, empty, so that Vega-Lite does not shift
     the other policies' cells under the wrong headers."""
@@ -271,8 +263,7 @@ def test_page_is_one_file_that_fetches_nothing_and_keeps_html_in_predictions_as_
     assert report.bytes == len(page.encode())
     assert external_references(page) == []  # scripts, styles and figures are all inline
     assert page.count("</script>") == 3  # data, Vega, the page's script: none from a prediction
-    embedded = re.search(r'<script type="application/json" id="pkvbench-data">(.*?)</script>', page, re.S)
-    data = json.loads(embedded.group(1))
+    data = embedded_data(page)
     assert any(row[1] == INJECTED for row in sample_entry(data, "len2000_depth50")["rows"])
 
 
@@ -305,6 +296,37 @@ def test_report_html_writes_the_page(run_folder, tmp_path, capsys):
     code, out, err = run_cli(capsys, "report", str(run_folder), "--html", str(target), "--out", str(table))
     assert code == 0, err
     assert "| pyramidkv | 64 |" in table.read_text()  # with --out, the table too
+
+
+@pytest.mark.parametrize(
+    "policies",
+    [("full",), ("snapkv",), ("full", "snapkv"), POLICIES],
+    ids=["full-alone", "one-policy", "full-and-one", "many"],
+)
+def test_report_table_figures_and_page_for_one_two_and_many_policies(policies, tmp_path, capsys):
+    """Issue 47 R2: under pandas 3 a map over the policy column (an ordered categorical) is itself a categorical
+    where the map is one-to-one (full and one other policy), and ``~`` on it failed the page of any folder of one or
+    two policies: every report of a folder draws, whatever its policies."""
+    folder = write_run(tmp_path / "run", policies=policies)
+    code, out, err = run_cli(capsys, "report", str(folder))
+    assert code == 0, err
+    assert [line.split(" | ")[1] for line in out.splitlines()[2:]] == [p for p in policies for _ in BUDGETS]
+    code, out, err = run_cli(capsys, "plot", str(folder), "--out", str(tmp_path / "png"))
+    assert code == 0, err
+    pngs = sorted(p.name for p in (tmp_path / "png").glob("*.png"))
+    assert "curves_SmolLM2-135M-Instruct.png" in pngs
+    assert len(pngs) == len(policies) * len(BUDGETS) + 2  # a heatmap per cell, the combined heatmap, the curves
+    assert all((tmp_path / "png" / name).read_bytes().startswith(b"\x89PNG") for name in pngs)
+    page = tmp_path / "report.html"
+    code, out, err = run_cli(capsys, "report", str(folder), "--html", str(page))
+    assert code == 0, err
+    data = embedded_data(page.read_text())
+    drawn = [figure["kind"] for figure in data["figures"]]
+    compressed = [p for p in policies if p != "full"]
+    # the curves and layer budgets draw the compressed policies (the full cache is the curves' dashed line)
+    assert drawn == ["curves", "heatmap", "layers"] if compressed else ["heatmap"]
+    assert [c["policy"] for c in data["samples"]["configs"]] == [p for p in policies for _ in BUDGETS]
+    assert data["ranks"]["policy"] == {p: i for i, p in enumerate(policies)}
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,11 @@ from pkvbench.cell.kv_formats import CacheGeometry, KVFormat, MemoryTooSmall, me
 from pkvbench.codecs.kivi import dequantize_keys, dequantize_values
 from pkvbench.engine.decoding import KeptEntries
 from pkvbench.engine.generation import kept_bytes
-from pkvbench.engine.quantized import StoredEntries, quantized_layers
+from pkvbench.engine.quantized import StoredEntries
 from pkvbench.errors import PkvError
 from pkvbench.policies import parse_policy
 from pkvbench.reports.axes import order_axes
+from tests.helpers import quantized_layers
 
 GEOMETRY = CacheGeometry(layers=4, kv_heads=3, head_dim=64)
 FORMATS = [KVFormat(16), KVFormat(8), KVFormat(4, group=16, residual=5), KVFormat(2, group=32, residual=0)]
@@ -204,7 +205,7 @@ def test_a_batch_of_stored_caches_attends_to_each_rows_own_entries():
         got = attend(query[row], keys[row], values[row], mask[row, :, 0])
         assert torch.allclose(got, expected, atol=1e-6)
         assert int(mask[row, :, 0].sum()) == sum(kept.lengths[0].tolist() if kept.lengths else [9, 9, 9]) + 3
-    layer.select_rows(torch.tensor([2]))
+    layer.select_rows(torch.tensor([2]), [2])
     keys, _ = layer.update(new_keys[2:], new_values[2:])
     assert keys.shape[0] == 1 and int(layer.attention_mask()[0, :, 0].sum()) == 70 + 1 + 30 + 6
 

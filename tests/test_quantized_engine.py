@@ -14,6 +14,7 @@ from pkvbench.run.runner import Cell, check_formats, check_memory
 from pkvbench.store.results import read_rows
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
+from tests.helpers import decode_one
 
 pytestmark = pytest.mark.model
 
@@ -36,7 +37,7 @@ def test_eight_bits_with_nothing_to_quantize_is_the_16_bit_cache(engine, needle)
         assert all(layer.keys is None for layer in eight.kept.layers)
         for a, b in zip(sixteen.kept.layers, eight.kept.layers):
             assert all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors))
-        assert engine.decode(prefill, sixteen, 12).tokens == engine.decode(prefill, eight, 12).tokens
+        assert decode_one(engine, prefill, sixteen, 12).tokens == decode_one(engine, prefill, eight, 12).tokens
 
 
 def test_kv_bytes_are_the_stored_tensors_and_memory_budgets_hold(engine, loaded, needle):

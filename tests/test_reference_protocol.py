@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pkvbench.cell.budgets import Budget, plan
+from pkvbench.engine.architecture import LayerSoftmax
 from pkvbench.engine.attention import accumulated_attention, bidirectional_attention_sums, window_attention_sums
 from pkvbench.policies import LayerStats, parse_policy
 from pkvbench.policies.pyramidkv import pyramid_reference
@@ -120,14 +121,14 @@ def random_qk(query_heads, kv_heads, length, seed, dim=16):
 
 
 def stats_of(query, key, windows=(), accumulated=False, bidirectional=()):
-    scaling = query.shape[-1] ** -0.5
+    softmax = LayerSoftmax(query.shape[-1] ** -0.5)
     return LayerStats(
         context_len=key.shape[1],
         num_kv_heads=key.shape[0],
         num_query_heads=query.shape[0],
-        window_scores=window_attention_sums(query, key, scaling, set(windows)) if windows else {},
-        accumulated=accumulated_attention(query, key, scaling) if accumulated else None,
-        bidirectional={w: bidirectional_attention_sums(query, key, scaling, w) for w in bidirectional},
+        window_scores=window_attention_sums(query, key, softmax, set(windows)) if windows else {},
+        accumulated=accumulated_attention(query, key, softmax) if accumulated else None,
+        bidirectional={w: bidirectional_attention_sums(query, key, softmax, w) for w in bidirectional},
     )
 
 

@@ -183,7 +183,8 @@ def test_a_resume_under_other_versions_is_refused_or_noted_and_the_record_keeps_
 
 def test_the_writing_rule_recognises_what_pkvbench_wrote_and_nothing_else(tmp_path):
     from pkvbench.run.funnel import funnel_store
-    from pkvbench.store.outputs import MANIFEST, RESULTS_FILES, Outputs, write_file
+    from pkvbench.store.outputs import MANIFEST, RESULTS_FILES, Outputs
+    from tests.helpers import write_file
 
     assert {path.name for path in funnel_store(tmp_path / "f").own_paths} <= RESULTS_FILES
     report = tmp_path / "out" / "report.md"

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from pkvbench.engine.architecture import LayerSoftmax
 from pkvbench.engine.attention import accumulated_attention, window_attention_sums
 
 
@@ -20,7 +21,9 @@ def test_accumulated_attention_equals_column_sums_in_any_chunking():
     query, key = torch.randn(6, 37, 16, generator=gen), torch.randn(2, 37, 16, generator=gen)
     expected = naive_attention(query, key, 0.25).sum(dim=1)
     for chunk_bytes in (1, 4 * 6 * 37 * 5, 1 << 30):
-        torch.testing.assert_close(accumulated_attention(query, key, 0.25, chunk_bytes=chunk_bytes), expected)
+        torch.testing.assert_close(
+            accumulated_attention(query, key, LayerSoftmax(0.25), chunk_bytes=chunk_bytes), expected
+        )
     # Column j is seen by T - j queries, each contributing at most 1.
     assert torch.all(expected <= (37 - torch.arange(37)) + 1e-5)
     torch.testing.assert_close(expected.sum(dim=1), torch.full((6,), 37.0))
@@ -30,7 +33,7 @@ def test_window_sums_equal_the_last_rows():
     gen = torch.Generator().manual_seed(1)
     query, key = torch.randn(6, 30, 8, generator=gen), torch.randn(3, 30, 8, generator=gen)
     probs = naive_attention(query, key, 0.3)
-    sums = window_attention_sums(query, key, 0.3, {1, 8, 32})
+    sums = window_attention_sums(query, key, LayerSoftmax(0.3), {1, 8, 32})
     torch.testing.assert_close(sums[1], probs[:, -1])
     torch.testing.assert_close(sums[8], probs[:, -8:].sum(1))
     torch.testing.assert_close(sums[32], probs.sum(1))  # a window longer than the prompt is the whole prompt
@@ -100,7 +103,7 @@ def test_bidirectional_sums_leave_only_the_window_block_causal():
     logits = query @ key.repeat_interleave(2, 0).transpose(1, 2) * 0.3
     logits[:, -5:, -5:] = logits[:, -5:, -5:].masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(
-        bidirectional_attention_sums(query, key, 0.3, 5, chunk_bytes=64), logits.softmax(-1).sum(1)
+        bidirectional_attention_sums(query, key, LayerSoftmax(0.3), 5, chunk_bytes=64), logits.softmax(-1).sum(1)
     )
 
 
@@ -167,18 +170,19 @@ def test_attention_sinks_join_every_statistics_denominator():
     probs = with_sink_column(causal)
     assert float(probs.sum(-1).max()) < 0.999  # the sink takes a share
 
-    torch.testing.assert_close(window_attention_sums(query, key, 0.3, {8}, sinks=sinks)[8], probs[:, -8:].sum(1))
-    torch.testing.assert_close(last_queries_sums(query[:, -8:], key, 0.3, {8}, sinks=sinks)[8], probs[:, -8:].sum(1))
-    torch.testing.assert_close(accumulated_attention(query, key, 0.3, chunk_bytes=512, sinks=sinks), probs.sum(1))
+    softmax = LayerSoftmax(0.3, sinks=sinks)
+    torch.testing.assert_close(window_attention_sums(query, key, softmax, {8})[8], probs[:, -8:].sum(1))
+    torch.testing.assert_close(last_queries_sums(query[:, -8:], key, softmax, {8})[8], probs[:, -8:].sum(1))
+    torch.testing.assert_close(accumulated_attention(query, key, softmax, chunk_bytes=512), probs.sum(1))
     _, logsumexp = flash_kernel(query.device, query.dtype)(query[None], expanded[None], expanded[None], True, 0.3)
-    from_logsumexp = StatsRecorder._accumulated(query, key, 0.3, logsumexp, 30, None, sinks)
+    from_logsumexp = StatsRecorder._accumulated(query, key, softmax, logsumexp, 30)
     torch.testing.assert_close(from_logsumexp, probs.sum(1), rtol=1e-4, atol=1e-5)
     bidirectional = logits.clone()
     bidirectional[:, -5:, -5:] = causal[:, -5:, -5:]
     torch.testing.assert_close(
-        bidirectional_attention_sums(query, key, 0.3, 5, chunk_bytes=64, sinks=sinks),
+        bidirectional_attention_sums(query, key, softmax, 5, chunk_bytes=64),
         with_sink_column(bidirectional).sum(1),
     )
-    recorder = StatsRecorder(Needs(accumulated=True), sinks=[None, sinks])
-    recorder.observe(1, query[None], key[None], 0.3)
+    recorder = StatsRecorder(Needs(accumulated=True), [LayerSoftmax(0.3), softmax])
+    recorder.observe(1, query[None], key[None])
     torch.testing.assert_close(recorder.layers[30, 1].accumulated, probs.sum(1))

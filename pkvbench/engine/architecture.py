@@ -20,7 +20,6 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from pkvbench.errors import PkvError
 
@@ -28,7 +27,6 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 CHUNKED = "chunked_attention"
 ATTENTION_KINDS = (FULL, SLIDING, CHUNKED)
-MATRIX = "tests/test_architectures.py"
 
 
 @dataclass(frozen=True)
@@ -169,8 +167,6 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
     "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
 }
-# Layer kinds of transformers' cache_utils that hold no per-token keys and values (hybrid linear attention).
-RECURRENT_KINDS = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba")
 
 
 def admitted_families() -> list[str]:
@@ -198,13 +194,26 @@ def check_family(config, name: str) -> None:
 
 @dataclass(frozen=True)
 class Architecture:
-    """A model's layers as the engine sees them."""
+    """A model's layers as the engine sees them: what the decoder, its cuts and the statistics need of the model."""
 
     family: str  # config.model_type
     layer_kinds: tuple[str, ...]  # per layer: FULL, SLIDING or CHUNKED (or a kind pkvbench refuses, e.g. linear)
     sliding_window: int | None  # the window of the sliding layers
     softcap: float | None = None  # attn_logit_softcapping (Gemma 2): logits become softcap·tanh(logits / softcap)
+    kv_heads: int = 0  # the heads of the keys and values the model hands its cache
+    query_heads: int = 0
     chunk: int | None = None  # the chunk of the chunked layers (Llama 4's attention_chunk_size)
+    # Read from the loaded model (``of_model``): each layer's softmax, and how its RoPE turns a head.
+    softmaxes: tuple[LayerSoftmax, ...] = ()
+    rotation: Rotation | None = None
+
+    @classmethod
+    def of_model(cls, model) -> Architecture:
+        """From a loaded model: its config's facts, and what its modules do."""
+        architecture = cls.of(model.config)
+        return dataclasses.replace(
+            architecture, softmaxes=tuple(architecture._softmaxes(model)), rotation=architecture._rotation(model)
+        )
 
     @classmethod
     def of(cls, config) -> Architecture:
@@ -220,7 +229,9 @@ class Architecture:
             window = None
         softcap = getattr(config, "attn_logit_softcapping", None)
         chunk = getattr(config, "attention_chunk_size", None) if CHUNKED in kinds else None
-        return cls(getattr(config, "model_type", "") or "", kinds, window, softcap, chunk)
+        query_heads = getattr(config, "num_attention_heads", 0)
+        kv_heads = getattr(config, "num_key_value_heads", None) or query_heads
+        return cls(getattr(config, "model_type", "") or "", kinds, window, softcap, kv_heads, query_heads, chunk)
 
     @property
     def num_layers(self) -> int:
@@ -261,7 +272,7 @@ class Architecture:
         """Each layer's attention output projection's weight (VATP-style value scores)."""
         return [module.o_proj.weight for module in self.attention_modules(model)]
 
-    def softmaxes(self, model) -> list[LayerSoftmax]:
+    def _softmaxes(self, model) -> list[LayerSoftmax]:
         """How each layer turns its logits into attention: its module's own scale (granite's multiplier, not always
         1/sqrt(d)), the model's soft-cap, the module's sinks."""
         return [
@@ -298,7 +309,7 @@ class Architecture:
 
     # --- how each layer rotates, read from the loaded model ----------------------------------------------------
 
-    def rotation(self, model) -> Rotation:
+    def _rotation(self, model) -> Rotation:
         """How each layer's RoPE turns a head, read from what the model does (``_watch_rotary``): a layer whose
         attention never calls a rotary function is NoPE (SmolLM3's ``no_rope_layers``, Exaone 4's global layers,
         Llama 4's every 4th), whatever its config says; a layer whose kernel gets other queries than the function
@@ -308,7 +319,7 @@ class Architecture:
         import torch
 
         modules = self.attention_modules(model)
-        calls, kernel_queries = _watch_rotary(model, modules)
+        calls, kernel_queries = _watch_rotary(model, modules, self._softmaxes(model))
         dim = modules[0].head_dim
         rotates = tuple(layer in calls for layer in range(len(modules)))
         if not calls:
@@ -418,13 +429,20 @@ class _RotaryCall:
     turned: object
 
 
-def _watch_rotary(model, modules) -> tuple[dict[int, _RotaryCall], dict]:
+def _watch_rotary(model, modules, softmaxes) -> tuple[dict[int, _RotaryCall], dict]:
     """One forward pass over a few tokens, watching the rotary functions of the model's modeling module
-    (``apply_rotary*``) and the queries each layer's kernel gets (``attention.recording``): per layer that calls one,
-    its call; per layer, its kernel's queries."""
+    (``apply_rotary*``) and the queries each layer's kernel gets (``attention.recording``; ``softmaxes``: the
+    layers'): per layer that calls one, its call; per layer, its kernel's queries."""
     import torch
 
-    from pkvbench.engine.attention import recording  # (attention imports this module)
+    from pkvbench.engine.attention import Recorder, recording  # (attention imports this module)
+
+    class KernelQueries(Recorder):
+        def __init__(self):
+            self.softmaxes, self.queries = softmaxes, {}
+
+        def observe(self, layer_idx, query, key, logsumexp=None):
+            self.queries[layer_idx] = query
 
     modeling = inspect.getmodule(type(modules[0]))
     names = [name for name, value in vars(modeling).items() if name.startswith("apply_rotary") and callable(value)]
@@ -453,8 +471,7 @@ def _watch_rotary(model, modules) -> tuple[dict[int, _RotaryCall], dict]:
     hooks += [module.register_forward_hook(leave) for module in modules]
     originals = {name: getattr(modeling, name) for name in names}
     count = heads + 3  # tokens: never the number of heads, so the layout is plain
-    queries: dict = {}
-    kernel = SimpleNamespace(needed=True, observe=lambda layer, query, *_, **__: queries.__setitem__(layer, query))
+    kernel = KernelQueries()
     try:
         for name, function in originals.items():
             setattr(modeling, name, watched(function))
@@ -466,7 +483,7 @@ def _watch_rotary(model, modules) -> tuple[dict[int, _RotaryCall], dict]:
             setattr(modeling, name, function)
         for hook in hooks:
             hook.remove()
-    return calls, queries
+    return calls, kernel.queries
 
 
 def _scale_after_rotation(module, call: _RotaryCall, kernel_query, layer: int):

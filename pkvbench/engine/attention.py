@@ -15,25 +15,38 @@ import contextvars
 import functools
 import inspect
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Protocol
 
 import torch
 
-from pkvbench.engine.architecture import Architecture, Rotation
-from pkvbench.engine.cache import FLEX_BLOCK, RaggedLayer
+from pkvbench.engine.architecture import LayerSoftmax, Rotation
+from pkvbench.engine.cache import FLEX_BLOCK
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs
 
 
-class Recorder(Protocol):
-    """What the attention wrapper calls during a recorded forward pass (``StatsRecorder``, ``funnel.FunnelRecorder``)."""
+class Recorder(ABC):
+    """What the attention wrapper calls during a recorded forward pass (``StatsRecorder``, KVzip's
+    ``reconstruction.ReconstructionRecorder``, ``funnel.FunnelRecorder``). ``softmaxes``: each layer's
+    ``architecture.LayerSoftmax``, how its model turns logits into attention (``Engine.softmaxes``)."""
 
-    needed: bool
+    softmaxes: list[LayerSoftmax]
+    needed: bool = True  # False: the wrapper leaves the forward to the model's kernel alone
+    wants_logsumexp: bool = False  # True: ``observe`` takes each query's log-sum-exp where the fused kernel gives it
 
-    def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
-        """Called by every attention call of a recorded forward (prefill or not), with post-RoPE queries and keys;
-        a soft-capped model's calls also pass ``softcap`` (``soft_cap_``)."""
+    @abstractmethod
+    def observe(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, logsumexp: torch.Tensor | None = None
+    ) -> None:
+        """Called by every attention call of a recorded forward (prefill or not), with post-RoPE queries and keys."""
+
+    def attend(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The call's attention output, computed by the recorder itself (KVzip's fused path), or None: the model's
+        kernel gives it and ``observe`` sees the call."""
+        return None
 
 
 _ACTIVE_RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("pkvbench_recorder", default=None)
@@ -79,70 +92,47 @@ def with_sinks(logsumexp: torch.Tensor, sinks: torch.Tensor | None) -> torch.Ten
     return torch.logaddexp(logsumexp, sinks.float().view(-1, 1, 1))
 
 
-def window_attention_probs(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    scaling: float,
-    rows: int,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+def window_attention_probs(query: torch.Tensor, key: torch.Tensor, softmax: LayerSoftmax, rows: int) -> torch.Tensor:
     """``[Hq, rows, T]``: the causal softmax attention of the last ``rows`` queries over all T keys.
 
     ``query`` is ``[Hq, T, D]`` and ``key`` ``[Hkv, T, D]``, both post-RoPE; query heads share their KV head (GQA);
-    ``sinks``: ``attention_softmax``.
+    ``softmax``: the layer's scale, soft-cap and sinks (every statistic below takes it).
     """
     length = query.shape[1]
-    return last_queries_attention(query[:, length - min(rows, length) :], key, scaling, softcap, sinks)
+    return last_queries_attention(query[:, length - min(rows, length) :], key, softmax)
 
 
-def last_queries_attention(
-    last: torch.Tensor,
-    key: torch.Tensor,
-    scaling: float,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+def last_queries_attention(last: torch.Tensor, key: torch.Tensor, softmax: LayerSoftmax) -> torch.Tensor:
     """``[Hq, r, n]``: the softmax attention of ``last`` ``[Hq, r, D]``, the queries of the tokens of the last r of
     the n entries ``key`` ``[Hkv, n, D]``, over all n, causal among the last r (a prompt's end, or while the answer is
     written a cache's newest entries)."""
     num_query_heads, rows, dim = last.shape
     num_kv_heads, length = key.shape[0], key.shape[1]
     grouped = last.float().reshape(num_kv_heads, num_query_heads // num_kv_heads * rows, dim)
-    logits = torch.bmm(grouped, key.float().transpose(1, 2)).mul_(scaling).view(num_query_heads, rows, length)
-    soft_cap_(logits, softcap)
+    logits = torch.bmm(grouped, key.float().transpose(1, 2)).mul_(softmax.scaling).view(num_query_heads, rows, length)
+    soft_cap_(logits, softmax.softcap)
     query_pos = torch.arange(length - rows, length, device=last.device)[:, None]
     logits.masked_fill_(torch.arange(length, device=last.device)[None, :] > query_pos, float("-inf"))
-    return attention_softmax(logits, sinks)
+    return attention_softmax(logits, softmax.sinks)
 
 
 def last_queries_sums(
-    last: torch.Tensor,
-    key: torch.Tensor,
-    scaling: float,
-    windows: set[int],
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    last: torch.Tensor, key: torch.Tensor, softmax: LayerSoftmax, windows: set[int]
 ) -> dict[int, torch.Tensor]:
     """``window_attention_sums`` from the last queries themselves (``last_queries_attention``)."""
-    from_end = last_queries_attention(last, key, scaling, softcap, sinks).flip(1).cumsum(dim=1)
+    from_end = last_queries_attention(last, key, softmax).flip(1).cumsum(dim=1)
     rows = from_end.shape[1]
     return {w: from_end[:, min(w, rows) - 1] for w in windows}
 
 
 def window_attention_sums(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    scaling: float,
-    windows: set[int],
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    query: torch.Tensor, key: torch.Tensor, softmax: LayerSoftmax, windows: set[int]
 ) -> dict[int, torch.Tensor]:
     """For each w in ``windows``: ``[Hq, T]`` sums over the last w queries of their causal softmax attention.
 
     One softmax over the largest window's queries serves every smaller window.
     """
-    probs = window_attention_probs(query, key, scaling, max(windows), softcap, sinks)
+    probs = window_attention_probs(query, key, softmax, max(windows))
     rows = probs.shape[1]
     # Cumulative sums from the last query backwards: entry r holds the sum over the last r+1 queries.
     from_end = probs.flip(1).cumsum(dim=1)
@@ -150,12 +140,7 @@ def window_attention_sums(
 
 
 def accumulated_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    scaling: float,
-    chunk_bytes: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    query: torch.Tensor, key: torch.Tensor, softmax: LayerSoftmax, chunk_bytes: int | None = None
 ) -> torch.Tensor:
     """``[Hq, T]``: for each key position, the sum over all T queries of their causal softmax attention to it.
 
@@ -172,22 +157,16 @@ def accumulated_attention(
     for start in range(0, length, rows_per_chunk):
         end = min(length, start + rows_per_chunk)
         chunk = grouped_query[:, :, start:end].reshape(num_kv_heads, group * (end - start), dim)
-        logits = torch.bmm(chunk, keys[:, :end].transpose(1, 2)).mul_(scaling).view(num_query_heads, end - start, end)
-        soft_cap_(logits, softcap)
+        logits = torch.bmm(chunk, keys[:, :end].transpose(1, 2)).mul_(softmax.scaling)
+        logits = soft_cap_(logits.view(num_query_heads, end - start, end), softmax.softcap)
         query_pos = torch.arange(start, end, device=query.device)[:, None]
         logits.masked_fill_(torch.arange(end, device=query.device)[None, :] > query_pos, float("-inf"))
-        totals[:, :end] += attention_softmax(logits, sinks).sum(dim=1)
+        totals[:, :end] += attention_softmax(logits, softmax.sinks).sum(dim=1)
     return totals
 
 
 def bidirectional_attention_sums(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    scaling: float,
-    window: int,
-    chunk_bytes: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    query: torch.Tensor, key: torch.Tensor, softmax: LayerSoftmax, window: int, chunk_bytes: int | None = None
 ) -> torch.Tensor:
     """``[Hq, T]``: for each key position, the sum over all T queries of their softmax attention to it, where only
     the last ``window`` queries are causally masked (over the last ``window`` keys) and every earlier query sees all
@@ -204,12 +183,12 @@ def bidirectional_attention_sums(
     for start in range(0, length, rows_per_chunk):
         end = min(length, start + rows_per_chunk)
         chunk = grouped_query[:, :, start:end].reshape(num_kv_heads, group * (end - start), dim)
-        logits = torch.bmm(chunk, keys).mul_(scaling).view(num_query_heads, end - start, length)
-        soft_cap_(logits, softcap)
+        logits = torch.bmm(chunk, keys).mul_(softmax.scaling).view(num_query_heads, end - start, length)
+        soft_cap_(logits, softmax.softcap)
         query_pos = torch.arange(start, end, device=query.device)[:, None]
         key_pos = torch.arange(length, device=query.device)[None, :]
         logits.masked_fill_((query_pos >= masked_from) & (key_pos > query_pos), float("-inf"))
-        totals += attention_softmax(logits, sinks).sum(dim=1)
+        totals += attention_softmax(logits, softmax.sinks).sum(dim=1)
     return totals
 
 
@@ -288,14 +267,22 @@ def rotate_moments(
     return mean @ rotation.T, rotation @ covariance @ rotation.T
 
 
-class StatsRecorder:
+class StatsRecorder(Recorder):
     """Collects ``LayerStats`` for every layer during one prefill: of the whole prompt, or of its first c tokens for
     each c in ``cuts`` (the prompt is causal: the first c queries and keys are those of a prefill of c tokens).
-    ``rope(start, count, layer)`` gives the layer's RoPE cos and sin ``[count, d]`` of positions start… (query
-    statistics), ``rotation`` how it pairs dimensions (``rotate_half``) and what each layer does after RoPE
-    (``architecture.Rotation``); ``sinks`` each layer's attention sinks ``[Hq]`` or None (``attention_softmax``)."""
+    ``softmaxes``: each layer's ``LayerSoftmax`` (required: statistics without the model's scale, soft-cap or sinks
+    would be another model's); ``rope(start, count, layer)`` gives the layer's RoPE cos and sin ``[count, d]`` of
+    positions start… (query statistics), ``rotation`` how it pairs dimensions (``rotate_half``) and what each layer
+    does after RoPE (``architecture.Rotation``)."""
 
-    def __init__(self, needs: Needs, cuts: tuple[int, ...] = (), rope=None, rotation=None, sinks: list | None = None):
+    def __init__(
+        self,
+        needs: Needs,
+        softmaxes: list[LayerSoftmax],
+        cuts: tuple[int, ...] = (),
+        rope=None,
+        rotation: Rotation | None = None,
+    ):
         self.windows = set(needs.windows)
         self.accumulated = needs.accumulated
         self.bidirectional = set(needs.bidirectional)
@@ -305,7 +292,7 @@ class StatsRecorder:
         self.cuts = cuts
         self.rope = rope
         self.rotation = rotation or Rotation(interleaved=False, width=0)
-        self.sinks = sinks
+        self.softmaxes = softmaxes
         self.layers: dict[tuple[int, int], LayerStats] = {}  # (cut, layer) → statistics
 
     @property
@@ -320,13 +307,13 @@ class StatsRecorder:
         )
 
     @staticmethod
-    def _accumulated(q, k, scaling, logsumexp, cut, softcap, sinks) -> torch.Tensor:
+    def _accumulated(q, k, softmax: LayerSoftmax, logsumexp, cut) -> torch.Tensor:
         # The first `cut` queries' log-sum-exps over their (causal) keys are those of a cut. The fused kernel that
         # gives them cannot soft-cap (the wrapper never asks it for a soft-capped call).
-        if logsumexp is not None and softcap is None:
-            total = with_sinks(logsumexp[0, :, :cut, None].float(), sinks)[..., 0]  # a sink's share joins each
-            return accumulated_from_logsumexp(q, k, total, scaling)
-        return accumulated_attention(q, k, scaling, softcap=softcap, sinks=sinks)
+        if logsumexp is not None and softmax.softcap is None:
+            total = with_sinks(logsumexp[0, :, :cut, None].float(), softmax.sinks)[..., 0]  # a sink's share joins
+            return accumulated_from_logsumexp(q, k, total, softmax.scaling)
+        return accumulated_attention(q, k, softmax)
 
     def _query_stats(self, q: torch.Tensor, layer: int) -> dict:
         cut = q.shape[1]
@@ -364,33 +351,20 @@ class StatsRecorder:
         return self.accumulated
 
     def observe(
-        self,
-        layer_idx: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        scaling: float,
-        logsumexp: torch.Tensor | None = None,
-        softcap: float | None = None,
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, logsumexp: torch.Tensor | None = None
     ) -> None:
         if query.shape[2] != key.shape[2]:
             return  # not a prefill of the whole prompt
         # Batch size is 1 in the engine; statistics drop that axis.
-        sinks = self.sinks[layer_idx] if self.sinks else None
+        softmax = self.softmaxes[layer_idx]
         for cut in self.cuts or (key.shape[2],):
             q, k = query[0, :, :cut], key[0, :, :cut]
             self.layers[cut, layer_idx] = LayerStats(
                 context_len=cut,
                 num_kv_heads=k.shape[0],
-                window_scores=(
-                    window_attention_sums(q, k, scaling, self.windows, softcap, sinks) if self.windows else {}
-                ),
-                accumulated=(
-                    self._accumulated(q, k, scaling, logsumexp, cut, softcap, sinks) if self.accumulated else None
-                ),
-                bidirectional={
-                    w: bidirectional_attention_sums(q, k, scaling, w, softcap=softcap, sinks=sinks)
-                    for w in self.bidirectional
-                },
+                window_scores=window_attention_sums(q, k, softmax, self.windows) if self.windows else {},
+                accumulated=self._accumulated(q, k, softmax, logsumexp, cut) if self.accumulated else None,
+                bidirectional={w: bidirectional_attention_sums(q, k, softmax, w) for w in self.bidirectional},
                 query_stats=self._query_stats(q, layer_idx),
                 recent_queries=q[:, max(cut - self.queries, 0) :].float().clone() if self.queries else None,
                 query_moments=self._query_moments(q, layer_idx),
@@ -474,7 +448,7 @@ def _flex_kernel(compiled: bool):
     return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
 
 
-def _flex_decoding(layer, module, query: torch.Tensor, kwargs: dict):
+def _flex_decoding(layer, softmax: LayerSoftmax, query: torch.Tensor, kwargs: dict):
     """FlexAttention of the step's queries over the layer's whole store, its block mask built from the lengths
     (``RaggedLayer.block_mask``); the output in transformers' kernels' layout ``[batch, new, Hq, d]``."""
     global FLEX_FAILURE
@@ -486,7 +460,7 @@ def _flex_decoding(layer, module, query: torch.Tensor, kwargs: dict):
             keys,
             values,
             block_mask=layer.block_mask(query.shape[1]),
-            scale=kwargs.get("scaling", module.scaling),
+            scale=softmax.scaling,
             enable_gqa=query.shape[1] != keys.shape[1],
         )
     except Exception as exc:  # no compiler for this device (no triton): mask as on a CPU, and say so once
@@ -504,7 +478,7 @@ def _flex_applies(base: str, layer, query: torch.Tensor, kwargs: dict) -> bool:
     and is left to it), over at most one block of new tokens."""
     return (
         base == "sdpa"
-        and getattr(type(layer), "attention_mask", None) is RaggedLayer.attention_mask
+        and layer.masked_by_lengths_alone
         and query.shape[2] <= FLEX_BLOCK
         and not kwargs.get("dropout", 0.0)
         and not set(kwargs) - _FLEX_KWARGS
@@ -512,20 +486,19 @@ def _flex_applies(base: str, layer, query: torch.Tensor, kwargs: dict) -> bool:
     )
 
 
-def _decoding_attention(kernel, base: str, layer, module, query, key, value, **kwargs):
+def _decoding_attention(kernel, base: str, cache, module, query, key, value, **kwargs):
     """Attention of new tokens over a ``RaggedLayer``: each row and head sees its own entries and nothing else. A
     layer that records for cuts while the answer is written (``shrinking.ShrinkingLayer``) sees the new queries.
 
     Rows and heads of one length, one new token: the model's kernel with no mask (flash on a GPU). Otherwise
     FlexAttention or a mask (``RAGGED_KERNELS``). Nothing here reads a tensor back to the host."""
-    observe = getattr(layer, "observe", None)
-    if observe is not None:
-        observe(query, kwargs.get("scaling", module.scaling), kwargs.get("softcap"), Architecture.sinks(module))
+    layer, softmax = cache.layers[module.layer_idx], cache.softmaxes[module.layer_idx]
+    layer.observe(query, softmax)
     groups = getattr(module, "num_key_value_groups", 1)
     if key.shape[1] == query.shape[1] and groups > 1:
         module = _OneSetPerQueryHead(module)
-    if not getattr(layer, "uniform", False) and _flex_applies(base, layer, query, kwargs):
-        output = _flex_decoding(layer, module, query, kwargs)
+    if not layer.uniform and _flex_applies(base, layer, query, kwargs):
+        output = _flex_decoding(layer, softmax, query, kwargs)
         if output is not None:
             return output
     mask = layer.attention_mask()
@@ -576,7 +549,7 @@ def flash_kernel(device: torch.device, dtype: torch.dtype):
     return efficient
 
 
-def _attention_with_logsumexp(base: str, module, query, key, value, attention_mask, kwargs):
+def _attention_with_logsumexp(base: str, scaling: float, query, key, value, attention_mask, kwargs):
     """The prefill's attention output as the model's sdpa kernel computes it, with each query's log-sum-exp, when
     that is to be had for free: sdpa, causal with no mask, on a CPU in float32 (PyTorch's flash kernel for CPUs: the
     same output, bit for bit, ``tests/test_engine.py``) or on CUDA (the flash kernel in 16 bits, as sdpa picks it;
@@ -597,7 +570,7 @@ def _attention_with_logsumexp(base: str, module, query, key, value, attention_ma
         return None
     group = query.shape[1] // key.shape[1]
     keys, values = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-    output, logsumexp = kernel(query, keys, values, True, kwargs.get("scaling", module.scaling))
+    output, logsumexp = kernel(query, keys, values, True, scaling)
     return output.transpose(1, 2).contiguous(), logsumexp
 
 
@@ -670,31 +643,25 @@ def _recording_attention(base: str):
         kernel = _kernel_for(base, module)
         decoding = _ACTIVE_DECODE.get()
         if decoding is not None:
-            return _decoding_attention(
-                kernel, base, decoding.layers[module.layer_idx], module, query, key, value, **kwargs
-            )
+            return _decoding_attention(kernel, base, decoding, module, query, key, value, **kwargs)
         recorder = _ACTIVE_RECORDER.get()
         if recorder is not None and recorder.needed:
-            scaling = kwargs.get("scaling", module.scaling)
-            # The model's own soft-capping of the logits (Gemma 2), passed on only where it caps.
-            capped = {"softcap": kwargs["softcap"]} if kwargs.get("softcap") is not None else {}
-            attend = getattr(recorder, "attend", None)  # a recorder that computes the attention itself (KVzip's)
+            layer, softmax = module.layer_idx, recorder.softmaxes[module.layer_idx]
             if (
-                attend is not None
-                and base in MASKED_KERNELS
+                base in MASKED_KERNELS
                 and not set(kwargs) - _PLAIN_PREFILL_KWARGS  # a soft-capped call passes softcap: the model's kernel
-                and Architecture.sinks(module) is None  # its fused output leaves sinks out: the model's kernel
+                and softmax.sinks is None  # a fused output leaves sinks out: the model's kernel
             ):
-                output = attend(module.layer_idx, query, key, value, scaling)
+                output = recorder.attend(layer, query, key, value)  # a recorder that attends itself (KVzip's)
                 if output is not None:
                     return output, None
-            if getattr(recorder, "wants_logsumexp", False):
-                fused = _attention_with_logsumexp(base, module, query, key, value, attention_mask, kwargs)
+            if recorder.wants_logsumexp:
+                fused = _attention_with_logsumexp(base, softmax.scaling, query, key, value, attention_mask, kwargs)
                 if fused is not None:
                     output, logsumexp = fused
-                    recorder.observe(module.layer_idx, query, key, scaling, logsumexp=logsumexp)
+                    recorder.observe(layer, query, key, logsumexp=logsumexp)
                     return output, None
-            recorder.observe(module.layer_idx, query, key, scaling, **capped)
+            recorder.observe(layer, query, key)
         return kernel(module, query, key, value, attention_mask, **kwargs)
 
     return attention

@@ -17,22 +17,22 @@ tokens to every row; rows leave the batch by index; cuts set a row's count), so 
 columns attention reads, whether a mask is needed, when to grow — from the host copy. A GPU then runs a whole decode
 step ahead of the host; the only read back is the step's chosen tokens (``decoding.BatchDecoder``).
 
-The contract a layer kind keeps for the decoder and the attention wrapper (``attention._decoding_attention``):
-``update`` (write the step's keys and values, return what attention reads), ``attention_mask`` (None where every
-row and head sees every column), ``uniform`` (all rows and heads hold the same count: no mask at all, not even a
-causal one for one new token), ``block_mask`` (FlexAttention's, optional), ``held``, ``select_rows`` (a device
-index and, to stay without a sync, the same rows on the host), ``lengths``. Masks and index tensors depend only on
-the lengths, so they are built once per step and shared by every layer whose lengths are the same (``step_memo``,
-which ``RaggedCache`` clears when a step begins at layer 0).
+Every layer kind inherits ``DecodingLayer``, the contract it keeps for the decoder and the attention wrapper
+(``attention._decoding_attention``); its abstract methods make a kind that forgets one fail when it is built, as
+transformers' ``CacheLayerMixin`` does. Masks and index tensors depend only on the lengths, so they are built once
+per step and shared by every layer whose lengths are the same (``share_memo``: the ``RaggedCache``'s memo, cleared
+when a step begins at layer 0).
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 # FlexAttention's block of keys: a block past a row's length is skipped, one holding its end is masked inside.
 FLEX_BLOCK = 128
@@ -45,7 +45,55 @@ def host_copy(lengths: torch.Tensor | np.ndarray | Sequence) -> np.ndarray:
     return np.array(lengths, dtype=np.int64)
 
 
-class RaggedLayer(DynamicLayer):
+class DecodingLayer(CacheLayerMixin):
+    """One layer of a batch of compressed caches, as the model (transformers' cache-layer calls: ``update``,
+    ``get_seq_length``, ``get_mask_sizes``), the attention wrapper (``attention_mask``, ``observe``, ``uniform``,
+    ``masked_by_lengths_alone``) and the decoder (``held``, ``select_rows``, ``lengths``) use it. None of them reads a
+    tensor back to the host while a batch decodes: a kind keeps host copies of the counts it decides by
+    (``RaggedLayer.host_lengths``, ``QuantizedLayer.host_quantized``)."""
+
+    # Whether the layer's mask is ``RaggedLayer``'s (each row and head its own count, nothing else hidden): then
+    # FlexAttention may replace it with a block mask built from the lengths. A kind that hides more says False.
+    masked_by_lengths_alone: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "attention_mask" in vars(cls) and "masked_by_lengths_alone" not in vars(cls):
+            cls.masked_by_lengths_alone = False  # a kind with a mask of its own hides more, unless it says otherwise
+
+    @property
+    @abstractmethod
+    def lengths(self) -> torch.Tensor:
+        """``[batch, heads]``: each row's and head's entries."""
+
+    @abstractmethod
+    def attention_mask(self) -> torch.Tensor | None:
+        """``[batch, 1 or heads, new, columns]``, True where the last update's queries may look; None: everywhere."""
+
+    @abstractmethod
+    def held(self, row: int) -> tuple[int, int]:
+        """Row ``row``'s entries (over heads) and the bytes of its keys and values, as a row alone stores them."""
+
+    @abstractmethod
+    def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int]) -> None:
+        """Keep only these batch rows: a device index and, to stay without a sync, the same rows on the host."""
+
+    @property
+    def uniform(self) -> bool:
+        """Every row and head holds the same number of entries and they fill the columns attention reads: no mask at
+        all, not even a causal one for one new token (the model's kernel as it is, flash on a GPU)."""
+        return False
+
+    def observe(self, query: torch.Tensor, softmax) -> None:
+        """Each decoding step's queries ``[batch, Hq, new, d]`` (post-RoPE), after ``update``, with the layer's
+        ``architecture.LayerSoftmax``: a kind that records for cuts while the answer is written keeps them."""
+
+    def share_memo(self, memo: dict) -> None:
+        """Build the step's masks and indices into ``memo``, shared with the batch's other layers (a kind with none
+        has nothing to share)."""
+
+
+class RaggedLayer(DecodingLayer, DynamicLayer):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, room: int, kv_heads: int):
         """``keys``/``values``: ``[batch, heads, n, dim]`` with row r, head h's entries in ``[:lengths[r, h]]``;
         ``room``: new tokens to make space for; ``kv_heads``: the heads of the keys the model hands to ``update``."""
@@ -64,14 +112,26 @@ class RaggedLayer(DynamicLayer):
         self.memo_shared = False  # True: a RaggedCache clears the memo when a step begins; else each update does
         self._expose()
 
+    masked_by_lengths_alone = True
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, lengths: torch.Tensor) -> None:
+        self._lengths = lengths
+
     @property
     def heads(self) -> int:
         return self._key_store.shape[1]
 
     @property
     def uniform(self) -> bool:
-        """Every row and head holds the same number of entries, and they fill the columns attention reads."""
         return bool((self.host_lengths == self.host_lengths.flat[0]).all())
+
+    def share_memo(self, memo: dict) -> None:
+        self.step_memo, self.memo_shared = memo, True
 
     def _longest(self) -> int:
         return int(self.host_lengths.max()) if self.host_lengths.size else 0
@@ -191,13 +251,12 @@ class RaggedLayer(DynamicLayer):
         self.host_lengths[row] = count
         self._expose()
 
-    def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int] | None = None) -> None:
-        """Keep only these batch rows (finished rows leave the batch); ``host_rows``: the same on the host (else
-        read back from ``rows``)."""
+    def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int]) -> None:
+        """Keep only these batch rows (finished rows leave the batch); ``host_rows``: the same on the host."""
         self._key_store = self._key_store[rows]
         self._value_store = self._value_store[rows]
         self.lengths = self.lengths[rows]
-        self.host_lengths = self.host_lengths[host_copy(rows if host_rows is None else host_rows)]
+        self.host_lengths = self.host_lengths[host_copy(host_rows)]
         self._expose()
 
     def get_seq_length(self) -> int:
@@ -216,16 +275,20 @@ def device_rows(rows: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 class RaggedCache(Cache):
-    """A batch of compressed caches, one ``RaggedLayer`` per model layer; ``start``: the position of the first new
-    token (every row's: the rows of a batch write the same tokens at each step)."""
+    """A batch of compressed caches, one ``DecodingLayer`` per model layer."""
 
-    def __init__(self, layers: list[RaggedLayer], start: int = 0):
+    layers: list[DecodingLayer]
+
+    def __init__(self, layers: list[DecodingLayer], softmaxes: list, start: int = 0):
+        """``softmaxes``: each layer's ``architecture.LayerSoftmax`` (what a kind that records while decoding, and
+        FlexAttention, compute with); ``start``: the position of the first new token (every row's: the rows of a
+        batch write the same tokens at each step)."""
         super().__init__(layers=layers)
+        self.softmaxes = softmaxes
         self.step_memo: dict = {}
         self.seen = [start] * len(layers)  # per layer: the tokens the sequence has had (the next one's position)
         for layer in layers:
-            if hasattr(layer, "step_memo"):
-                layer.step_memo, layer.memo_shared = self.step_memo, True
+            layer.share_memo(self.step_memo)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx == 0:  # a new step: the last one's masks are stale
@@ -239,12 +302,8 @@ class RaggedCache(Cache):
         the position this gives (``attn_temperature_tuning``)."""
         return self.seen[layer_idx]
 
-    def select_rows(self, rows: torch.Tensor | Sequence[int]) -> None:
-        """Keep only these batch rows: a device index, or host row numbers (no read back)."""
-        if isinstance(rows, torch.Tensor):
-            for layer in self.layers:
-                layer.select_rows(rows)
-            return
+    def select_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these batch rows (host row numbers: no read back)."""
         index = device_rows(rows, self.layers[0].lengths.device)
         for layer in self.layers:
             layer.select_rows(index, host_rows=rows)

@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from pkvbench.engine import shrinking
-from pkvbench.engine.architecture import FULL
+from pkvbench.engine.architecture import Architecture
 from pkvbench.engine.attention import decoding
 from pkvbench.engine.cache import RaggedCache, device_rows
 from pkvbench.engine.layers import build_cache
@@ -101,6 +101,20 @@ class _Row:
     seconds: float = 0.0
 
 
+@dataclass
+class _Batch:
+    """One batch while it decodes: its rows, cache and cut tracker, the position its answers start at, when it
+    started, the rows still writing and the tokens each may not choose yet (``BatchDecoder._barred_rows``)."""
+
+    rows: list[_Row]
+    cache: RaggedCache
+    tracker: shrinking.MemoryTracker
+    position: int
+    started: float
+    live: list[_Row]
+    barred: torch.Tensor | None = None
+
+
 def plan_batches(requests: list[DecodeRequest], max_rows: int | None) -> list[list[int]]:
     """Indices of ``requests`` grouped into batches (see the module docstring)."""
     groups: dict[tuple, list[int]] = {}
@@ -139,31 +153,18 @@ class BatchDecoder:
         forward: Callable,
         tokenizer,
         stop_ids: set[int],
-        kv_heads: int,
         device: torch.device,
         sync: Callable[[], None],
+        architecture: Architecture,
         rope: Callable | None = None,
-        softmaxes: list | None = None,
-        query_heads: int | None = None,
-        layer_kinds: list[str] | None = None,
-        windows: list[int | None] | None = None,
-        rotation=None,
     ):
         self.forward = forward
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
-        self.kv_heads = kv_heads
         self.device = device
         self.sync = sync
-        self.rope = (
-            rope  # RoPE's cos, sin of positions (start, count) of a layer: Expected Attention's cuts while decoding
-        )
-        self.rotation = rotation  # how that RoPE pairs dimensions, norms after it (``architecture.Rotation``)
-        # Per layer, how it turns logits into attention (``architecture.LayerSoftmax``): the cuts' statistics.
-        self.softmaxes = softmaxes
-        self.query_heads = query_heads or kv_heads
-        self.layer_kinds = layer_kinds  # each layer's attention kind (architecture.FULL, SLIDING); None: all full
-        self.windows = windows  # each layer's sliding window (None: full attention)
+        self.architecture = architecture  # the layers' kinds, windows and softmaxes, the heads, RoPE's pairing
+        self.rope = rope  # RoPE's cos, sin of positions (start, count) of a layer: Expected Attention's cuts
         # Entered around every decode step after the first (its choice, row selection and forward): a check that
         # a step never waits for the device (``scripts/bench_gpu.py``: ``torch.cuda.set_sync_debug_mode``).
         self.step_guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -177,9 +178,7 @@ class BatchDecoder:
 
     def cache_for(self, requests: list[DecodeRequest], room: int) -> RaggedCache:
         """Per layer the class of its attention kind and the rows' storage (``layers.LAYER_KINDS``)."""
-        kinds = self.layer_kinds or [FULL] * len(requests[0].kept.heads)
-        windows = self.windows or [None] * len(kinds)
-        return build_cache(requests, room, self.kv_heads, kinds, windows)
+        return build_cache(requests, room, self.architecture)
 
     @staticmethod
     def _room(requests: list[DecodeRequest]) -> int:
@@ -201,78 +200,100 @@ class BatchDecoder:
         minimum) runs on the device for the whole batch, the next step's input is the chosen tokens' tensor itself,
         and the cache decides from its host copy of the lengths (``cache.RaggedLayer``). Every step after the first
         runs inside ``step_guard()`` (``scripts/bench_gpu.py`` makes a sync there an error)."""
-        started = time.perf_counter()
-        feed = requests[0].feed
-        cache = self.cache_for(requests, room=self._room(requests))
-        tracker = shrinking.MemoryTracker(
-            cache,
-            [r.schedule for r in requests],
-            [r.start for r in requests],
-            self.softmaxes,
-            self.query_heads,
-            self.rope,
-            self.rotation,
-        )
-        rows = [_Row(request, index) for index, request in enumerate(requests)]
-        position = requests[0].position
-        with decoding(cache):
-            if feed:
-                ids = torch.tensor([feed] * len(rows), device=self.device)
-                positions = torch.arange(position, position + len(feed), device=self.device).expand(len(rows), -1)
-                tracker.before_forward([0] * len(rows), position)  # no token chosen yet: only the position is set
-                logits = self.forward(ids, cache, positions)
-                position += len(feed)
-            else:
-                logits = torch.stack([r.first_logits for r in requests])
-            tracker.start(fed=bool(feed))
-            barred = self._barred_rows(requests, logits.shape[-1])
-            live = rows
+        batch = self._start(requests)
+        with decoding(batch.cache):
+            logits = self._first_logits(batch)
             guard = contextlib.nullcontext
-            while live:
+            while True:
                 with guard():
-                    chosen = greedy_rows(logits, barred)
-                for row, token in zip(live, chosen.tolist()):  # the step's one read back
-                    row.tokens.append(token)
-                if barred is not None:  # rows past their minimum may choose any token from now on
-                    for batch_row, row in enumerate(live):
-                        if len(row.tokens) == row.request.min_new_tokens:
-                            barred[batch_row] = False
-                    barred = barred if any(len(r.tokens) < r.request.min_new_tokens for r in live) else None
-                finished = [self._finished(row) for row in live]
-                if any(finished):
-                    now = time.perf_counter()
-                    for batch_row, (row, done) in enumerate(zip(live, finished)):
-                        if done:
-                            row.seconds = now - started
-                            tracker.finish(batch_row, len(row.tokens))
-                    keep = [i for i, done in enumerate(finished) if not done]
-                    if not keep:
-                        break
-                    with guard():
-                        index = device_rows(keep, self.device)
-                        cache.select_rows(keep)
-                        chosen = chosen[index]
-                        barred = None if barred is None else barred[index]
-                    tracker.select_rows(keep)
-                    live = [live[i] for i in keep]
-                next_position = position + len(live[0].tokens) - 1
-                tracker.before_forward([len(row.tokens) for row in live], next_position)
-                with guard():
-                    steps = torch.full((len(live), 1), next_position, device=self.device)
-                    logits = self.forward(chosen[:, None], cache, steps)
+                    chosen = greedy_rows(logits, batch.barred)
+                self._take(batch, chosen.tolist())  # the step's one read back
+                chosen = self._retire_finished(batch, chosen, guard)
+                if not batch.live:
+                    break
+                logits = self._forward_step(batch, chosen, guard)
                 guard = self.step_guard  # the first forward may compile kernels and read back; no later one
         self.sync()
-        return [
-            Decoded(
-                tokens=row.tokens,
-                text=self.tokenizer.decode(row.tokens, skip_special_tokens=True),
-                seconds=row.seconds,
-                batch=len(rows),
-                hit_limit=self._hit_limit(row),
-                memory=tracker.memory[row.index],
-            )
-            for row in rows
-        ]
+        return [self._decoded(batch, row) for row in batch.rows]
+
+    def _start(self, requests: list[DecodeRequest]) -> _Batch:
+        """The batch's cache (room for its feed and answers), the tracker of its cuts and sizes, its rows."""
+        cache = self.cache_for(requests, room=self._room(requests))
+        schedules, starts = [r.schedule for r in requests], [r.start for r in requests]
+        tracker = shrinking.MemoryTracker(cache, schedules, starts, self.architecture, self.rope)
+        rows = [_Row(request, index) for index, request in enumerate(requests)]
+        return _Batch(rows, cache, tracker, requests[0].position, time.perf_counter(), rows)
+
+    def _first_logits(self, batch: _Batch) -> torch.Tensor:
+        """The logits the first token is chosen from: the feed's last (the question fed on top of the compressed
+        context, at its original positions), else the prefill's; the tokens barred before each row's minimum."""
+        requests = [row.request for row in batch.rows]
+        feed = requests[0].feed
+        if feed:
+            ids = torch.tensor([feed] * len(requests), device=self.device)
+            positions = torch.arange(batch.position, batch.position + len(feed), device=self.device)
+            batch.tracker.before_forward([0] * len(requests), batch.position)  # no token chosen: the position only
+            logits = self.forward(ids, batch.cache, positions.expand(len(requests), -1))
+            batch.position += len(feed)
+        else:
+            logits = torch.stack([r.first_logits for r in requests])
+        batch.tracker.start(fed=bool(feed))
+        batch.barred = self._barred_rows(requests, logits.shape[-1])
+        return logits
+
+    @staticmethod
+    def _take(batch: _Batch, tokens: list[int]) -> None:
+        """Each live row's chosen token; rows past their minimum may choose any token from then on."""
+        for row, token in zip(batch.live, tokens):
+            row.tokens.append(token)
+        if batch.barred is None:
+            return
+        for batch_row, row in enumerate(batch.live):
+            if len(row.tokens) == row.request.min_new_tokens:
+                batch.barred[batch_row] = False
+        if not any(len(r.tokens) < r.request.min_new_tokens for r in batch.live):
+            batch.barred = None
+
+    def _retire_finished(self, batch: _Batch, chosen: torch.Tensor, guard) -> torch.Tensor:
+        """Rows that stopped (an end token, a stop string, their limit) leave the batch, its cache and its bars;
+        the chosen tokens of the rows that stay."""
+        finished = [self._finished(row) for row in batch.live]
+        if not any(finished):
+            return chosen
+        now = time.perf_counter()
+        for batch_row, (row, done) in enumerate(zip(batch.live, finished)):
+            if done:
+                row.seconds = now - batch.started
+                batch.tracker.finish(batch_row, len(row.tokens))
+        keep = [i for i, done in enumerate(finished) if not done]
+        batch.live = [batch.live[i] for i in keep]
+        if not keep:
+            return chosen
+        with guard():
+            index = device_rows(keep, self.device)
+            batch.cache.select_rows(keep)
+            chosen = chosen[index]
+            batch.barred = None if batch.barred is None else batch.barred[index]
+        batch.tracker.select_rows(keep)
+        return chosen
+
+    def _forward_step(self, batch: _Batch, chosen: torch.Tensor, guard) -> torch.Tensor:
+        """Cut the rows due for a cut, then write the chosen tokens at their position: the next step's logits."""
+        position = batch.position + len(batch.live[0].tokens) - 1
+        batch.tracker.before_forward([len(row.tokens) for row in batch.live], position)
+        with guard():
+            steps = torch.full((len(batch.live), 1), position, device=self.device)
+            return self.forward(chosen[:, None], batch.cache, steps)
+
+    def _decoded(self, batch: _Batch, row: _Row) -> Decoded:
+        return Decoded(
+            tokens=row.tokens,
+            text=self.tokenizer.decode(row.tokens, skip_special_tokens=True),
+            seconds=row.seconds,
+            batch=len(batch.rows),
+            hit_limit=self._hit_limit(row),
+            memory=batch.tracker.memory[row.index],
+        )
 
     def _barred_rows(self, requests: list[DecodeRequest], vocab: int) -> torch.Tensor | None:
         """``[batch, vocab]``: the tokens each row may not choose before its ``min_new_tokens`` — the end tokens and

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pkvbench.cell import budgets, kv_formats
-from pkvbench.engine.architecture import Architecture
+from pkvbench.engine.architecture import Architecture, LayerSoftmax, Rotation
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries
 from pkvbench.engine.models import LoadedModel
@@ -142,7 +142,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
         self.model = loaded.model
-        self.architecture = Architecture.of(loaded.config)
+        self.architecture = Architecture.of_model(loaded.model)
         self.tokenizer = loaded.tokenizer
         self.device = torch.device(loaded.device)
         # transformers renamed the model's ``past_key_values`` argument to ``cache``; speak whichever it knows.
@@ -150,22 +150,18 @@ class Engine:
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
         self.stop_ids = self._stop_ids()
         self.output_weights = self.architecture.output_weights(self.model)
-        self.rotation = self.architecture.rotation(self.model)
-        self.softmaxes = self.architecture.softmaxes(self.model)
         self.decoder = BatchDecoder(
-            self._forward,
-            self.tokenizer,
-            self.stop_ids,
-            loaded.num_kv_heads,
-            self.device,
-            self._sync,
-            rope=self.rope,
-            softmaxes=self.softmaxes,
-            query_heads=loaded.num_query_heads,
-            layer_kinds=list(self.architecture.layer_kinds),
-            windows=self.architecture.windows,
-            rotation=self.rotation,
+            self._forward, self.tokenizer, self.stop_ids, self.device, self._sync, self.architecture, self.rope
         )
+
+    @property
+    def softmaxes(self) -> list[LayerSoftmax]:
+        """Each layer's softmax (``architecture.LayerSoftmax``): what every recorder computes statistics with."""
+        return list(self.architecture.softmaxes)
+
+    @property
+    def rotation(self) -> Rotation:
+        return self.architecture.rotation
 
     @property
     def geometry(self) -> kv_formats.CacheGeometry:
@@ -231,7 +227,7 @@ class Engine:
         input_ids = input_ids.to(self.device)
         cuts = tuple(sorted(set(cuts))) or (input_ids.shape[1],)
         needs = Needs.union([*(p.needs for p in policies), *(prefill_needs(p) for p in decoding)])
-        recorder = StatsRecorder(needs, cuts, self.rope, self.rotation, [softmax.sinks for softmax in self.softmaxes])
+        recorder = StatsRecorder(needs, self.softmaxes, cuts, self.rope, self.rotation)
         cache = DynamicCache()
         with too_big_for_memory("the prefill's statistics", input_ids.shape[1]):
             logits, seconds = self.recorded_forward(input_ids, recorder, cache)
@@ -288,7 +284,7 @@ class Engine:
             cache = DynamicCache()
             for index, layer in enumerate(layers):
                 cache.update(layer.keys[:, :, :length], layer.values[:, :, :length], index)
-            recorder = ReconstructionRecorder(length, start, end, min(SINK, start), fused)
+            recorder = ReconstructionRecorder(self.softmaxes, length, start, end, min(SINK, start), fused)
             positions = torch.arange(length, length + len(ids), device=self.device)[None]
             with recording(recorder):
                 self._forward(torch.tensor([ids], device=self.device), cache, positions)
@@ -469,19 +465,6 @@ class Engine:
     def decode_many(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:
         """Greedy decoding of every request, in batches of up to ``max_rows`` (``decoding.plan_batches``)."""
         return self.decoder.decode(requests, max_rows)
-
-    def decode(
-        self,
-        prefill: Prefill,
-        cache: CompressedCache,
-        max_new_tokens: int,
-        stop_strings: tuple[str, ...] = (),
-        min_new_tokens: int = 0,
-    ) -> Decoded:
-        """Greedy decoding of one compressed cache, at the original positions. Stops after an end-of-sequence token,
-        once the text holds a stop string, or at ``max_new_tokens``."""
-        request = self.request(prefill, cache, max_new_tokens, stop_strings, min_new_tokens)
-        return self.decoder.decode_batch([request])[0]
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

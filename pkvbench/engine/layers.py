@@ -1,4 +1,4 @@
-"""The layers a batch of compressed caches decodes from: one declared protocol, one class per kind, chosen per layer
+"""The layers a batch of compressed caches decodes from: one base (``cache.DecodingLayer``), one class per kind, chosen per layer
 from a table keyed by the layer's attention kind and how its rows are stored — as transformers' ``cache_utils`` maps
 a config's ``layer_types`` to one cache-layer class each (``DYNAMIC_LAYER_TYPE_MAPPING``).
 
@@ -15,45 +15,14 @@ the entries older than the window from new queries (``sliding.WindowMask``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from pkvbench.engine.architecture import CHUNKED, FULL, SLIDING
+from pkvbench.engine.architecture import CHUNKED, FULL, SLIDING, Architecture
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
 from pkvbench.engine.quantized import QuantizedLayer
 from pkvbench.engine.shrinking import ShrinkingLayer, decoding_state
 from pkvbench.engine.sliding import ChunkedLayer, SlidingLayer, WindowMask, oldest_seen, row_positions
-
-
-class DecodingLayer(Protocol):
-    """What a layer of a batch of compressed caches offers the model (transformers' cache-layer calls), the attention
-    wrapper (``attention_mask``; ``observe`` where a kind records queries) and the decoder (``held``,
-    ``select_rows``). None of them reads a tensor back to the host while a batch decodes: a kind keeps host copies
-    of the counts it decides by (``RaggedLayer.host_lengths``, ``QuantizedLayer.host_quantized``)."""
-
-    keys: torch.Tensor  # [batch, heads, columns, d]: what attention reads
-    values: torch.Tensor
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """``[batch, heads]``: each row's and head's entries."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the new tokens' keys and values after each row's entries; return what attention reads."""
-
-    def attention_mask(self) -> torch.Tensor | None:
-        """``[batch, 1 or heads, new, columns]``, True where the last update's queries may look; None: everywhere."""
-
-    def held(self, row: int) -> tuple[int, int]:
-        """Row ``row``'s entries (over heads) and the bytes of its keys and values, as a row alone stores them."""
-
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
-        """Keep only these batch rows."""
-
-    def get_seq_length(self) -> int: ...
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]: ...
 
 
 class SlidingShrinkingLayer(WindowMask, ShrinkingLayer):
@@ -86,7 +55,7 @@ class SlidingQuantizedLayer(QuantizedLayer):
         positions = row_positions([row.residual_positions for row in rows], keys.shape[1], keys.shape[2], keys.device)
         return self.residual_kind(keys, values, lengths, room, kv_heads, positions, self._start, window=self.window)
 
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
         super().select_rows(rows, host_rows)
         if self.width:
             self.packed_positions = self.packed_positions[rows]
@@ -210,12 +179,13 @@ def storage_of(requests: list) -> str:
     return "shrinking" if any(r.schedule for r in requests) else "ragged"
 
 
-def build_cache(requests: list, room: int, kv_heads: int, kinds: list[str], windows: list[int | None]) -> RaggedCache:
+def build_cache(requests: list, room: int, architecture: Architecture) -> RaggedCache:
     """The batch's cache: per model layer the class its attention kind and the rows' storage name."""
     storage = storage_of(requests)
     start = requests[0].position
     layers = []
-    for layer, (kind, window) in enumerate(zip(kinds, windows)):
+    for layer, kind in enumerate(architecture.layer_kinds):
         cls, build = LAYER_KINDS[kind, storage]
-        layers.append(build(cls, LayerBatch(requests, layer, start, room, kv_heads, window)))
-    return RaggedCache(layers, start)
+        batch = LayerBatch(requests, layer, start, room, architecture.kv_heads, architecture.window(layer))
+        layers.append(build(cls, batch))
+    return RaggedCache(layers, list(architecture.softmaxes), start)

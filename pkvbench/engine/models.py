@@ -18,14 +18,10 @@ from types import SimpleNamespace
 
 from pkvbench.cell.kv_formats import CacheGeometry, KVFormat
 from pkvbench.cell.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, GGUFAlias
-from pkvbench.engine.architecture import Architecture, admitted_families, check_family
+from pkvbench.engine.architecture import Architecture, check_family
 from pkvbench.errors import PkvError, first_line
 from pkvbench.io import read_json
 
-# RoPE + grouped-query-attention decoders whose attention modules follow transformers' shared layout
-# (q/k/v projections, ``layer_idx``, ``scaling``, the attention-function registry), each proven in
-# tests/test_architectures.py (engine/architecture.py's FAMILIES).
-SUPPORTED_ARCHITECTURES = tuple(admitted_families())
 log = logging.getLogger(__name__)
 
 

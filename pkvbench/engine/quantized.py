@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
 from pkvbench.cell.kv_formats import KVFormat
 from pkvbench.codecs.kivi import Quantized, dequantize_keys, dequantize_values, quantize_keys, quantize_values
-from pkvbench.engine.cache import RaggedLayer, host_copy
+from pkvbench.engine.cache import DecodingLayer, RaggedLayer, host_copy
 from pkvbench.errors import PkvError
 
 
@@ -160,12 +159,7 @@ def _padded(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     return out
 
 
-def _residuals(name: str) -> property:
-    """An attribute of a ``QuantizedLayer`` that is its residual layer's."""
-    return property(lambda self: getattr(self.residual, name), lambda self, value: setattr(self.residual, name, value))
-
-
-class QuantizedLayer(CacheLayerMixin):
+class QuantizedLayer(DecodingLayer):
     """One layer of a batch of stored caches (rows of one format), decoded from their packed form at every step."""
 
     is_sliding = False
@@ -209,10 +203,10 @@ class QuantizedLayer(CacheLayerMixin):
     def lengths(self) -> torch.Tensor:
         return self.residual.lengths
 
-    # The step's masks and indices are the residual's (``RaggedLayer.step_memo``): a ``RaggedCache`` shares one memo
-    # among its layers, so layers of the same lengths build them once per step.
-    step_memo = _residuals("step_memo")
-    memo_shared = _residuals("memo_shared")
+    def share_memo(self, memo: dict) -> None:
+        """The step's masks and indices are the residual's (``RaggedLayer.step_memo``): layers of the same counts
+        build them once per step."""
+        self.residual.share_memo(memo)
 
     def _assemble(self, tail: torch.Tensor, part: int) -> torch.Tensor:
         """What attention reads: the packed keys (``part`` 0) or values (1) dequantized into the first ``width``
@@ -263,8 +257,8 @@ class QuantizedLayer(CacheLayerMixin):
         entries, stored = self.residual.held(row)
         return entries + int(self.host_quantized[row].sum()), stored + int(self.packed_bytes[row])
 
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
-        host = host_copy(rows if host_rows is None else host_rows)
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
+        host = host_copy(host_rows)
         self.packed_bytes, self.host_quantized = self.packed_bytes[host], self.host_quantized[host]
         self.quantized = self.quantized[rows]
         self.packed = [tensor[rows] for tensor in self.packed]
@@ -284,12 +278,3 @@ def _empty_like(rows: list[StoredLayer], part: str) -> Quantized:
     """A row of a batch whose other rows pack entries but it packs none: zero-length packed tensors of their shape."""
     model = next(getattr(row, part) for row in rows if getattr(row, part) is not None)
     return Quantized(*(t[:, :0] for t in model.tensors))
-
-
-def quantized_layers(entries: list[StoredEntries], room: int, kv_heads: int) -> list[QuantizedLayer]:
-    """The layers of a batch of rows stored in one format."""
-    first = entries[0]
-    return [
-        QuantizedLayer([e.layers[index] for e in entries], first.format, first.dtype, room, kv_heads)
-        for index in range(len(first.layers))
-    ]

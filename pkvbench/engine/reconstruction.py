@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from pkvbench.engine.attention import flash_kernel, soft_cap_
+from pkvbench.engine.attention import Recorder, flash_kernel, soft_cap_
 
 FIRST_REQUEST = "\n\nRepeat the previous context exactly."
 LATER_REQUEST = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -50,7 +50,7 @@ def fusable(query: torch.Tensor) -> bool:
     )
 
 
-class ReconstructionRecorder:
+class ReconstructionRecorder(Recorder):
     """Scores the entries ``[start, end)`` of a prompt of ``length`` tokens during one repeat pass, per layer.
 
     Two ways to the same scores. ``attend`` (the fused path, used where ``fusable``) replaces the pass's attention:
@@ -65,15 +65,14 @@ class ReconstructionRecorder:
     model caps them.
     """
 
-    needed = True
-
-    def __init__(self, length: int, start: int, end: int, sink: int, fused: bool = True):
+    def __init__(self, softmaxes: list, length: int, start: int, end: int, sink: int, fused: bool = True):
+        self.softmaxes = softmaxes
         self.length, self.start, self.end, self.sink = length, start, end, sink
         self.fused = fused
         self.scores: dict[int, torch.Tensor] = {}
 
     def attend(
-        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor | None:
         """The pass's attention output ``[1, n, Hq, d]`` (the layout of transformers' kernels), its scores recorded;
         None where the fused path does not apply (the caller then uses ``observe`` and the model's kernel)."""
@@ -81,6 +80,7 @@ class ReconstructionRecorder:
             return None
         group = query.shape[1] // key.shape[1]
         length, new = self.length, query.shape[2]
+        scaling = self.softmaxes[layer_idx].scaling
 
         def part(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
             """The columns in ``spans`` of ``[1, Hkv, m, d]``, repeated to every query head as repeat_kv does."""
@@ -108,8 +108,9 @@ class ReconstructionRecorder:
         return output.to(query.dtype).transpose(1, 2).contiguous()
 
     def observe(
-        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None = None
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, logsumexp: torch.Tensor | None = None
     ) -> None:
+        softmax = self.softmaxes[layer_idx]
         q, k = query[0].float(), key[0].float()  # [Hq, n, d], [Hkv, length + n, d]
         query_heads, new, dim = q.shape
         kv_heads = k.shape[0]
@@ -124,8 +125,8 @@ class ReconstructionRecorder:
         for row in range(0, new, ROWS_PER_BLOCK):
             rows = min(new, row + ROWS_PER_BLOCK) - row
             block = grouped[:, :, row : row + rows].reshape(kv_heads, group * rows, dim)
-            logits = torch.bmm(block, subset.transpose(1, 2)).mul_(scaling).view(kv_heads, group, rows, -1)
-            soft_cap_(logits, softcap)
+            logits = torch.bmm(block, subset.transpose(1, 2)).mul_(softmax.scaling).view(kv_heads, group, rows, -1)
+            soft_cap_(logits, softmax.softcap)
             position = torch.arange(row, row + rows, device=k.device)[:, None]
             future = torch.arange(subset.shape[1] - first_new, device=k.device)[None, :] > position
             logits[..., first_new:].masked_fill_(future, float("-inf"))

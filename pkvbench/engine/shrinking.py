@@ -24,12 +24,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pkvbench.cell import budgets
-from pkvbench.engine.architecture import Rotation
+from pkvbench.engine.architecture import Architecture, LayerSoftmax
 from pkvbench.engine.attention import attention_softmax, last_queries_sums, rotate_moments, soft_cap_
-from pkvbench.engine.cache import RaggedCache
+from pkvbench.engine.cache import RaggedCache, host_copy
 from pkvbench.engine.sliding import PositionedLayer
 from pkvbench.policies.base import LayerStats, Needs, Policy
 
@@ -130,19 +131,20 @@ class ShrinkingLayer(PositionedLayer):
         kv_heads: int,
         positions: torch.Tensor,
         queries: torch.Tensor | None = None,
-        query_counts: torch.Tensor | None = None,
+        query_counts=None,
         accumulated: torch.Tensor | None = None,
         start: int = 0,
     ):
         """``positions`` ``[batch, heads, n]`` of the entries; ``queries`` ``[batch, Hq, W, d]`` the latest W
-        queries, the last ``query_counts[b]`` of row b real; ``accumulated`` ``[batch, Hq, n]`` the sums so far;
-        ``start`` the position of the first new token."""
+        queries, the last ``query_counts[b]`` of row b real (kept on the host, as the lengths are: a cut reads them
+        without a sync); ``accumulated`` ``[batch, Hq, n]`` the sums so far; ``start`` the position of the first new
+        token."""
         super().__init__(keys, values, lengths, room, kv_heads, positions, start)
         if self.group != 1:
             raise ValueError("a cache of one set per query head cannot be cut while the answer is written")
         capacity = self._key_store.shape[2]
         self._queries = queries
-        self.query_counts = query_counts
+        self.query_counts = None if query_counts is None else host_copy(query_counts)
         self._accumulated = None
         if accumulated is not None:
             self._accumulated = accumulated.new_zeros((*accumulated.shape[:2], capacity))
@@ -154,52 +156,41 @@ class ShrinkingLayer(PositionedLayer):
             extra = self._key_store.shape[2] - self._accumulated.shape[2]
             self._accumulated = torch.nn.functional.pad(self._accumulated, (0, extra))
 
-    def observe(
-        self, query: torch.Tensor, scaling: float, softcap: float | None = None, sinks: torch.Tensor | None = None
-    ) -> None:
-        """The attention wrapper's call with each decoding step's queries ``[batch, Hq, new, d]`` (post-RoPE),
-        after ``update``: keep the latest queries, add their attention to each entry's sum (with the model's scale
-        and soft-capping, the layer's attention ``sinks`` in its denominator, ``attention.attention_softmax``)."""
+    def observe(self, query: torch.Tensor, softmax: LayerSoftmax) -> None:
+        """Keep the latest queries, add their attention to each entry's sum (with the layer's scale, soft-cap and
+        sinks, as its model turns logits into attention)."""
         new = query.shape[2]
         if self._queries is not None:
             width = self._queries.shape[2]
             self._queries = torch.cat([self._queries, query.float()], dim=2)[:, :, -width:]
-            self.query_counts = (self.query_counts + new).clamp(max=width)
+            self.query_counts = np.minimum(self.query_counts + new, width)
         if self._accumulated is not None:
             batch, query_heads, _, dim = query.shape
             keys = self.keys.float()  # [batch, H, columns, d]
             grouped = query.float().view(batch, self.heads, query_heads // self.heads * new, dim)
-            logits = (grouped @ keys.transpose(2, 3) * scaling).view(batch, query_heads, new, keys.shape[2])
-            soft_cap_(logits, softcap)
+            logits = (grouped @ keys.transpose(2, 3) * softmax.scaling).view(batch, query_heads, new, keys.shape[2])
+            soft_cap_(logits, softmax.softcap)
             mask = self.attention_mask()
             if mask is not None:
                 mask = mask.repeat_interleave(query_heads // mask.shape[1], dim=1)
                 logits = logits.masked_fill(~mask, float("-inf"))
-            self._accumulated[:, :, : keys.shape[2]] += attention_softmax(logits, sinks).sum(dim=2)
+            self._accumulated[:, :, : keys.shape[2]] += attention_softmax(logits, softmax.sinks).sum(dim=2)
 
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
         super().select_rows(rows, host_rows)
         if self._queries is not None:
             self._queries = self._queries[rows]
-            self.query_counts = self.query_counts[rows]
+            self.query_counts = self.query_counts[host_copy(host_rows)]
         if self._accumulated is not None:
             self._accumulated = self._accumulated[rows]
 
     def row_stats(
-        self,
-        row: int,
-        layer: int,
-        needs: Needs,
-        scaling: float,
-        end: int,
-        query_heads: int,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
+        self, row: int, layer: int, needs: Needs, softmax: LayerSoftmax, end: int, query_heads: int
     ) -> LayerStats:
         """Row ``row``'s entries as a policy sees them at a cut (``end``: the position of the token to come;
-        ``sinks``: the layer's attention sinks, ``attention.attention_softmax``)."""
-        count = int(self.lengths[row, 0])
-        if not bool((self.lengths[row] == count).all()):
+        ``softmax``: the layer's, as its model turns logits into attention)."""
+        count = int(self.host_lengths[row, 0])
+        if not (self.host_lengths[row] == count).all():
             raise ValueError("a cache whose heads keep different numbers of entries cannot be cut while decoding")
         keys = self._key_store[row, :, :count]
         queries = None
@@ -211,9 +202,7 @@ class ShrinkingLayer(PositionedLayer):
             num_kv_heads=self.heads,
             num_query_heads=query_heads,
             layer=layer,
-            window_scores=last_queries_sums(queries, keys, scaling, set(needs.windows), softcap, sinks)
-            if needs.windows
-            else {},
+            window_scores=last_queries_sums(queries, keys, softmax, set(needs.windows)) if needs.windows else {},
             accumulated=self._accumulated[row, :, :count] if needs.accumulated else None,
             keys=keys,
             values=self._value_store[row, :, :count],
@@ -273,18 +262,14 @@ class MemoryTracker:
         cache: RaggedCache,
         schedules: list[DecodeSchedule | None],
         starts: list[DecodeStart | None],
-        softmaxes: list,
-        query_heads: int,
+        architecture: Architecture,
         rope: Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None,
-        rotation: Rotation | None = None,
     ):
         self.cache = cache
-        self.query_heads = query_heads
         self.schedules = schedules
         self.starts = starts
-        self.softmaxes = softmaxes  # per layer: ``architecture.LayerSoftmax``
+        self.architecture = architecture  # each layer's softmax, the query heads, RoPE's pairing
         self.rope = rope  # (start, count, layer) → the layer's RoPE cos, sin
-        self.rotation = rotation or Rotation(interleaved=False, width=0)  # RoPE's pairing, norms after it
         self.live = list(range(len(schedules)))
         self.memory = [RowMemory() for _ in schedules]
         self.forwarded = False  # whether a forward has read the caches yet (their states from then on count)
@@ -319,15 +304,15 @@ class MemoryTracker:
     def cut(self, batch_row: int, schedule: DecodeSchedule, start: DecodeStart | None, end: int) -> None:
         needs = schedule.needs
         for index, (layer, target) in enumerate(zip(self.cache.layers, schedule.targets(end))):
-            if int(layer.lengths[batch_row].max()) <= target:
+            if layer.host_lengths[batch_row].max() <= target:
                 continue
-            softmax = self.softmaxes[index]
+            architecture = self.architecture
             stats = layer.row_stats(
-                batch_row, index, needs, softmax.scaling, end, self.query_heads, softmax.softcap, softmax.sinks
+                batch_row, index, needs, architecture.softmaxes[index], end, architecture.query_heads
             )
             if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
                 moments = start.moments[index]
-                interleaved, scale = self.rotation.interleaved, self.rotation.scale(index)
+                interleaved, scale = self.architecture.rotation.interleaved, self.architecture.rotation.scale(index)
                 rotated = {
                     (sink, future): rotate_moments(*moments[sink], *self.rope(end, future, index), interleaved, scale)
                     for sink, future in needs.query_stats
@@ -350,7 +335,7 @@ def step_taken(generated: list[int]) -> bool:
 
 def decoding_state(
     requests: list, layer: int, keys: torch.Tensor
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, np.ndarray | None, torch.Tensor | None]:
     """What a ``ShrinkingLayer`` of a batch of which some rows have a schedule starts from, for ``layer`` (its padded
     keys ``[batch, heads, longest, d]``): the query rings, their counts and the sums the rows' policies need."""
     window = max((query_window(r.schedule.needs) for r in requests if r.schedule), default=0)
@@ -360,7 +345,7 @@ def decoding_state(
     if window:
         query_heads = next(r.start.queries[layer].shape[0] for r in requests if r.start and r.start.queries)
         queries = keys.new_zeros((batch, query_heads, window, keys.shape[-1]), dtype=torch.float32)
-        counts_of_queries = torch.zeros(batch, dtype=torch.long, device=keys.device)
+        counts_of_queries = np.zeros(batch, dtype=np.int64)
         for row, request in enumerate(requests):
             if request.start and request.start.queries:
                 own = request.start.queries[layer][:, -window:]

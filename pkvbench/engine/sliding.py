@@ -72,7 +72,7 @@ class PositionedLayer(RaggedLayer):
         self.next_position += new
         return out
 
-    def select_rows(self, rows: torch.Tensor, host_rows=None) -> None:
+    def select_rows(self, rows: torch.Tensor, host_rows) -> None:
         super().select_rows(rows, host_rows)
         self._positions = self._positions[rows]
 
@@ -88,6 +88,7 @@ class WindowMask:
 
     window: int
     chunked = False
+    masked_by_lengths_alone = False  # the window hides more than the lengths do
 
     def attention_mask(self) -> torch.Tensor | None:
         mask = super().attention_mask()

@@ -8,15 +8,26 @@ The orders: policies as the registry lists them (``policies/registry.py``), then
 then fractions kept, then kvpress's compression ratios (the kept share ascending); bits widest first; the paper's
 query mode first; no cut while decoding first, then the decode budgets ascending; LongBench's tasks in its tables'
 order, then the others by name.
+
+The labels: a cell is named once, by ``cell_label`` (``snapkv · 4 bits · decode 64``, ``@ 128`` with its budget): the
+policy, then each axis of ``LABELLED`` in its words, leaving out the values that are the paper's setting. A budget's
+kind (entries, a fraction of the prompt, a compression ratio, memory) is ``budget_kind``'s, read from
+``cell.budgets.Budget``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 
+from pkvbench.cell.budgets import Budget
 from pkvbench.cell.schema import AGNOSTIC, QUERY_MODES, TABLE_KEY
+from pkvbench.errors import PkvError
 from pkvbench.policies.registry import policy_order
 
 # LongBench v1's 21 tasks in the order of its own tables (the paper's 16 English tasks keep their Table 1 order).
@@ -46,6 +57,45 @@ LONGBENCH_ORDER = (
 FULL = "full"
 AGNOSTIC_SUFFIX = " (agnostic)"
 SERIES = "series"  # the column: what a figure's line stands for (policy, bits, decode budget)
+NATIVE = "native"  # the bits of a row written before storage formats that does not say its dtype (results.bits_label)
+
+# A budget's kind: each is a number line of its own (a figure's panels, the budget axis's order).
+ENTRIES = "entries per head"
+FRACTION = "fraction of the prompt"
+REMOVED = "compression ratio"  # kvpress's: the fraction removed
+EVERY_ENTRY = "every entry"  # ``all``: the full cache's one point per storage format in a memory grid
+MEMORY_SHARE = "memory share"  # of the full cache's bytes at 16 bits
+MEMORY_BYTES = "memory bytes"
+MEMORY_KINDS = (MEMORY_SHARE, MEMORY_BYTES)
+NUMBER_LINE = (ENTRIES, FRACTION)  # the kinds score-vs-budget curves draw, each on its own log axis
+
+
+# --- a budget's kind -------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def budget_point(label: str) -> tuple[str, float]:
+    """A budget label's kind and its place on that kind's number line: entries per KV head, the fraction of the
+    prompt kept, kvpress's compression ratio (the fraction removed), the memory share or bytes, ``all`` at 1. Not a
+    budget (the gate's pooled ``*``): ``PkvError``."""
+    budget = Budget.parse(label)
+    if budget.keeps_all:
+        return EVERY_ENTRY, 1.0
+    if budget.memory:
+        return (MEMORY_SHARE if isinstance(budget.value, float) else MEMORY_BYTES), budget.value
+    if budget.removed:
+        return REMOVED, budget.value
+    return (FRACTION if budget.is_fraction else ENTRIES), float(budget.value)
+
+
+def budget_kind(label: str) -> str:
+    """A budget label's kind: ``ENTRIES``, ``FRACTION``, ``REMOVED``, ``EVERY_ENTRY`` or one of ``MEMORY_KINDS``."""
+    return budget_point(str(label))[0]
+
+
+def of_kind(budgets: pd.Series, *kinds: str) -> pd.Series:
+    """Which ``budgets`` are of one of ``kinds``: a plain boolean Series (see ``full_rows``)."""
+    return pd.Series([budget_kind(b) in kinds for b in budgets], index=budgets.index, dtype=bool)
 
 
 # --- the orders ------------------------------------------------------------------------------------------------------
@@ -53,19 +103,24 @@ SERIES = "series"  # the column: what a figure's line stands for (policy, bits, 
 
 def budget_sort_key(label: str) -> tuple[int, float]:
     """Token budgets first (ascending), then fractions kept (ascending), then kvpress compression ratios (the
-    fraction removed; largest first, so that the kept share ascends as in the others)."""
+    fraction removed; largest first, so that the kept share ascends as in the others); the others as they come."""
     try:
-        if str(label).startswith("cr"):
-            return (2, -float(str(label)[2:]))
-        value = float(label)
-    except ValueError:  # not a budget: a row over all budgets (the gate's pooled rows)
+        kind, value = budget_point(str(label))
+    except PkvError:  # not a budget: a row over all budgets (the gate's pooled rows)
         return (3, 0.0)
-    return (0, value) if value >= 1 else (1, value)
+    if kind == REMOVED:
+        return (2, -value)
+    return (NUMBER_LINE.index(kind), value) if kind in NUMBER_LINE else (3, 0.0)
+
+
+def policy_name(label: str) -> str:
+    """The registry's name in a policy's label: ``snapkv`` of ``snapkv:window=32 · 4 bits (agnostic)``."""
+    return str(label).split(":")[0].split(" ")[0]
 
 
 def policy_sort_key(label: str) -> tuple[int, str]:
     order = policy_order()
-    name = label.split(":")[0].split(" ")[0]  # "snapkv (agnostic)" sorts with snapkv
+    name = policy_name(label)  # "snapkv (agnostic)" sorts with snapkv
     return (order.index(name) if name in order else len(order), label)
 
 
@@ -126,29 +181,73 @@ def sort_rows(frame: pd.DataFrame, columns) -> pd.DataFrame:
 
 def is_full(policy: str) -> bool:
     """The full cache under any label the figures give it (``full``, ``full · 16 bits``, ``full (agnostic)``)."""
-    return str(policy).split(":")[0].split(" ")[0] == FULL
+    return policy_name(policy) == FULL
 
 
-# --- the folds: a policy with the settings that make it another line ------------------------------------------------
+def full_rows(policies: pd.Series) -> pd.Series:
+    """Which rows are the full cache's, as a plain boolean Series: ``policies.map(is_full)`` over the ordered
+    categorical ``load_runs`` makes is itself a categorical under pandas 3 wherever the map is one-to-one (full and
+    one other policy), and ``~`` or ``&`` on it fail."""
+    return pd.Series([is_full(p) for p in policies], index=policies.index, dtype=bool)
 
 
-def with_decode_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
-    """``frame`` with each policy that cut its cache while decoding named with its decode budget (``snapkv (decode
-    64)``), for figures whose lines are policies over the prefill budget; the full cache, never cut, keeps its name."""
-    if "decode_budget" not in frame.columns:
-        return frame
-    labels = [
-        p if d == "none" or is_full(p) else f"{p} (decode {d})" for p, d in zip(frame["policy"], frame["decode_budget"])
+# --- the labels: a cell named once -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Labelled:
+    """How a label names one axis's value after the policy."""
+
+    words: Callable[[str], str]
+    unsaid: tuple[str, ...] = ()  # values labels leave out: the paper's setting
+    several: bool = False  # a figure's line names it only where the rows hold several values (else it is the run's)
+    full: bool = True  # the full cache's line names it too (False: the value never changes what the full cache does)
+
+
+def storage_words(value: str) -> str:
+    """``4 bits``, ``4 g64 r32 bits``, ``native bits``: a width; a storage format's own name (``fp8``) stands alone."""
+    return f"{value} bits" if value[:1].isdigit() or value == NATIVE else value
+
+
+# The axes a label names after the policy, in this order: an axis added to the grid is one entry here (and its order
+# one in ``SORT_KEYS``). ``kv_bits`` holds a row's storage as tables show it; ``kv_stored``, the key's, is "" for the
+# model's own cache (``key_label``).
+LABELLED = {
+    "kv_bits": Labelled(storage_words, unsaid=("",), several=True),
+    "decode_budget": Labelled("decode {}".format, unsaid=("none",), full=False),
+}
+
+
+def _said(entry: Labelled, value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value)) and str(value) not in entry.unsaid
+
+
+def cell_label(cell: Mapping[str, Any], at_budget: bool = False) -> str:
+    """``snapkv · 4 bits · decode 64``: a cell's policy with each ``LABELLED`` axis ``cell`` has, in its words (a
+    value that is the paper's setting left out); with ``at_budget``, `` @ 128``: the cell's budget."""
+    parts = [str(cell["policy"])]
+    parts += [entry.words(str(cell[axis])) for axis, entry in LABELLED.items() if _said(entry, cell.get(axis))]
+    label = " · ".join(parts)
+    return f"{label} @ {cell['budget']}" if at_budget else label
+
+
+def key_label(cell: Mapping[str, Any], at_budget: bool = False) -> str:
+    """``cell_label`` of a cell as the store keys it (``schema.CELL_KEY``: the gate's cells, the exports' folders):
+    its storage is ``kv_stored``, empty for the model's own cache, which goes unsaid."""
+    return cell_label({**cell, "kv_bits": cell.get("kv_stored")}, at_budget)
+
+
+def series_labels(frame: pd.DataFrame) -> list[str]:
+    """What each row's line in a figure stands for: its ``cell_label`` over the ``LABELLED`` axes the rows have,
+    those said only where several (the bits) where the rows hold several values, and the full cache's line without
+    those that never change it (``snapkv · 4 bits · decode 64``, ``full · 4 bits``)."""
+    axes = [a for a, e in LABELLED.items() if a in frame.columns and (not e.several or frame[a].nunique() > 1)]
+    return [
+        cell_label(
+            {"policy": policy, **{a: v for a, v in zip(axes, values) if LABELLED[a].full or not is_full(policy)}}
+        )
+        for policy, *values in zip(frame["policy"], *(frame[a] for a in axes))
     ]
-    return frame.assign(policy=labels)
-
-
-def with_bits_in_policy(frame: pd.DataFrame) -> pd.DataFrame:
-    """Where rows' caches were stored in several formats, each policy × bits as a policy of its own (``snapkv ·
-    4 bits``): for the figures and views that key on the policy alone."""
-    if "kv_bits" not in frame.columns or frame["kv_bits"].nunique() < 2:
-        return frame
-    return frame.assign(policy=[f"{p} · {b} bits" for p, b in zip(frame["policy"], frame["kv_bits"])])
 
 
 # --- once, when rows are loaded --------------------------------------------------------------------------------------
@@ -163,8 +262,8 @@ def order_axes(rows: pd.DataFrame) -> pd.DataFrame:
     order) and ``series``: the policy with its bits (where several) and decode budget, ordered by policy, bits and
     decode budget."""
     rows = rows.copy()
-    folded = with_decode_in_policy(with_bits_in_policy(rows))["policy"]
-    axes = [c for c in ("policy", "kv_bits", "decode_budget") if c in rows.columns]
+    folded = series_labels(rows)
+    axes = ["policy", *(c for c in LABELLED if c in rows.columns)]
     rank = {}
     for label, *key in zip(folded, *(rows[c] for c in axes)):
         rank.setdefault(label, tuple(SORT_KEYS[axis](value) for axis, value in zip(axes, key)))

@@ -39,7 +39,7 @@ from pkvbench.cell.fingerprints import Fingerprint, compare
 from pkvbench.cell.schema import CELL_DEFAULTS, CELL_KEY
 from pkvbench.errors import PkvError
 from pkvbench.io import read_yaml
-from pkvbench.reports.axes import sort_rows
+from pkvbench.reports.axes import key_label, sort_rows
 from pkvbench.reports.choices import MIN_OVERLAP
 from pkvbench.reports.report import load_runs, run_folders
 from pkvbench.reports.stats import ALPHA, cell_scores, holm, paired_difference
@@ -129,24 +129,11 @@ def _where(path: Path, row: int, record: dict, sample: bool = True) -> str:
 
 
 def cell_words(record: dict, sample: bool = False) -> str:
-    """``needle snapkv 64 aware`` (and the sample's id): a cell's storage format and decode budget where it has
-    them."""
-    parts = [record[c] for c in ("task", "policy", "budget", "query_mode")]
-    parts += [f"{record['kv_stored']} bits"] if record.get("kv_stored") else []
-    parts += [f"decode budget {record['decode_budget']}"] if record.get("decode_budget", "none") != "none" else []
+    """``needle snapkv 64 aware`` (and the sample's id), the policy named with its storage format and decode budget
+    where it has them (``needle snapkv · 4 bits 64 aware``), in the order of the result lines."""
+    parts = [record["task"], key_label(record), record["budget"], record["query_mode"]]
     parts += [record["sample_id"]] if sample and "sample_id" in record else []
     return " ".join(map(str, parts))
-
-
-def policy_label(cell: dict) -> str:
-    """A cell's policy as the failure lines name it: with its storage format and decode budget where it has them
-    (``snapkv · 4 bits · decode 32``)."""
-    text = str(cell["policy"])
-    if isinstance(cell.get("kv_stored"), str) and cell["kv_stored"]:
-        text += f" · {cell['kv_stored']} bits"
-    if cell.get("decode_budget", "none") not in ("none", None):
-        text += f" · decode {cell['decode_budget']}"
-    return text
 
 
 def read_baseline(path: str | os.PathLike) -> pd.DataFrame:
@@ -595,7 +582,7 @@ def format_failures(result: CheckResult) -> str:
                 f"{row['paired_diff']:+.2f} [{row['paired_low']:.2f}, {row['paired_high']:.2f}], p {row['p_holm']:.3g}"
             )
         lines.append(
-            f"{row['status']:9} {row['task']:16} {policy_label(row):20} {row['budget']:>7} {row['query_mode']:8} "
+            f"{row['status']:9} {row['task']:16} {key_label(row):20} {row['budget']:>7} {row['query_mode']:8} "
             f"{_number(row['score_baseline'], '8.2f'):>8} {_number(row['score_run'], '.2f'):>8} "
             f"{_number(row['delta'], '+.2f'):>7} {n_base!s:>4}→{n_run!s:<4} {paired:>34}"
         )
@@ -608,7 +595,7 @@ def format_failures(result: CheckResult) -> str:
 
 def selection_line(row: dict) -> str:
     """``snapkv @ 64 (needle, aware): kept sets changed in 30 of 30 layers, overlap 0.810``"""
-    cell = f"{policy_label(row)} @ {row['budget']} ({row['task']}, {row['query_mode']})"
+    cell = f"{key_label(row)} @ {row['budget']} ({row['task']}, {row['query_mode']})"
     layers = int(row["layers"])
     text = f"{cell}: kept sets changed in {int(row['layers_changed'])} of {layers} layers, overlap {row['overlap']:.3f}"
     if row["counts_changed"]:
@@ -627,7 +614,7 @@ def prediction_lines(result: CheckResult, limit: int = 10) -> list[str]:
     if changed is None or not len(changed):
         return []
     lines = [
-        f"PREDICTION {r['task']} {r['sample_id']} {policy_label(r)} @ {r['budget']} ({r['query_mode']}): "
+        f"PREDICTION {r['task']} {r['sample_id']} {key_label(r)} @ {r['budget']} ({r['query_mode']}): "
         f"{_clip(r['pred_baseline'])!r} → {_clip(r['pred_run'])!r}"
         for r in changed.head(limit).to_dict("records")
     ]

@@ -14,7 +14,7 @@ import math
 import pandas as pd
 
 from pkvbench.cell.schema import SAMPLE_KEY
-from pkvbench.reports.axes import is_full
+from pkvbench.reports.axes import full_rows
 from pkvbench.reports.report import interval_columns, row_axes
 from pkvbench.reports.stats import mean_interval
 
@@ -28,7 +28,7 @@ def length_table(rows: pd.DataFrame) -> pd.DataFrame | None:
         return None
     key = [*row_axes(rows), "task"]
     same = list(SAMPLE_KEY)
-    full = rows[rows["policy"].map(is_full)].drop_duplicates(same).set_index(same)["new_tokens"]
+    full = rows[full_rows(rows["policy"])].drop_duplicates(same).set_index(same)["new_tokens"]
     rows["length_ratio"] = [
         tokens / full.get(tuple(r), math.nan) if full.get(tuple(r), 0) else math.nan
         for tokens, r in zip(rows["new_tokens"], rows[same].itertuples(index=False))

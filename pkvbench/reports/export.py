@@ -40,7 +40,7 @@ import yaml
 
 from pkvbench.cell.schema import AWARE, CELL_KEY, DEFAULT_QUERY_MODE
 from pkvbench.errors import PkvError
-from pkvbench.reports.axes import present
+from pkvbench.reports.axes import FRACTION, REMOVED, budget_kind, budget_point, key_label, present
 from pkvbench.reports.report import (
     Runs,
     interval_columns,
@@ -103,17 +103,14 @@ def compression_ratio(budget: str, rows: pd.DataFrame) -> float | None:
     """The share of the prompt removed: a ``cr`` budget's own, else 1 − the mean share the rows kept, else (rows that
     do not say: ``budget_tokens`` and ``context_tokens`` are not required of a row) 1 − a fraction budget; None for a
     budget of tokens or bytes whose rows do not say."""
-    if str(budget).startswith("cr"):
-        return float(str(budget)[2:])
+    kind, value = budget_point(str(budget))
+    if kind == REMOVED:
+        return value
     kept = pd.to_numeric(_column(rows, "budget_tokens"), errors="coerce")
     kept = (kept / pd.to_numeric(_column(rows, "context_tokens"), errors="coerce")).clip(upper=1.0).dropna()
     if len(kept):
         return float(1 - kept.mean())
-    try:
-        fraction = float(budget)
-    except ValueError:  # a memory budget
-        return None
-    return 1 - fraction if fraction < 1 else None
+    return 1 - value if kind == FRACTION else None
 
 
 def _column(rows: pd.DataFrame, name: str, missing=None) -> pd.Series:
@@ -161,7 +158,7 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
             ]
         ) + ("__query_aware" if cell["query_mode"] == AWARE else "")
         folder = out / name
-        label = f"{cell['policy']} @ {cell['budget']}" + (f" ({cell['kv_stored']} bits)" if cell["kv_stored"] else "")
+        label = key_label(cell, at_budget=True)
         if folder in written:  # two budgets of one ratio: one folder would hold both, kvpress would read one
             raise PkvError(
                 f"{written[folder]} and {label} would both be kvpress's {folder.name}; export them from separate runs"
@@ -211,11 +208,11 @@ def leaderboard_ranking(rows: pd.DataFrame) -> pd.DataFrame:
     rows = rows.assign(query_mode=modes.fillna(DEFAULT_QUERY_MODE))
     if "kv_stored" in rows.columns:  # a policy at another storage format is another entry, never pooled with it
         rows = rows.assign(
-            policy=[p + (f" · {s} bits" if s else "") for p, s in zip(rows["policy"], rows["kv_stored"])]
+            policy=[key_label({"policy": p, "kv_stored": s}) for p, s in zip(rows["policy"], rows["kv_stored"])]
         )
     budgets = [str(b) for b in present(rows["budget"])]
-    if all(b.startswith("cr") for b in budgets):  # compression ratios read from the least removed, as kvpress's plots
-        budgets = sorted(budgets, key=lambda b: float(b[2:]))
+    if all(budget_kind(b) == REMOVED for b in budgets):  # compression ratios from the least removed, as kvpress's plots
+        budgets = sorted(budgets, key=lambda b: budget_point(b)[1])
     records = []
     for (model, mode, policy), group in rows.groupby(["model", "query_mode", "policy"], sort=False):
         record = {"model": model_display_name(model), "query_mode": mode, "policy": policy}

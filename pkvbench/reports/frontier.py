@@ -17,9 +17,8 @@ import math
 
 import pandas as pd
 
-from pkvbench.cell.budgets import MEMORY_PREFIX
 from pkvbench.cell.schema import AWARE, SAMPLE_KEY
-from pkvbench.reports.axes import ROW_AXES, present
+from pkvbench.reports.axes import MEMORY_KINDS, ROW_AXES, budget_kind, cell_label, of_kind, present
 from pkvbench.reports.paired import ALL_TASKS, pairwise
 from pkvbench.reports.report import report_table, row_axes, stores_formats
 
@@ -29,7 +28,7 @@ CELL = [axis for axis in ROW_AXES if axis not in ("query_mode", "decode_budget")
 
 def has_frontier(rows: pd.DataFrame) -> bool:
     """Whether the rows span storage formats or memory budgets: the view has something to show."""
-    return "kv_bytes" in rows.columns and (stores_formats(rows) or rows["budget"].str.startswith(MEMORY_PREFIX).any())
+    return "kv_bytes" in rows.columns and (stores_formats(rows) or of_kind(rows["budget"], *MEMORY_KINDS).any())
 
 
 def _with_bits(rows: pd.DataFrame) -> pd.DataFrame:
@@ -57,7 +56,7 @@ def points(rows: pd.DataFrame) -> pd.DataFrame:
     table["entries"] = table["entries"].round(1)
     if "attention_weights" in rows.columns:  # a cost of its own: what kernels without attention weights cannot run
         needs = rows.dropna(subset=["attention_weights"]).groupby("policy")["attention_weights"].first()
-        table["attention"] = table["policy"].map(needs).fillna("")
+        table["attention"] = table["policy"].astype(str).map(needs).fillna("")  # a str map: never a categorical
     groups = [c for c in ("model", "query_mode") if c in table.columns]
     table["front"] = ""
     for _, group in table.groupby(groups, sort=False):
@@ -83,10 +82,6 @@ def _pareto(size: pd.Series, score: pd.Series) -> list:
     return front
 
 
-def _label(policy: str, bits: str) -> str:
-    return f"{policy} · {bits} bits"
-
-
 def target_groups(rows: pd.DataFrame) -> pd.DataFrame:
     """The rows each memory target compares, relabelled for ``paired.pairwise``: ``policy`` is "policy · bits
     bits" and ``budget`` the target. A target's own rows, and every other cell (a full cache) whose rows all fit
@@ -94,14 +89,14 @@ def target_groups(rows: pd.DataFrame) -> pd.DataFrame:
     rows = _with_bits(rows)
     if "memory_target" not in rows.columns:
         return rows.iloc[:0]
-    targets = [b for b in present(rows["budget"]) if str(b).startswith(MEMORY_PREFIX)]
+    targets = [b for b in present(rows["budget"]) if budget_kind(b) in MEMORY_KINDS]
     sample = [name for name in SAMPLE_KEY if name in rows.columns]  # rows of old versions have no query mode
     parts = []
     for target in targets:
         own = rows[rows["budget"] == target]
         limit = own.groupby(sample)["memory_target"].min().rename("limit")
         parts.append(own)
-        others = rows[~rows["budget"].str.startswith(MEMORY_PREFIX)]
+        others = rows[~of_kind(rows["budget"], *MEMORY_KINDS)]
         for _, cell in others.groupby(CELL, sort=False):
             bound = cell.join(limit, on=sample)["limit"]
             if bound.notna().all() and (cell["kv_bytes"] <= bound).all():
@@ -111,8 +106,8 @@ def target_groups(rows: pd.DataFrame) -> pd.DataFrame:
     merged = pd.concat(parts, ignore_index=True).astype({"budget": rows["budget"].dtype})
     # each policy × bits a policy of its own, in the policies' order, then the widest first
     cells = merged[["policy", "kv_bits"]].drop_duplicates().sort_values(["policy", "kv_bits"])
-    labels = [_label(p, b) for p, b in zip(merged["policy"], merged["kv_bits"])]
-    order = [_label(p, b) for p, b in cells.itertuples(index=False)]
+    labels = [cell_label({"policy": p, "kv_bits": b}) for p, b in zip(merged["policy"], merged["kv_bits"])]
+    order = [cell_label({"policy": p, "kv_bits": b}) for p, b in cells.itertuples(index=False)]
     labelled = merged.assign(policy=pd.Categorical(labels, categories=order, ordered=True))
     return labelled.drop(columns=[c for c in ("kv_bits", "kv_stored") if c in labelled.columns])
 

@@ -48,7 +48,7 @@ from pkvbench.reports.report import Runs, load_runs, model_display_name, report_
 from pkvbench.reports.summary import summarize
 from pkvbench.store.results import ROWS, RUN, read_run_record
 
-ASSETS = "html_assets"  # inside the pkvbench package: the page's skeleton, style sheet and script
+ASSETS = "html_assets"  # beside this module, in its package: the page's skeleton, style sheet and script
 # Row fields that name or measure one policy × budget, not the sample: every field of the schema but the sample's and
 # the texts shown on their own, and what report.load_runs adds; the sample's own fields (context_tokens, length,
 # depth, ...) are what is left of its first row.
@@ -122,7 +122,7 @@ def build_page(runs: Runs) -> str:
 
 
 def _asset(name: str) -> str:
-    return importlib.resources.files("pkvbench").joinpath(ASSETS, name).read_text(encoding="utf-8")
+    return importlib.resources.files(__package__).joinpath(ASSETS, name).read_text(encoding="utf-8")
 
 
 @functools.cache

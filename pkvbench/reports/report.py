@@ -22,7 +22,7 @@ import pandas as pd
 from pkvbench.cell.budgets import budget_label
 from pkvbench.cell.schema import AWARE, DEFAULT_QUERY_MODE, FORMATS, REQUIRED, TABLE_KEY
 from pkvbench.errors import PkvError
-from pkvbench.reports.axes import ROW_AXES, order_axes, present
+from pkvbench.reports.axes import ROW_AXES, cell_label, order_axes, present
 from pkvbench.reports.stats import group_interval, mean_interval
 from pkvbench.store.lock import FolderLock
 from pkvbench.store.results import (
@@ -310,10 +310,8 @@ def uneven_counts(rows: pd.DataFrame) -> list[str]:
         for key, n in per_task.items():
             if n < most:
                 cell = dict(zip(["task", *axes], key))
-                bits = f" ({cell['kv_bits']} bits)" if "kv_bits" in cell else ""
                 mode = f" ({cell['query_mode']})" if "query_mode" in cell else ""
-                where = f"{cell['policy']}{bits} @ {cell['budget']}{mode}"
-                where += f", decode budget {cell['decode_budget']}" if "decode_budget" in cell else ""
+                where = cell_label(cell, at_budget=True) + mode
                 notes.append(f"{task}: {cell['model']} {where} has {n} samples, others up to {most}")
     return notes
 

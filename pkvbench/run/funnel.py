@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from pkvbench.cell.budgets import Budget, plan
 from pkvbench.cell.schema import FUNNEL_STATISTICS
-from pkvbench.engine.attention import window_attention_probs
+from pkvbench.engine.attention import Recorder, window_attention_probs
 from pkvbench.errors import PkvError
 from pkvbench.io import atomic_write
 from pkvbench.policies.spec import parse_policy
@@ -98,20 +98,21 @@ def attention_statistics(probs: torch.Tensor, visible: torch.Tensor, sink: int, 
 
 
 @dataclass
-class FunnelRecorder:
-    """Records ``attention_statistics`` of every layer's last ``window`` queries during one forward pass."""
+class FunnelRecorder(Recorder):
+    """Records ``attention_statistics`` of every layer's last ``window`` queries during one forward pass
+    (``softmaxes``: each layer's, ``Engine.softmaxes``)."""
 
+    softmaxes: list
     window: int = 8
     sink: int = 4
     top_k: int = 128
     layers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    needed = True
 
     def observe(
-        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None = None
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, logsumexp: torch.Tensor | None = None
     ) -> None:
         q, k = query[0], key[0]  # batch of one
-        probs = window_attention_probs(q, k, scaling, self.window, softcap)
+        probs = window_attention_probs(q, k, self.softmaxes[layer_idx], self.window)
         length, rows = k.shape[1], probs.shape[1]
         visible = torch.arange(length - rows + 1, length + 1)
         self.layers[layer_idx] = attention_statistics(probs, visible, self.sink, self.top_k)
@@ -119,7 +120,7 @@ class FunnelRecorder:
 
 def measure_sample(engine, input_ids: list[int], window: int, sink: int, top_k: int) -> tuple[dict[str, list], float]:
     """``{statistic: [layer][head]}`` for one prompt, and the seconds its forward pass took."""
-    recorder = FunnelRecorder(window=window, sink=sink, top_k=top_k)
+    recorder = FunnelRecorder(engine.softmaxes, window=window, sink=sink, top_k=top_k)
     _, seconds = engine.recorded_forward(torch.tensor([input_ids], dtype=torch.long), recorder)
     layers = [recorder.layers[i] for i in range(engine.loaded.num_layers)]
     # Six significant digits are far beyond what differs between samples, and keep the per-sample log small.

@@ -228,19 +228,6 @@ class Outputs:
         atomic_write(folder / MANIFEST, text + "\n")
 
 
-def write_file(
-    path: str | os.PathLike,
-    data: str | bytes,
-    option: str = "--out",
-    reads: Iterable[str | os.PathLike] = (),
-    kind: Kind = REPORT,
-) -> Path:
-    """One file under the rule: ``Outputs(option, reads)``, added and committed."""
-    outputs = Outputs(option, reads)
-    outputs.add(path, data, kind)
-    return outputs.commit()[0]
-
-
 def _given(path: str | os.PathLike, option: str) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise PkvError(f"{option} {path!r}: expected a path")

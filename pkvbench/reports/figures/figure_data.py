@@ -8,7 +8,7 @@ from __future__ import annotations
 import pandas as pd
 
 from pkvbench.cell.schema import DEFAULT_QUERY_MODE
-from pkvbench.reports.axes import KEY, is_full, present
+from pkvbench.reports.axes import KEY, full_rows, present
 from pkvbench.reports.stats import group_interval, mean_interval
 
 # seaborn's "colorblind" palette, written out: a policy's colour is the same on a PNG and on the HTML page.
@@ -90,7 +90,7 @@ def full_reference(rows: pd.DataFrame, task: str, query_mode: str | None = None)
     The full cache keeps every entry whatever the budget, so a sample run at several budgets counts once. Where the
     caches were stored at several widths (``kv_bits``), the reference is the widest: a full cache at 2 bits is
     KIVI, a compressed point of its own."""
-    full = rows[rows["policy"].map(is_full)]
+    full = rows[full_rows(rows["policy"])]
     if "query_mode" in full.columns:
         if query_mode is None and full["query_mode"].nunique() > 1:
             query_mode = DEFAULT_QUERY_MODE

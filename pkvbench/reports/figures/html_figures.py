@@ -14,11 +14,14 @@ from typing import Any
 import altair as alt
 import pandas as pd
 
-from pkvbench.cell.budgets import ALL, MEMORY_PREFIX, Budget
 from pkvbench.cell.schema import DEFAULT_QUERY_MODE
 from pkvbench.reports.axes import (
+    LABELLED,
     LINE_KEY,
     SERIES,
+    budget_point,
+    cell_label,
+    full_rows,
     is_full,
     present,
 )
@@ -57,21 +60,6 @@ def query_modes(rows: pd.DataFrame) -> pd.Series:
     if "query_mode" not in rows.columns:
         return pd.Series(DEFAULT_QUERY_MODE, index=rows.index)
     return rows["query_mode"].fillna(DEFAULT_QUERY_MODE)
-
-
-def budget_axis(label: str) -> tuple[str, float]:
-    """A budget's kind (each gets its own panels) and its value: entries per KV head, a fraction of the prompt kept,
-    or kvpress's compression ratio (the fraction removed)."""
-    label = str(label)
-    if label.startswith("cr"):
-        return "compression ratio", float(label[2:])
-    if label == ALL:
-        return "every entry", 1.0
-    if label.startswith(MEMORY_PREFIX):
-        memory = Budget.parse(label)
-        return ("memory share", memory.value) if isinstance(memory.value, float) else ("memory bytes", memory.value)
-    value = float(label)
-    return ("entries per head", value) if value >= 1 else ("fraction of the prompt", value)
 
 
 def _policy_scale(policies: pd.Series, drawn=None):
@@ -124,7 +112,7 @@ def budget_curve_figures(points: pd.DataFrame, rows: pd.DataFrame) -> list[dict]
         for row, mode in zip(table.to_dict("records"), modes):
             if is_full(row["policy"]):
                 continue
-            kind, value = budget_axis(row["budget"])
+            kind, value = budget_point(str(row["budget"]))  # each kind its own panels
             panel = f"{row['task']} · {kind}{_mode_suffix(mode, several)}"
             panels.setdefault(panel, (row["task"], mode))
             points.append({**_point(row, interval), "panel": panel, "x": value, "series": row["policy"]})
@@ -138,7 +126,7 @@ def budget_curve_figures(points: pd.DataFrame, rows: pd.DataFrame) -> list[dict]
                 )
         if not panels:
             continue
-        chart = _curve_chart(points, list(panels), interval, table[~table["policy"].map(is_full)])
+        chart = _curve_chart(points, list(panels), interval, table[~full_rows(table["policy"])])
         figures.append(
             _figure(
                 "curves",
@@ -210,7 +198,7 @@ def frontier_figures(points: pd.DataFrame) -> list[dict]:
             {
                 "policy": row["policy"],
                 "bits": str(row["kv_bits"]),
-                "series": f"{row['policy']} · {row['kv_bits']} bits",
+                "series": cell_label(row),
                 "budget": row["budget"],
                 "bytes": json_value(row["kv_bytes"]),
                 "memory": json_value(row["memory"]),
@@ -333,7 +321,7 @@ def layer_budget_figures(rows: pd.DataFrame) -> list[dict]:
     if "kv_kept" not in rows.columns:
         return []
     recorded = rows["kv_kept"].map(lambda v: isinstance(v, list) and len(v) > 0)
-    kept = rows[recorded & ~rows["policy"].map(is_full)]
+    kept = rows[recorded & ~full_rows(rows["policy"])]
     kept = kept.assign(query_mode=query_modes(kept))
     several = kept["query_mode"].nunique() > 1
     figures = []
@@ -397,7 +385,7 @@ def decode_memory_figures(rows: pd.DataFrame) -> list[dict]:
         sample_id = cut["sample_id"].iloc[0]
         points = []
         for row in per_task[per_task["sample_id"] == sample_id].to_dict("records"):
-            panel = f"budget {row['budget']} · decode {row['decode_budget']}"
+            panel = f"budget {row['budget']} · {LABELLED['decode_budget'].words(str(row['decode_budget']))}"
             points += [
                 {"policy": row["policy"], "panel": panel, "token": step, "entries": entries, "order": i}
                 for i, (step, entries) in enumerate(row["kv_trace"])

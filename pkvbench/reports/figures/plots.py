@@ -10,6 +10,7 @@ import math
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
 
@@ -26,19 +27,23 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
 from pkvbench.errors import PkvError
 from pkvbench.io import atomic_write
-from pkvbench.reports.axes import AGNOSTIC_SUFFIX, SERIES, is_full, present, with_query_modes
-from pkvbench.reports.figures.figure_data import (
-    NEEDLE_COLOURS,
-    curve_table,
-    full_reference,
-    needle_cells,
-    needle_rows,
-    policy_colour,
+from pkvbench.reports.axes import (
+    AGNOSTIC_SUFFIX,
+    ENTRIES,
+    FRACTION,
+    NUMBER_LINE,
+    SERIES,
+    budget_kind,
+    is_full,
+    of_kind,
+    present,
+    with_query_modes,
 )
+from pkvbench.reports.figures import figure_data  # the numbers both renderers draw: these PNGs and the HTML page
 from pkvbench.reports.report import Runs, model_display_name
 from pkvbench.store.outputs import Outputs
 
-NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", NEEDLE_COLOURS)
+NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", figure_data.NEEDLE_COLOURS)
 DPI = 100
 
 
@@ -48,20 +53,12 @@ def slug(text: str) -> str:
 
 def budget_title(label: str) -> str:
     label = str(label)
-    if not _plain_number(label):  # "all", a memory budget, kvpress's compression ratio: as written
-        return f"budget {label}"
-    value = float(label)
-    if value < 1:
-        return f"budget {value * 100:g}% of the prompt"
-    return f"budget {int(value)}"
-
-
-def _plain_number(label) -> bool:
-    try:
-        float(label)
-    except ValueError:
-        return False
-    return True
+    kind = budget_kind(label)
+    if kind == FRACTION:
+        return f"budget {float(label) * 100:g}% of the prompt"
+    if kind == ENTRIES:
+        return f"budget {int(float(label))}"
+    return f"budget {label}"  # "all", a memory budget, kvpress's compression ratio: as written
 
 
 def _drawn(fig, path: Path) -> bytes:
@@ -97,7 +94,7 @@ def _under_rule(outputs: Outputs | None, option: str) -> Iterator[Outputs]:
 
 def _grid(cell: pd.DataFrame, stat: str = "score") -> pd.DataFrame:
     """A depth × length table of ``cell``'s squares: their mean score, or (``n``) their sample counts."""
-    grid = needle_cells(cell, []).pivot(index="depth", columns="length", values=stat)
+    grid = figure_data.needle_cells(cell, []).pivot(index="depth", columns="length", values=stat)
     grid = grid.sort_index().reindex(columns=sorted(grid.columns))
     grid.index = [f"{d:g}" for d in grid.index]
     grid.columns = [f"{int(c)}" for c in grid.columns]
@@ -142,7 +139,7 @@ def plot_needle_heatmaps(rows: pd.DataFrame, out_dir: str | Path, outputs: Outpu
 
 
 def _needle_heatmaps(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[Path]:
-    rows = needle_rows(rows)
+    rows = figure_data.needle_rows(rows)
     paths: list[Path] = []
     for (task, model), per_model in rows.groupby(["task", "model"], sort=False):
         name = model_display_name(model)
@@ -204,75 +201,52 @@ def plot_budget_curves(rows: pd.DataFrame, out_dir: str | Path, outputs: Outputs
         return _budget_curves(rows, Path(out_dir), outputs)
 
 
+# The x axis of each budget kind's panels: its title, and how a tick writes a budget.
+CURVE_AXES = {
+    ENTRIES: ("KV budget (entries per head per layer, log)", lambda x, _: f"{x:g}"),
+    FRACTION: ("KV budget (fraction of the prompt, log)", lambda x, _: f"{x * 100:g}%"),
+}
+
+
+@dataclass(frozen=True)
+class CurvePlan:
+    """One model's curve figure: its panels (task × budget kind, a task's kinds side by side, the average last) and
+    a colour per policy drawn as a line (the full cache is the dashed reference line instead: in either query mode
+    it decodes the same tokens)."""
+
+    panels: list[tuple[str, str]]
+    colours: dict[str, str]
+
+
+def curve_plan(points: pd.DataFrame) -> CurvePlan:
+    kinds = [kind for kind in NUMBER_LINE if of_kind(points["budget"], kind).any()]
+    policies = [p for p in present(points["policy"]) if not is_full(p)]
+    return CurvePlan(
+        panels=[(task, kind) for task in present(points["task"]) for kind in kinds],
+        colours={p: figure_data.policy_colour(i) for i, p in enumerate(policies)},
+    )
+
+
 def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[Path]:
-    points = curve_table(rows)
     paths = []
-    for model, per_model in points.groupby("model", sort=False):
+    for model, per_model in figure_data.curve_table(rows).groupby("model", sort=False):
         name = model_display_name(model)
-        tasks = present(per_model["task"])  # the average last
-        budgets = per_model["budget"].unique()
-        kinds = [
-            k
-            for k, pred in (("tokens", lambda b: float(b) >= 1), ("fraction", lambda b: float(b) < 1))
-            if any(pred(b) for b in budgets)
-        ]
-        # the full cache is the dashed reference line (in either query mode it decodes the same tokens)
-        policies = [p for p in present(per_model["policy"]) if not is_full(p)]
-        colours = {p: policy_colour(i) for i, p in enumerate(policies)}
-        panels = [(task, kind) for task in tasks for kind in kinds]  # a task's kinds side by side
-        n_cols = min(len(panels), 4)
-        n_rows = math.ceil(len(panels) / n_cols)
+        plan = curve_plan(per_model)
+        n_cols = min(len(plan.panels), 4)
+        n_rows = math.ceil(len(plan.panels) / n_cols)
         fig, axes = plt.subplots(n_rows, n_cols, figsize=(4.4 * n_cols + 1.8, 3.3 * n_rows), squeeze=False)
-        for ax in axes.flat[len(panels) :]:
+        for ax in axes.flat[len(plan.panels) :]:
             ax.set_visible(False)
-        handles = {}
-        for (task, kind), ax in zip(panels, axes.flat):
-            reference = full_reference(rows[rows["model"] == model], task)
-            sub = per_model[per_model["task"] == task]
-            sub = sub[[(float(b) >= 1) == (kind == "tokens") for b in sub["budget"]]]
-            ticks = sorted({float(b) for b in sub["budget"]})
-            for policy in policies:
-                line = sub[sub["policy"] == policy].copy()
-                if line.empty:
-                    continue
-                line["x"] = line["budget"].astype(str).astype(float)
-                line = line.sort_values("x")
-                style = ":" if policy.endswith(AGNOSTIC_SUFFIX) else "-"
-                (handle,) = ax.plot(
-                    line["x"], line["score"], marker="o", color=colours[policy], label=policy, linewidth=1.8, ls=style
-                )
-                if len(line) > 1:  # the interval as a band along the line
-                    ax.fill_between(line["x"], line["ci_low"], line["ci_high"], color=colours[policy], alpha=0.12, lw=0)
-                else:  # a lone point has no band to draw: an error bar
-                    # (clipped: float noise can put a bound a hair beyond the mean it was resampled around)
-                    spread = [
-                        (line["score"] - line["ci_low"]).clip(lower=0),
-                        (line["ci_high"] - line["score"]).clip(lower=0),
-                    ]
-                    ax.errorbar(line["x"], line["score"], yerr=spread, fmt="none", ecolor=colours[policy], capsize=3)
+        handles = {}  # the legend: each line once, in the order the panels first draw it
+        for (task, kind), ax in zip(plan.panels, axes.flat):
+            panel = per_model[(per_model["task"] == task) & of_kind(per_model["budget"], kind)]
+            for policy, handle in _policy_lines(ax, panel, plan.colours).items():
                 handles.setdefault(policy, handle)
+            reference = figure_data.full_reference(rows[rows["model"] == model], task)
             if reference is not None:
                 handle = ax.axhline(reference[0], color="black", linestyle="--", linewidth=1.2, label="full cache")
                 handles.setdefault("full cache", handle)
-            if ticks:
-                ax.set_xscale("log")
-                low, high = min(ticks), max(ticks)
-                pad = 1.25 if high > low else 1.6
-                ax.set_xlim(low / pad, high * pad)
-                ax.xaxis.set_major_locator(FixedLocator(ticks))
-                ax.xaxis.set_minor_locator(NullLocator())
-                ax.xaxis.set_major_formatter(
-                    FuncFormatter((lambda x, _: f"{x:g}") if kind == "tokens" else (lambda x, _: f"{x * 100:g}%"))
-                )
-            ax.set_ylim(0, 105)
-            ax.grid(True, alpha=0.3)
-            ax.set_xlabel(
-                "KV budget (entries per head per layer, log)"
-                if kind == "tokens"
-                else "KV budget (fraction of the prompt, log)",
-                fontsize=9,
-            )
-            ax.set_ylabel("score (× 100)")
+            _budget_axis(ax, kind, sorted({float(b) for b in panel["budget"]}))
             title = "average over tasks" if task == "avg" else task
             ax.set_title(f"{title} · {name}", fontsize=10)
         fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), title="policy")
@@ -280,6 +254,46 @@ def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[
         fig.tight_layout(rect=(0, 0, 1, 0.98))
         paths.append(_save(fig, out_dir / f"curves_{slug(name)}.png", outputs))
     return paths
+
+
+def _policy_lines(ax, panel: pd.DataFrame, colours: dict[str, str]) -> dict:
+    """Each policy's points of one panel as a line (dotted: query-agnostic) with its interval as a band, or, for a
+    lone point, an error bar; returns the lines drawn by policy."""
+    handles = {}
+    for policy, colour in colours.items():
+        line = panel[panel["policy"] == policy].copy()
+        if line.empty:
+            continue
+        line["x"] = line["budget"].astype(str).astype(float)
+        line = line.sort_values("x")
+        style = ":" if policy.endswith(AGNOSTIC_SUFFIX) else "-"
+        (handles[policy],) = ax.plot(
+            line["x"], line["score"], marker="o", color=colour, label=policy, linewidth=1.8, ls=style
+        )
+        if len(line) > 1:  # the interval as a band along the line
+            ax.fill_between(line["x"], line["ci_low"], line["ci_high"], color=colour, alpha=0.12, lw=0)
+        else:  # a lone point has no band to draw: an error bar
+            # (clipped: float noise can put a bound a hair beyond the mean it was resampled around)
+            spread = [(line["score"] - line["ci_low"]).clip(lower=0), (line["ci_high"] - line["score"]).clip(lower=0)]
+            ax.errorbar(line["x"], line["score"], yerr=spread, fmt="none", ecolor=colour, capsize=3)
+    return handles
+
+
+def _budget_axis(ax, kind: str, ticks: list[float]) -> None:
+    """A panel's axes: the budgets of ``kind`` on a log axis, ticked where there are points; the score 0–105."""
+    title, tick_text = CURVE_AXES[kind]
+    if ticks:
+        ax.set_xscale("log")
+        low, high = min(ticks), max(ticks)
+        pad = 1.25 if high > low else 1.6
+        ax.set_xlim(low / pad, high * pad)
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_major_formatter(FuncFormatter(tick_text))
+    ax.set_ylim(0, 105)
+    ax.grid(True, alpha=0.3)
+    ax.set_xlabel(title, fontsize=9)
+    ax.set_ylabel("score (× 100)")
 
 
 def plot_runs(runs: Runs, out_dir: str | Path, outputs: Outputs | None = None) -> list[Path]:
@@ -292,7 +306,7 @@ def plot_runs(runs: Runs, out_dir: str | Path, outputs: Outputs | None = None) -
     rows = rows.assign(policy=rows[SERIES])
     # score-vs-budget curves need budgets on a number line: entries and fractions of the prompt (the frontier of
     # memory budgets is the report's and the HTML page's)
-    numbered = rows[rows["budget"].map(_plain_number)]
+    numbered = rows[of_kind(rows["budget"], *NUMBER_LINE)]
     with _under_rule(outputs, "--out") as outputs:
         curves = plot_budget_curves(numbered, out_dir, outputs) if len(numbered) else []
         return plot_needle_heatmaps(rows, out_dir, outputs) + curves
@@ -326,7 +340,7 @@ def _layer_budgets_figure(entries: list[dict]):
                 xs,
                 e["per_layer"],
                 width=width,
-                color=policy_colour(i),
+                color=figure_data.policy_colour(i),
                 label=f"{e['policy']} (mean {e['mean']:g})",
             )
         names = ", ".join(e["policy"] for e in flat)
@@ -361,7 +375,7 @@ def plot_funnel(per_layer: pd.DataFrame, overlays: dict[str, dict], title: str, 
     shares = [name for name in FUNNEL_STATISTICS if name != "keys_for_90"]  # the ones on a 0–1 scale
     tasks = list(dict.fromkeys(per_layer["task"]))
     fig, axes = plt.subplots(len(tasks), 1, figsize=(10, 4.2 * len(tasks)), squeeze=False)
-    palette = {name: policy_colour(i) for i, name in enumerate(shares)}
+    palette = {name: figure_data.policy_colour(i) for i, name in enumerate(shares)}
     for ax, task in zip(axes[:, 0], tasks):
         overlay = overlays[task]
         budget_ax = ax.twinx()
