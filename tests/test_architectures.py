@@ -505,12 +505,13 @@ def test_a_statistic_beyond_the_machines_memory_is_one_line_naming_the_length():
         ({"model_type": "deepseek_v3"}, "'deepseek_v3' model, not supported: MLA caches a compressed latent"),
         ({"model_type": "deepseek_v2"}, "'deepseek_v2' model, not supported: MLA caches a compressed latent"),
         ({"model_type": "falcon"}, "'falcon' model; supported architectures: llama, mistral, qwen2, qwen3"),
+        ({"model_type": "gemma4_text"}, "not supported: layers of different cache shapes, and caches shared between"),
         (
             {"model_type": "llama", "num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"]},
             "has linear_attention layers",
         ),
     ],
-    ids=["mla", "refused-family", "unknown-family", "linear-attention"],
+    ids=["mla", "refused-family", "unknown-family", "per-layer-shapes", "linear-attention"],
 )
 def test_a_family_pkvbench_cannot_run_is_refused_in_one_line_before_the_model_loads(config, reason, tmp_path, capsys):
     """A folder holding only a config (no weights, no tokenizer): the refusal comes from the config alone."""

@@ -164,6 +164,13 @@ FAMILIES: dict[str, Family] = {
         "the temperature's position from the sequence's length as transformers counts it",
         layers="chunked (kept whole) and global (full) per layer_types",
     ),
+    "gemma4_text": Family(
+        "global layers of another head size and KV heads than the local ones (global_head_dim, "
+        "num_global_key_value_heads); the last layers reuse earlier layers' caches (num_kv_shared_layers)",
+        "",
+        refused="layers of different cache shapes, and caches shared between layers",
+        layers="local and global per layer_types, of different shapes",
+    ),
     "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
     "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
 }
