@@ -383,7 +383,7 @@ class Rotation:
     width: int
     dim: int = 0  # the head size
     rotates: tuple[bool, ...] = ()
-    scales: tuple = ()  # per layer: the weights [d] of a norm after RoPE (``_scale_after_rotation``), or None
+    scales: tuple = field(default=(), compare=False)  # per layer: a norm's weights [d] after RoPE, or None
     function: Callable | None = field(default=None, compare=False)
     heads_axis: int = 1
 
@@ -409,7 +409,8 @@ class Rotation:
 
         device = _device_of(embedding)
         if not self.rotates[layer]:
-            return torch.ones(count, self.width, device=device), torch.zeros(count, self.width, device=device)
+            width = self.width or self.dim
+            return torch.ones(count, width, device=device), torch.zeros(count, width, device=device)
         from pkvbench.engine.attention import rotate_half
 
         ones = torch.ones(self.dim, device=device)

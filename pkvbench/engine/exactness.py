@@ -85,8 +85,8 @@ def _masks_by_kind(
     config, visible: torch.Tensor, position: int, kept_whole: tuple[str, ...], dtype: torch.dtype
 ) -> dict:
     """The one query's 4-D masks ``[1, 1, 1, position + 1]`` per layer kind: what it may see of the cache's entries
-    (at positions 0 … position), a sliding kind within its window, a chunked kind within its chunk; boolean, or added to the logits in ``dtype``
-    where the model runs the eager kernel (Gemma 2)."""
+    (at positions 0 … position), a sliding kind within its window, a chunked kind within its chunk; boolean, or
+    added to the logits in ``dtype`` where the model runs the eager kernel (Gemma 2)."""
     from pkvbench.engine.architecture import CHUNKED, SLIDING, Architecture
 
     architecture = Architecture.of(config)
