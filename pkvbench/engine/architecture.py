@@ -132,11 +132,12 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family(
         "NoPE layers (no_rope_layers: every 4th layer skips RoPE)",
         "which layers rotate read from the model; un-rotation and decode-time rotation the identity on NoPE layers",
+        layers="full, NoPE where no_rope_layers says so",
     ),
     "exaone4": Family(
         "q/k norms; local layers with RoPE, global layers NoPE (where sliding_window)",
         "NoPE read from the model; local layers kept whole",
-        layers=LOCAL_AND_GLOBAL,
+        layers="local (sliding, kept whole; RoPE) and global (full; NoPE) per layer_types",
     ),
     "glm": Family(
         "partial RoPE with interleaved pairs, its tables laid out as rotate-half's (GLM-4)",
@@ -162,7 +163,7 @@ FAMILIES: dict[str, Family] = {
         "NoPE (every 4th), their queries scaled by position (attn_temperature_tuning); mixture-of-experts MLP",
         "chunked layers kept whole, decoding under their chunk; NoPE, the pairing and the norm read from the model; "
         "the temperature's position from the sequence's length as transformers counts it",
-        layers="chunked (kept whole) and global (full) per layer_types",
+        layers="chunked (kept whole; RoPE) and global (full; NoPE) per layer_types",
     ),
     "gemma4_text": Family(
         "global layers of another head size and KV heads than the local ones (global_head_dim, "
