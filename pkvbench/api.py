@@ -429,14 +429,16 @@ def check_model_fit(run: ResolvedRun, items: list) -> None:
     ``--overwrite`` deletes anything: a KIVI group that does not divide the head size, a memory budget below what a
     cell needs. (A model whose config cannot be read here is checked once loaded, before its first row.)"""
     from pkvbench.engine.models import model_shape
-    from pkvbench.run.runner import check_formats, check_memory
+    from pkvbench.run.runner import check_formats, check_memory, check_prompts
 
     shape = model_shape(run.config.model, native_bits(run.config))
     if shape is None:
         return
     cells = run.cells
     check_formats(shape, cells)
-    check_memory(shape, [(task, sample, cells) for task, sample in items])
+    pending = [(task, sample, cells) for task, sample in items]
+    check_memory(shape, pending)
+    check_prompts(shape, pending, run.config.max_new_tokens, run.config.model)
 
 
 def _execute(

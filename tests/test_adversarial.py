@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import pkvbench
 from pkvbench import api
@@ -341,6 +342,27 @@ ALIAS_BOMB = "policy:\n  - &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
 )
 
 
+# A model's config alone (issue 47 R6, R6b, R10; issue 49): every value checked, and what the model's own code does
+# with it read, before any weights load — the folder holds no weights (none is needed to refuse it).
+TINY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096, "vocab_size": 1000}  # fmt: skip
+
+
+def model_config(model_type: str, **settings) -> Callable[[Context], None]:
+    def setup(ctx: Context) -> None:
+        write(ctx.tmp / "m" / "config.json", json.dumps({"model_type": model_type, **TINY_MODEL, **settings}))
+
+    return setup
+
+
+def weights_of_another_head_size(ctx: Context) -> None:
+    """A config whose head_dim (32) is not the one its weights were saved with (16): their headers say so."""
+    from safetensors.torch import save_file
+
+    model_config("llama", head_dim=32)(ctx)
+    save_file({"model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 64)}, str(ctx.tmp / "m" / "model.safetensors"))
+
+
 # --- the table ------------------------------------------------------------------------------------------------------
 
 
@@ -358,6 +380,7 @@ RUN = "run --policy full,snapkv --budget 64 --lengths 500 --depths 0,50 --quiet"
 NEEDLE = "run --policy full --budget 64 --lengths 400 --depths 50 --max-new-tokens 4 --quiet"
 # a config's run, refused for its lengths unless refused before for what the case puts in the config
 CONFIGURED = "run --config {tmp}/config.yaml --lengths 10000000"
+MODEL_RUN = "run --model {tmp}/m --policy full --lengths 500 --out {tmp}/o --quiet"
 CASES = [
     # 1-3: nothing pkvbench did not create is ever deleted or overwritten
     Case("merge-into-an-existing-folder", "merge {tmp}/a {tmp}/b --out {tmp}/existing", 2, "is not empty",
@@ -772,6 +795,36 @@ CASES = [
     Case("trec-training-too-small", "run --task trec-fewshot --data-dir {tmp}/trec --no-verify --lengths 2000 "
          "--limit 1 --policy full --out {tmp}/o", 2, "trec-fewshot (2 training questions): --lengths 2000 is more than",
          small_trec, model=True),
+    # a model's config pkvbench cannot compute with, or the model itself cannot: one line before any weights load
+    Case("layer-types-too-long", MODEL_RUN, 2, "layer_types names 4 layers, num_hidden_layers 2",
+         model_config("gemma2", sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2)),
+    Case("layer-types-a-string", MODEL_RUN, 2,
+         "layer_types must be a list with one layer kind per layer, not 'sliding_attention'",
+         model_config("gemma2", sliding_window=64, layer_types="sliding_attention")),
+    Case("sliding-layer-without-window", MODEL_RUN, 2,
+         "layer 0 is a sliding_attention layer, but the config gives no sliding_window",
+         model_config("gemma2", sliding_window=None, layer_types=["sliding_attention", "full_attention"])),
+    Case("qwen2-sliding-layer-types-without-window", MODEL_RUN, 2,
+         "layer 1 is a sliding_attention layer, but the config gives no sliding_window",
+         model_config("qwen2", use_sliding_window=False, sliding_window=None,
+                      layer_types=["full_attention", "sliding_attention"])),
+    Case("sliding-window-a-string", MODEL_RUN, 2, "sliding_window is '4096'; it must be a whole number of tokens",
+         model_config("mistral", sliding_window="4096")),
+    Case("sliding-window-0", MODEL_RUN, 2, "sliding_window is 0: a window of 0 tokens hides every token",
+         model_config("mistral", sliding_window=0)),
+    Case("kv-heads-not-dividing-heads", MODEL_RUN, 2, "its 3 KV heads do not divide its 4 attention heads",
+         model_config("llama", num_key_value_heads=3)),
+    Case("no-layers", MODEL_RUN, 2, "num_hidden_layers is 0; a model needs at least one layer",
+         model_config("llama", num_hidden_layers=0)),
+    Case("soft-cap-0", MODEL_RUN, 2, "attn_logit_softcapping is 0; a soft-cap must be above 0",
+         model_config("gemma2", sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+                      attn_logit_softcapping=0)),
+    Case("bidirectional-layers", MODEL_RUN, 2, "layer 0 attends to later tokens (not causal",
+         model_config("gemma3_text", sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+                      use_bidirectional_attention=True)),
+    Case("head-dim-not-the-weights", MODEL_RUN, 2,
+         "its config makes model.layers.0.self_attn.q_proj.weight of shape [128, 64], its weights hold [64, 64]",
+         weights_of_another_head_size),
 ]  # fmt: skip
 
 

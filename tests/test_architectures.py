@@ -11,6 +11,10 @@ embedded model's tokenizer, loads it as a user's folder and checks the engine ag
 The sliding-window rows take a prompt that fits the window and an answer that carries the sequence past it: the
 window must apply while decoding (the defect of issue 41: the full cache left ``generate`` at the 24th token).
 Every row also runs the CLI over every policy on a needle prompt of about 100 tokens.
+
+Each row's model is checked again under other configs of its family (``VARIANTS``: windows above, across and below
+the prompt, keys of other families, released RoPE scalings), sharing its weights; what the engine cannot run exactly
+is refused in one line before the weights load.
 """
 
 from __future__ import annotations
@@ -223,12 +227,9 @@ ROWS = [
 ]
 
 
-def build(row: Row, folder, tokenizer):
-    """The row's random model (seeded) saved in ``folder`` with the tokenizer; loaded through ``load_model``."""
+def save(row: Row, folder, tokenizer) -> None:
+    """The row's random model (seeded) saved in ``folder`` with the tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from pkvbench.engine.generation import Engine
-    from pkvbench.engine.models import load_model
 
     config = AutoConfig.for_model(row.model_type, **{**TINY, **row.settings})
     torch.manual_seed(0)
@@ -239,22 +240,46 @@ def build(row: Row, folder, tokenizer):
                 weight.add_(row.norms * torch.randn_like(weight))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def load(folder):
+    """A saved model loaded as a user's folder is: through ``load_model``."""
+    from pkvbench.engine.generation import Engine
+    from pkvbench.engine.models import load_model
+
     return Engine(load_model(str(folder), device="cpu", dtype="float32"))
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tokenizer):
+    """Each row's model saved once per module, whether a row or its variants asks first: ``saved(name)``."""
+    folders = {}
+
+    def folder_of(name: str):
+        if name not in folders:
+            row = next(row for row in ROWS if row.name == name)
+            folders[name] = tmp_path_factory.mktemp(name)
+            save(row, folders[name], tokenizer)
+        return folders[name]
+
+    return folder_of
+
+
 @pytest.fixture(scope="module", params=ROWS, ids=lambda row: row.name)
-def family(request, tmp_path_factory, tokenizer):
+def family(request, saved):
     row = request.param
-    folder = tmp_path_factory.mktemp(row.name)
-    return row, build(row, folder, tokenizer), folder
+    folder = saved(row.name)
+    return row, load(folder), folder
 
 
 def prompt(row: Row) -> torch.Tensor:
     return torch.randint(0, VOCAB, (1, row.length), generator=torch.Generator().manual_seed(1))
 
 
-def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
-    row, engine, _ = family
+def check_decoding(engine, row: Row) -> None:
+    """The full cache decodes as the stock model's ``generate``; StreamingLLM's as the stock model over the full
+    cache with the dropped positions masked (a local layer keeping what its window still sees, the last window − 1
+    entries, under its window), and not as the full cache (else the masked check proves nothing)."""
     ids = prompt(row)
     full, streaming = parse_policy("full"), parse_policy("streamingllm")
     prefill = engine.prefill(ids, [full, streaming])
@@ -269,27 +294,28 @@ def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
     visible[: streaming.sink] = True
     visible[row.length - (row.budget - streaming.sink) :] = True
     architecture = engine.architecture
-    for layer in range(architecture.num_layers):  # a mixed model's local layers keep every entry
-        assert compressed.kept.stored(layer) == (row.budget if architecture.compressible(layer) else row.length)
+    for layer in range(architecture.num_layers):
+        window = architecture.window(layer)
+        kept = row.budget if architecture.compressible(layer) else min(row.length, window - 1)
+        assert compressed.kept.stored(layer) == kept
     whole = tuple({kind for i, kind in enumerate(architecture.layer_kinds) if not architecture.compressible(i)})
     masked = masked_reference(
         engine.model, prefill.keys, prefill.values, visible, prefill.first_token, row.new_tokens, engine.stop_ids, whole
     )
     assert streamed == masked
-    assert streamed != reference  # the masked check proves something only where dropping entries changes the answer
+    assert streamed != reference
 
 
-def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(family):
+def check_statistics(engine, row: Row) -> None:
     """The recorded window sums and accumulated attention equal the stock eager kernel's attention weights (the
-    module's own scale, whatever the family) on every layer a policy compresses; the queries Expected Attention un-rotates equal the queries the model's
-    own kernel gets when its rotary embedding turns nothing (each attention module called again on its own input,
-    cos 1 and sin 0): a partial RoPE's pass-through dimensions, a NoPE layer (un-rotated by the identity) and a norm
-    after RoPE (Hunyuan) included."""
+    module's own scale, soft-cap and sinks, whatever the family) on every layer that computes the prompt whole; the
+    queries Expected Attention un-rotates equal the queries the model's own kernel gets when its rotary embedding
+    turns nothing (each attention module called again on its own input, cos 1 and sin 0): a partial RoPE's
+    pass-through dimensions, a NoPE layer (un-rotated by the identity) and a norm after RoPE (Hunyuan) included."""
     from pkvbench.engine.attention import StatsRecorder, unrotate
     from pkvbench.engine.exactness import stock_attention
     from pkvbench.policies.base import Needs
 
-    row, engine, _ = family
     ids = prompt(row)
     needs = Needs(windows=frozenset({8}), accumulated=True, queries=frozenset({row.length}))
     recorder = StatsRecorder(needs, engine.softmaxes, rope=engine.rope, rotation=engine.rotation)
@@ -312,7 +338,8 @@ def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(fam
     for layer, attention in enumerate(weights):
         cos, sin = engine.rope(0, row.length, layer)  # each layer's own (Gemma 3's local and global differ)
         stats = recorder.layers[row.length, layer]
-        if engine.architecture.compressible(layer):  # a layer kept whole (local, chunked) is never scored
+        window = engine.architecture.prompt_windows[layer]
+        if window is None or window >= row.length:  # a local or chunked layer past its reach: never scored
             torch.testing.assert_close(stats.window_scores[8], attention[0, :, -8:].sum(1), atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(stats.accumulated, attention[0].sum(1), atol=1e-4, rtol=1e-4)
         plain = unrotate(stats.recent_queries, cos, sin, engine.rotation.interleaved, engine.rotation.scale(layer))
@@ -342,6 +369,242 @@ def queries_unturned(modules, inputs: dict, softmaxes) -> dict:
             args, kwargs = inputs[layer]
             module(*args, **{**kwargs, "position_embeddings": identity(kwargs["position_embeddings"])})
     return queries.seen
+
+
+def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
+    row, engine, _ = family
+    check_decoding(engine, row)
+
+
+def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(family):
+    row, engine, _ = family
+    check_statistics(engine, row)
+
+
+# --- variants: each row's model (its weights) under other configurations of its family -----------------------------
+
+# Phi-3.5-mini's longrope, scaled down: short factors up to 128 tokens, long ones past (half the head rotates).
+LONGROPE = {
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "original_max_position_embeddings": 128,
+        "long_factor": [1.0, 2.0, 4.0, 8.0],
+        "short_factor": [1.0, 1.0, 1.5, 2.0],
+    },
+    "original_max_position_embeddings": 128,
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A row's model under another config of its family (the same weights: ``saved`` once, linked): windows above,
+    across and below the prompt, keys of other families the model ignores, the RoPE scalings its released checkpoints
+    use. ``windows``: each layer's window as the model applies it while it generates (None: full attention) — what
+    the engine must read from the model, whatever the keys say: its masks, or its cache where that keeps fewer
+    entries (a Llama with a stray ``sliding_window``: ``generate``'s cache slides, its masks do not)."""
+
+    row: str
+    name: str
+    settings: dict
+    windows: tuple
+    length: int | None = None  # prompt tokens (None: the row's)
+    statistics: bool = True  # False: every layer computes the prompt under a window it is longer than (refused)
+
+    @property
+    def checked(self) -> Row:
+        row = next(row for row in ROWS if row.name == self.row)
+        return Row(f"{row.name}-{self.name}", row.model_type, row.settings, self.length or row.length)
+
+
+VARIANTS = [
+    # keys of other families: the masks ignore them (no window on the prompt, no soft-cap), the cache does not
+    Variant("llama", "stray-window", {"sliding_window": 16, "use_sliding_window": True}, (16, 16)),
+    Variant("olmo2", "stray-window", {"sliding_window": 16}, (16, 16)),
+    Variant("cohere", "stray-window", {"sliding_window": 16}, (16, 16)),
+    Variant("qwen3_moe", "stray-window-off", {"sliding_window": 16, "use_sliding_window": False}, (None, None)),
+    Variant("granite", "stray-softcap", {"attn_logit_softcapping": 2.0}, (None, None)),
+    # Qwen's use_sliding_window on families that slide on sliding_window alone, or on layer_types
+    Variant("mistral-window", "stray-window-off", {"use_sliding_window": False}, (128, 128)),
+    Variant("phi3", "stray-window-off", {"sliding_window": 48, "use_sliding_window": False}, (48, 48)),
+    Variant("gemma3_text", "stray-window-off", {"use_sliding_window": False}, (64, None)),
+    # windows above, across and below the prompt
+    Variant("mistral-window", "window-above", {"sliding_window": 4096}, (4096, 4096)),
+    Variant("starcoder2", "window-across", {"sliding_window": 48}, (48, 48)),
+    Variant("starcoder2", "window-below", {"sliding_window": 16}, (16, 16), statistics=False),
+    Variant("mistral-window", "window-below", {"sliding_window": 32}, (32, 32), statistics=False),
+    Variant("qwen3-window", "window-below", {"sliding_window": 32}, (32, 32), statistics=False),
+    Variant("qwen2-mixed", "window-below", {"sliding_window": 32}, (None, 32)),
+    Variant("gemma2", "window-below", {"sliding_window": 16}, (16, None)),
+    Variant("gemma3_text", "window-below", {"sliding_window": 16}, (16, None)),
+    Variant("gpt_oss", "window-below", {"sliding_window": 8}, (8, None)),
+    # the RoPE scalings of released checkpoints (gpt-oss's row is already YaRN: its config's default)
+    Variant(
+        "llama",
+        "llama3-rope",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+        (None, None),
+    ),
+    Variant(
+        "qwen3-window",
+        "yarn",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+        (128, 128),
+    ),
+    Variant(
+        "gemma3_text",
+        "linear-rope",
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            }
+        },
+        (64, None),
+    ),
+    Variant("phi3", "longrope-past-the-switch", LONGROPE, (None, None), length=140),
+]
+
+
+def variant_folder(folder, settings: dict, target):
+    """``folder``'s model (its files linked) under its config updated with ``settings``."""
+    import json
+
+    target.mkdir()
+    for file in folder.iterdir():
+        if file.name != "config.json":
+            (target / file.name).symlink_to(file)
+    config = json.loads((folder / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, **settings}))
+    return target
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v.row}-{v.name}")
+def test_a_variant_is_read_from_the_model_and_decodes_as_it(variant, saved, tmp_path):
+    """Each layer's window as the model's own masks apply it (not as a stray key says), then the checks of the rows:
+    the full cache as ``generate``, StreamingLLM as the masked stock model, the statistics as the eager kernel's
+    weights — where the prompt is longer than an all-sliding model's window, the statistics are refused instead."""
+    from pkvbench.errors import PkvError
+    from pkvbench.policies.base import Needs
+
+    engine = load(variant_folder(saved(variant.row), variant.settings, tmp_path / "model"))
+    row = variant.checked
+    assert engine.architecture.windows == variant.windows
+    check_decoding(engine, row)
+    if variant.statistics:
+        check_statistics(engine, row)
+        return
+    from pkvbench.engine.attention import StatsRecorder
+
+    with pytest.raises(PkvError, match="exceeds the sliding window"):
+        engine.recorded_forward(prompt(row), StatsRecorder(Needs(accumulated=True), engine.softmaxes))
+
+
+def refuse_loading(monkeypatch) -> None:
+    """Make loading weights fail loudly: a refusal that comes first is one that came before loading."""
+    import transformers
+
+    def loading(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loading)
+
+
+@pytest.mark.parametrize(
+    "row,settings,grid,reason",
+    [
+        (
+            "gemma3_text",
+            {"use_bidirectional_attention": True},
+            [],
+            "layer 0 attends to later tokens (not causal, e.g. use_bidirectional_attention)",
+        ),
+        (
+            "qwen2-mixed",
+            {
+                "use_sliding_window": False,
+                "sliding_window": None,
+                "layer_types": ["full_attention", "sliding_attention"],
+            },
+            [],
+            "layer 1 is a sliding_attention layer, but the config gives no sliding_window",
+        ),
+        (
+            "qwen2-mixed",
+            {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 1},
+            [],
+            "layer 1 is a sliding_attention layer, but the config gives no sliding_window",
+        ),
+        (
+            "phi3",
+            LONGROPE,
+            ["--max-new-tokens", "64"],  # a prompt of about 100 tokens and its answer cross 128
+            "switches its RoPE tables past 128 tokens (longrope): a prompt of",
+        ),
+        (
+            "mistral-window",
+            {"sliding_window": 32},
+            ["--policy", "full,snapkv"],
+            "snapkv scores from the prompt's attention, which pkvbench computes as if every query saw the whole prompt",
+        ),
+    ],
+    ids=[
+        "bidirectional",
+        "qwen2-layer-types-no-window",
+        "qwen2-window-layers-no-window",
+        "longrope-across",
+        "sliding-snapkv",
+    ],
+)
+def test_a_variant_pkvbench_cannot_run_exactly_is_refused_in_one_line_before_loading(
+    row, settings, grid, reason, saved, tmp_path, monkeypatch, capsys
+):
+    from pkvbench.cli import main
+
+    folder = variant_folder(saved(row), settings, tmp_path / "model")
+    refuse_loading(monkeypatch)
+    args = ["run", "--model", str(folder), "--task", "needle", "--lengths", "100", "--depths", "50", "--quiet"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                *args,
+                "--out",
+                str(tmp_path / "run"),
+                *(grid if "--max-new-tokens" in grid else [*grid, "--max-new-tokens", "5"]),
+            ]
+        )
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and reason in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_past_an_all_sliding_window_the_policies_that_score_without_attention_run(saved, tmp_path, capsys):
+    """A prompt longer than the window of every layer: full and StreamingLLM (exact there, ``VARIANTS``) and the
+    policies that score from keys or queries run; only those that score from the prompt's attention are refused."""
+    from pkvbench.cli import main
+
+    folder = variant_folder(saved("mistral-window"), {"sliding_window": 32}, tmp_path / "model")
+    args = ["run", "--model", str(folder), "--task", "needle", "--lengths", "100", "--depths", "50", "--quiet"]
+    policies = "full,streamingllm,knorm,expected_attention"
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--max-new-tokens", "5", "--policy", policies, "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 0, capsys.readouterr().err
 
 
 def test_a_batch_of_policies_decodes_as_each_alone(family):
@@ -393,7 +656,7 @@ def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage
             kept = StoredEntries.store(kept, KVFormat(4, group=16, residual=5), torch.float32)
         requests.append(DecodeRequest(kept=kept, position=start, max_new_tokens=4))
         kept_positions.append(positions)
-    architecture = Architecture("test", (kind,), window, kv_heads=heads, query_heads=heads, chunk=window)
+    architecture = Architecture("test", (kind,), (window,), kv_heads=heads, query_heads=heads)
     layer = build_cache(requests, room=4, architecture=architecture).layers[0]
     layer.update(torch.randn(2, heads, 1, dim), torch.randn(2, heads, 1, dim))
     mask = layer.attention_mask()

@@ -200,21 +200,23 @@ class LayerPlan:
         return sum(self.per_layer) / len(self.per_layer)
 
 
-def layer_budgets(policy, k: int, context_len: int, num_layers: int, whole: Sequence[bool] = ()) -> list[int]:
-    """``policy``'s per-layer budgets at k. A layer kept ``whole`` (a mixed model's local sliding layers,
-    ``engine/architecture.py``) keeps all ``context_len`` entries; the policy splits k over the others."""
-    if not any(whole):
+def layer_budgets(policy, k: int, context_len: int, num_layers: int, local: Sequence[int | None] = ()) -> list[int]:
+    """``policy``'s per-layer budgets at k. A mixed model's local (sliding) layer — ``local[i]``, its reach: the
+    entries its window can still see, ``engine/architecture.py`` — keeps the last min(context_len, reach) entries
+    whatever the budget; the policy splits k over the other layers."""
+    locals_ = sum(reach is not None for reach in local)
+    if not locals_:
         return policy.layer_budgets(k, context_len, num_layers)
-    compressed = iter(policy.layer_budgets(k, context_len, num_layers - sum(whole)) if not all(whole) else ())
-    return [context_len if kept_whole else next(compressed) for kept_whole in whole]
+    compressed = iter(policy.layer_budgets(k, context_len, num_layers - locals_) if locals_ < num_layers else ())
+    return [min(context_len, reach) if reach is not None else next(compressed) for reach in local]
 
 
-def plan(policy, budget: Budget, context_len: int, num_layers: int, whole: Sequence[bool] = ()) -> LayerPlan:
-    """Per-layer budgets for ``policy`` at ``budget`` on a prompt of ``context_len`` tokens (``whole``: the layers
-    kept whole, see ``layer_budgets``)."""
+def plan(policy, budget: Budget, context_len: int, num_layers: int, local: Sequence[int | None] = ()) -> LayerPlan:
+    """Per-layer budgets for ``policy`` at ``budget`` on a prompt of ``context_len`` tokens (``local``: the local
+    layers' reach, see ``layer_budgets``)."""
     requested = budget.entries(context_len)
     effective = min(max(requested, policy.min_budget), context_len)
-    per_layer = layer_budgets(policy, effective, context_len, num_layers, whole)
+    per_layer = layer_budgets(policy, effective, context_len, num_layers, local)
     return LayerPlan(requested=requested, effective=effective, per_layer=per_layer, context_len=context_len)
 
 

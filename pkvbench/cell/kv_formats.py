@@ -28,14 +28,19 @@ class CacheGeometry:
     layers: int
     kv_heads: int
     head_dim: int
-    whole: tuple[bool, ...] = ()  # per layer: kept whole, never compressed (``budgets.layer_budgets``)
+    # Per layer: a mixed model's local layer's reach (the prompt entries its window can still see, all it keeps;
+    # ``budgets.layer_budgets``), or None where a policy compresses it.
+    local: tuple[int | None, ...] = ()
 
     def layer_budgets(self, policy, k: int, context_len: int) -> list[int]:
-        return layer_budgets(policy, k, context_len, self.layers, self.whole)
+        return layer_budgets(policy, k, context_len, self.layers, self.local)
 
     def full_bytes(self, context_len: int) -> int:
-        """The full cache of ``context_len`` tokens at 16 bits per value: what memory fractions are of."""
-        return 2 * self.layers * self.kv_heads * context_len * self.head_dim * SIXTEEN_BITS
+        """The model's own full cache of ``context_len`` tokens at 16 bits per value (a local layer holding what its
+        window sees): what memory fractions are of."""
+        local = self.local or (None,) * self.layers
+        entries = sum(context_len if reach is None else min(context_len, reach) for reach in local)
+        return 2 * entries * self.kv_heads * self.head_dim * SIXTEEN_BITS
 
 
 @dataclass(frozen=True)

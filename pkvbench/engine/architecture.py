@@ -1,27 +1,37 @@
-"""What pkvbench must know of a model's architecture, read once from its config: the seam between the engine and
-the model families.
+"""What pkvbench must know of a model's architecture: the seam between the engine and the model families.
 
-Per layer, its attention kind, as transformers' ``cache_utils`` reads it (``config.layer_types``, else inferred:
-a ``sliding_window`` makes every layer slide): ``full_attention`` or ``sliding_attention`` (the token at position p
-sees positions p − window + 1 … p). How the engine treats them:
+Each layer's behaviour is read from the model's own code (``engine/probe.py``), never from a config key the model
+may ignore or read differently: its window and whether it is causal from the mask the model builds for it, its scale,
+soft-cap and sinks from what its attention module passes its kernel, RoPE's pairing from ``apply_rotary_pos_emb``,
+RoPE's switches from the rotary embedding. Before the weights load this runs on a model built on the ``meta``
+device (``Architecture.read``), so a configuration the model cannot compute, or pkvbench cannot run exactly, is
+refused in one line first; once loaded, on the model itself (``Architecture.of_model``).
+
+Per layer, its attention kind: ``full_attention``, or ``sliding_attention`` (the token at position p sees positions
+p − window + 1 … p). How the engine treats them:
 
 - a model whose every layer slides (Mistral-7B-v0.1; Qwen2/Qwen3 with ``use_sliding_window`` and
-  ``max_window_layers`` 0) is compressed as any other; the window is applied while decoding (``sliding``);
-- in a model that mixes local (sliding) and global layers, the local layers are never compressed by a policy: they
-  keep their entries, counted in the row's entries and bytes, and decode under their window; the global layers are
-  compressed;
-- ``chunked_attention`` (Llama 4, ``attention_chunk_size``): the token at position p sees its chunk only, positions
-  p − p mod chunk … p. A chunked layer is kept whole as a local layer is, and decodes under its chunk.
+  ``max_window_layers`` 0) is compressed as any other; the window is applied while decoding (``sliding``); a prompt
+  longer than the window is run only by policies that score without the prompt's attention (``check_prompt``);
+- in a model that mixes local (sliding) and global layers, a policy compresses the global layers; each local layer
+  keeps what its window can still see — the prompt's last window − 1 entries, as transformers' sliding cache layer
+  keeps them — counted in the row's entries and bytes, and decodes under its window;
+- ``chunked_attention`` (Llama 4): the token at position p sees its chunk only, positions p − p mod chunk … p, as
+  the model's mask says. A chunked layer is a local layer: never compressed by a policy, it keeps the prompt's last
+  chunk − 1 entries (all its chunk can still see; transformers' cache keeps as many) and decodes under its chunk.
+
+Which layers rotate is read the same way: a layer whose attention never calls the model's rotary function is NoPE
+(SmolLM3's ``no_rope_layers``, Exaone 4's global layers, Llama 4's every 4th), whatever its config says.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pkvbench.errors import PkvError
+from pkvbench.engine.probe import LayerSoftmax, Rotation
+from pkvbench.errors import PkvError, first_line
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -47,7 +57,7 @@ class Family:
 HALF_ROPE = "RoPE over the whole head (rotate-half)"
 EVERY_LAYER_SLIDES = "full, or sliding on every layer (sliding_window)"
 WINDOW_LAYERS = "full, or sliding from max_window_layers on (use_sliding_window)"
-LOCAL_AND_GLOBAL = "local (sliding, kept whole) and global (full) per layer_types"
+LOCAL_AND_GLOBAL = "local (sliding: its window's entries kept) and global (full) per layer_types"
 MLA = "MLA caches a compressed latent"
 FAMILIES: dict[str, Family] = {
     "llama": Family(HALF_ROPE + "; Llama 3.1 and YaRN scaling", "the reference layout"),
@@ -58,7 +68,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "qwen2": Family(
         "a sliding window on the layers from max_window_layers on, where use_sliding_window",
-        "every layer sliding: as mistral; some: the local layers kept whole",
+        "every layer sliding: as mistral; some: the local layers keep what their window sees",
         layers=WINDOW_LAYERS,
     ),
     "qwen3": Family("q/k norms; an optional sliding window as qwen2", "as qwen2", layers=WINDOW_LAYERS),
@@ -75,18 +85,20 @@ FAMILIES: dict[str, Family] = {
     "granite": Family("attention, residual and logit multipliers", "the module's own scaling"),
     "gemma2": Family(
         "soft-capped attention logits (attn_logit_softcapping); query_pre_attn_scalar; local and global layers",
-        "statistics soft-cap the logits as the model does; the eager kernel (sdpa cannot soft-cap); local layers kept whole",
+        "statistics soft-cap the logits as the model does; the eager kernel (sdpa cannot soft-cap); local layers keep "
+        "what their window sees",
         layers=LOCAL_AND_GLOBAL,
     ),
     "gemma3_text": Family(
         "per-layer RoPE (local layers at rope_local_base_freq); q/k norms; local and global layers",
-        "each layer's own RoPE (un-rotation, decode-time rotation); local layers kept whole",
+        "each layer's own RoPE (un-rotation, decode-time rotation); local layers keep what their window sees",
         layers=LOCAL_AND_GLOBAL,
     ),
     "gpt_oss": Family(
         "attention sinks in the softmax; RoPE tables of one entry per pair; mixture-of-experts MLP; no sdpa kernel; "
         "local and global layers",
-        "sinks in every statistic's denominator; eager kernel; RoPE as read from the model; local layers kept whole",
+        "sinks in every statistic's denominator; eager kernel; RoPE as read from the model; local layers keep what "
+        "their window sees",
         layers=LOCAL_AND_GLOBAL,
     ),
     "cohere": Family(
@@ -182,8 +194,9 @@ def admitted_families() -> list[str]:
 
 
 def check_family(config, name: str) -> None:
-    """Refuse, in one line and before the model loads, a family pkvbench has not proven (``FAMILIES``) or layers it
-    cannot describe (``config``: a transformers config or anything with its attributes)."""
+    """Refuse, in one line and before the model loads, a family pkvbench has not proven (``FAMILIES``), layers it
+    cannot describe or a configuration no model could compute with (``check_config``). ``config``: a transformers
+    config or anything with its attributes (a ``config.json`` read as it is)."""
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:
@@ -192,6 +205,7 @@ def check_family(config, name: str) -> None:
         )
     if family.refused:
         raise PkvError(f"model {name} is a {model_type!r} model, not supported: {family.refused}")
+    check_config(config, name)
     kinds = set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_KINDS)
     if kinds:
         raise PkvError(
@@ -200,46 +214,176 @@ def check_family(config, name: str) -> None:
         )
 
 
+def _whole_number(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_config(config, name: str) -> None:
+    """Refuse, in one line, the values of a config no model can be built or run with: what the probe of the model's
+    own code (``Architecture.read``) would otherwise stop on with an internal error, or run on silently."""
+
+    def given(key: str):
+        return getattr(config, key, None)
+
+    def refuse(what: str) -> None:
+        raise PkvError(f"model {name}: {what}")
+
+    layers = given("num_hidden_layers")
+    if layers is not None and (not _whole_number(layers) or layers < 1):
+        refuse(f"num_hidden_layers is {layers!r}; a model needs at least one layer")
+    heads, kv_heads = given("num_attention_heads"), given("num_key_value_heads")
+    for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if value is not None and (not _whole_number(value) or value < 1):
+            refuse(f"{key} is {value!r}; it must be a whole number of heads, at least 1")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        refuse(f"its {kv_heads} KV heads do not divide its {heads} attention heads (each KV head serves a group)")
+    window = given("sliding_window")
+    if window is not None and not _whole_number(window):
+        refuse(f"sliding_window is {window!r}; it must be a whole number of tokens (or null: no window)")
+    if window is not None and window < 1:
+        refuse(f"sliding_window is {window}: a window of {window} tokens hides every token (null: no window)")
+    kinds = given("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, (list, tuple)) or not all(isinstance(kind, str) for kind in kinds):
+            refuse(f"layer_types must be a list with one layer kind per layer, not {kinds!r}"[:300])
+        if _whole_number(layers) and len(kinds) != layers:
+            refuse(f"layer_types names {len(kinds)} layers, num_hidden_layers {layers}")
+        if SLIDING in kinds and window is None:
+            refuse(f"layer {kinds.index(SLIDING)} is a sliding_attention layer, but the config gives no sliding_window")
+    softcap = given("attn_logit_softcapping")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
+        refuse(f"attn_logit_softcapping is {softcap!r}; a soft-cap must be above 0 (it divides the logits; null: none)")
+
+
+# Keyword arguments of an attention call whose effect pkvbench knows: the scale, the soft-cap and the sinks enter
+# its statistics; the window reaches sdpa and eager through the mask; the rest change nothing it computes.
+KNOWN_ATTENTION_ARGUMENTS = frozenset(
+    {"dropout", "scaling", "softcap", "s_aux", "sliding_window", "position_ids", "use_cache", "cache_position"}
+)
+
+
 @dataclass(frozen=True)
 class Architecture:
-    """A model's layers as the engine sees them: what the decoder, its cuts and the statistics need of the model."""
+    """A model's layers as the engine sees them: what the decoder, its cuts and the statistics need of the model,
+    read from what the model's code does (``engine/probe.py``)."""
 
     family: str  # config.model_type
-    layer_kinds: tuple[str, ...]  # per layer: FULL, SLIDING or CHUNKED (or a kind pkvbench refuses, e.g. linear)
-    sliding_window: int | None  # the window of the sliding layers
-    softcap: float | None = None  # attn_logit_softcapping (Gemma 2): logits become softcap·tanh(logits / softcap)
+    layer_kinds: tuple[str, ...]  # per layer: FULL, SLIDING or CHUNKED
+    # Per layer: the window a new token sees while the answer is written (None: everything): its mask's, or the
+    # window of the model's own cache where that keeps fewer (a stray sliding_window on Llama: ``generate``'s
+    # cache slides, its masks do not).
+    # A chunked layer's: its chunk.
+    windows: tuple[int | None, ...]
+    # Per layer: the window of the mask it computes the prompt with (``prompt_limit``: the statistics' reach).
+    prompt_windows: tuple[int | None, ...] = ()
     kv_heads: int = 0  # the heads of the keys and values the model hands its cache
     query_heads: int = 0
-    chunk: int | None = None  # the chunk of the chunked layers (Llama 4's attention_chunk_size)
-    # Read from the loaded model (``of_model``): each layer's softmax, and how its RoPE turns a head.
+    head_dim: int = 0
+    # Per layer: how it turns logits into attention (the sinks' values only once the weights are loaded).
     softmaxes: tuple[LayerSoftmax, ...] = ()
-    rotation: Rotation | None = None
+    rotation: Rotation | None = None  # how its RoPE turns a head (read from the loaded model)
+    rope_switch: int | None = None  # the longest sequence rotated by RoPE's short tables (``probe.rope_switch``)
 
     @classmethod
-    def of_model(cls, model) -> Architecture:
-        """From a loaded model: its config's facts, and what its modules do."""
-        architecture = cls.of(model.config)
-        return dataclasses.replace(
-            architecture, softmaxes=tuple(architecture._softmaxes(model)), rotation=architecture._rotation(model)
+    def read(cls, config, name: str = "the model", weights=None) -> Architecture:
+        """Before the weights load: the model built on the ``meta`` device from ``config`` and probed; refuses, in
+        one line, what it cannot compute or pkvbench cannot run exactly, and (``weights``: a folder of
+        ``.safetensors`` files) weights whose shapes are not the config's."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        check_family(config, name)
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, ZeroDivisionError) as exc:
+            raise PkvError(f"model {name}: its config cannot build the model: {first_line(exc)}") from None
+        if weights is not None:
+            check_weights(model, weights, name)
+        return cls._probed(model, name)[0]
+
+    @classmethod
+    def of_model(cls, model, name: str = "the model") -> Architecture:
+        """From a loaded model: what its modules do, its sinks' values and RoPE's pairing, per layer, included."""
+        architecture, calls = cls._probed(model, name)
+        return dataclasses.replace(architecture, rotation=architecture._rotation(model, calls))
+
+    @classmethod
+    def _probed(cls, model, name: str) -> tuple[Architecture, dict]:
+        """The architecture read from ``model``'s attention calls (``probe.layer_calls``), and those calls."""
+        from pkvbench.engine.attention import install_recording_attention
+        from pkvbench.engine.probe import cache_windows, layer_calls, mask_reach, rope_switch
+
+        install_recording_attention(model)  # the probe reads the calls through pkvbench's wrapper
+        config = model.config
+        try:
+            calls = layer_calls(model)
+        except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, ZeroDivisionError) as exc:
+            raise PkvError(f"model {name}: its config cannot run the model: {first_line(exc)}") from None
+        layers = len(cls.attention_modules(model))
+        missing = [layer for layer in range(layers) if layer not in calls]
+        if not layers or missing:
+            raise PkvError(f"model {name}: layer {missing[0] if missing else 0} calls no attention pkvbench can read")
+        reaches: dict[int, object] = {}  # one read per mask the model builds, whatever the layers sharing it
+        kinds, windows, prompt_windows, softmaxes = [], [], [], []
+        cached = cache_windows(config, layers)
+        for layer in range(layers):
+            call = calls[layer]
+            key = id(call.mask) if call.mask is not None else -int(call.is_causal) - 1
+            if key not in reaches:
+                reaches[key] = mask_reach(call.mask, call.is_causal)
+            reach = reaches[key]
+            if not reach.causal:
+                raise PkvError(
+                    f"model {name}: layer {layer} attends to later tokens (not causal, e.g. "
+                    "use_bidirectional_attention); pkvbench runs causal attention only"
+                )
+            if not reach.pattern:
+                raise PkvError(
+                    f"model {name}: layer {layer}'s attention mask is neither causal, a sliding window nor chunked"
+                )
+            if reach.window == 0:
+                raise PkvError(f"model {name}: layer {layer}'s window hides every token (sliding_window 0?)")
+            unknown = sorted(set(call.kwargs) - KNOWN_ATTENTION_ARGUMENTS)
+            if unknown:
+                raise PkvError(
+                    f"model {name}: layer {layer}'s attention takes {', '.join(unknown)}, which pkvbench does not model"
+                )
+            if call.query_heads % call.kv_heads:
+                raise PkvError(
+                    f"model {name}: its {call.kv_heads} KV heads do not divide its {call.query_heads} attention heads"
+                )
+            softcap = call.kwargs.get("softcap")
+            if softcap is not None and not softcap > 0:
+                raise PkvError(
+                    f"model {name}: layer {layer} soft-caps its logits at {softcap!r}; a cap must be above 0"
+                )
+            scaling = call.kwargs.get("scaling")
+            seen = reach.chunk or reach.window  # how far back its tokens see over the prompt
+            window = min((w for w in (seen, cached[layer]) if w is not None), default=None)
+            kinds.append(CHUNKED if reach.chunk else FULL if window is None else SLIDING)
+            windows.append(window)
+            prompt_windows.append(seen)
+            softmaxes.append(
+                LayerSoftmax(
+                    float(scaling) if scaling is not None else call.head_dim**-0.5, softcap, call.kwargs.get("s_aux")
+                )
+            )
+        first = calls[0]
+        rotary = getattr(model.model, "rotary_emb", None)
+        switch = None if rotary is None else rope_switch(type(rotary), config, tuple(kinds))
+        architecture = cls(
+            getattr(config, "model_type", "") or "",
+            tuple(kinds),
+            tuple(windows),
+            tuple(prompt_windows),
+            kv_heads=first.kv_heads,
+            query_heads=first.query_heads,
+            head_dim=first.head_dim,
+            softmaxes=tuple(softmaxes),
+            rope_switch=switch,
         )
-
-    @classmethod
-    def of(cls, config) -> Architecture:
-        """From a transformers config (or anything with its attributes)."""
-        window = getattr(config, "sliding_window", None)
-        if getattr(config, "use_sliding_window", True) is False:
-            window = None
-        kinds = getattr(config, "layer_types", None)
-        if not kinds:
-            kinds = [SLIDING if window else FULL] * config.num_hidden_layers
-        kinds = tuple(kinds)
-        if SLIDING not in kinds:
-            window = None
-        softcap = getattr(config, "attn_logit_softcapping", None)
-        chunk = getattr(config, "attention_chunk_size", None) if CHUNKED in kinds else None
-        query_heads = getattr(config, "num_attention_heads", 0)
-        kv_heads = getattr(config, "num_key_value_heads", None) or query_heads
-        return cls(getattr(config, "model_type", "") or "", kinds, window, softcap, kv_heads, query_heads, chunk)
+        return architecture, calls
 
     @property
     def num_layers(self) -> int:
@@ -248,11 +392,12 @@ class Architecture:
     def window(self, layer: int) -> int | None:
         """How far back the layer's tokens see: its sliding window, or its chunk (a chunked layer); None for full
         attention."""
-        return {SLIDING: self.sliding_window, CHUNKED: self.chunk}.get(self.layer_kinds[layer])
+        return self.windows[layer]
 
     @property
-    def windows(self) -> list[int | None]:
-        return [self.window(layer) for layer in range(self.num_layers)]
+    def sliding_window(self) -> int | None:
+        """The narrowest window of any layer (None: no layer slides)."""
+        return min((w for w in self.windows if w is not None), default=None)
 
     @property
     def every_layer_slides(self) -> bool:
@@ -268,25 +413,28 @@ class Architecture:
         kind = self.layer_kinds[layer]
         return not (self.mixed and kind == SLIDING) and kind != CHUNKED
 
+    @property
+    def local(self) -> tuple[int | None, ...]:
+        """Per layer: a mixed model's local layer's reach — the prompt entries its window can still see from the
+        next token on (window − 1), all it keeps, as transformers' sliding cache layer — or None where a policy
+        compresses the layer (``kv_formats.CacheGeometry.local``)."""
+        return tuple(None if self.compressible(layer) else self.windows[layer] - 1 for layer in range(self.num_layers))
+
+    @property
+    def softcapped(self) -> bool:
+        return any(softmax.softcap is not None for softmax in self.softmaxes)
+
     # --- the loaded model's modules: the one place that names their paths -------------------------------------
 
     @staticmethod
     def attention_modules(model) -> list:
         """Each decoder layer's attention module (``transformers``' shared layout: ``model.model.layers[i]
-        .self_attn``, with ``layer_idx``, ``scaling``, ``o_proj``)."""
+        .self_attn``, with ``layer_idx``, ``o_proj``)."""
         return [layer.self_attn for layer in model.model.layers]
 
     def output_weights(self, model) -> list:
         """Each layer's attention output projection's weight (VATP-style value scores)."""
         return [module.o_proj.weight for module in self.attention_modules(model)]
-
-    def _softmaxes(self, model) -> list[LayerSoftmax]:
-        """How each layer turns its logits into attention: its module's own scale (granite's multiplier, not always
-        1/sqrt(d)), the model's soft-cap, the module's sinks."""
-        return [
-            LayerSoftmax(float(module.scaling), self.softcap, self.sinks(module))
-            for module in self.attention_modules(model)
-        ]
 
     @staticmethod
     def rotary(model):
@@ -294,17 +442,53 @@ class Architecture:
         return model.model.rotary_emb
 
     @property
+    def prompt_window(self) -> int | None:
+        """The narrowest window any layer computes the prompt under (None: none has one)."""
+        return min((w for w in self.prompt_windows if w is not None), default=None)
+
+    @property
     def prompt_limit(self) -> int | None:
-        """The longest prompt the engine prefills exactly: a compressed sliding layer's statistics assume every
-        query sees the whole prompt, so a model whose every layer slides takes prompts up to its window."""
-        return self.sliding_window if self.every_layer_slides else None
+        """The longest prompt whose attention statistics the engine computes exactly: they assume every query sees
+        the whole prompt, so on a model whose every layer computes the prompt under a window, prompts up to its
+        (narrowest) window."""
+        if self.prompt_windows and all(w is not None for w in self.prompt_windows):
+            return min(self.prompt_windows)
+        return None
+
+    def check_rope(self, length: int, new_tokens: int, name: str = "the model") -> None:
+        """Refuse, in one line, an answer of up to ``new_tokens`` after a prompt of ``length`` tokens that carries the
+        sequence across RoPE's switch (``rope_switch``): the prompt's cached keys keep the tables of its side, where
+        the model's own ``generate`` computes every key again with the other's."""
+        switch = self.rope_switch
+        if switch is not None and length <= switch < length + new_tokens - 1:
+            raise PkvError(
+                f"model {name} switches its RoPE tables past {switch} tokens (longrope): a prompt of {length} tokens "
+                f"and an answer of up to {new_tokens} cross it, and the prompt's cached keys would keep the short "
+                f"tables; use prompts above {switch} tokens or answers of {switch - length + 1} tokens at most"
+            )
+
+    def check_window(self, length: int, policies, name: str = "the model") -> None:
+        """Refuse, in one line, a policy that scores from the prompt's attention (``attention_statistics``) on a
+        prompt of ``length`` tokens past an all-sliding model's window: pkvbench computes those statistics as if
+        every query saw the whole prompt. The other policies run there exactly."""
+        limit = self.prompt_limit
+        if limit is None or length <= limit:
+            return
+        for policy in policies:
+            if attention_statistics(policy.needs) or attention_statistics(policy.decoding_needs):
+                raise PkvError(
+                    f"{policy.label} scores from the prompt's attention, which pkvbench computes as if every query "
+                    f"saw the whole prompt: model {name} slides a window of {limit} tokens on every layer, and a "
+                    f"prompt of {length} tokens exceeds it (policies that score from keys, queries or positions — "
+                    "full, streamingllm, knorm, keydiff, random, rkv, expected_attention — run on it)"
+                )
 
     # --- soft-capped logits and per-layer RoPE (Gemma 2, Gemma 3) ---------------------------------------------
 
     def attention_kernel(self, requested: str) -> str:
         """The kernel the model runs on: transformers' sdpa cannot soft-cap logits (it refuses Gemma 2), so a
         soft-capped model takes the eager kernel, which caps them as the model was trained to."""
-        return "eager" if self.softcap is not None and requested == "sdpa" else requested
+        return "eager" if self.softcapped and requested == "sdpa" else requested
 
     def rope(self, model, layer: int, like, positions) -> tuple:
         """The RoPE cos and sin layer ``layer`` rotates its queries and keys at ``positions`` ``[1, n]`` with (``like``:
@@ -317,33 +501,33 @@ class Architecture:
 
     # --- how each layer rotates, read from the loaded model ----------------------------------------------------
 
-    def _rotation(self, model) -> Rotation:
-        """How each layer's RoPE turns a head, read from what the model does (``_watch_rotary``): a layer whose
-        attention never calls a rotary function is NoPE (SmolLM3's ``no_rope_layers``, Exaone 4's global layers,
-        Llama 4's every 4th), whatever its config says; a layer whose kernel gets other queries than the function
-        gave has a norm after RoPE (Hunyuan: ``_scale_after_rotation``). Then the function turns each unit vector of
-        a head at position 1: dimension i turns towards its partner (the pairing), and the dimensions that do not turn
-        lie beyond the rotary width."""
+    def _rotation(self, model, calls: dict) -> Rotation:
+        """How each layer's RoPE turns a head, read from the probe's calls (``probe.layer_calls``): a layer whose
+        attention never called the model's rotary function is NoPE (SmolLM3's ``no_rope_layers``, Exaone 4's global
+        layers, Llama 4's every 4th), whatever its config says; a layer whose kernel got other queries than the
+        function gave has a norm after RoPE (Hunyuan: ``probe.scale_after_rotation``). Then the function turns each
+        unit vector of a head at position 1: dimension i turns towards its partner (the pairing), and the dimensions
+        that do not turn lie beyond the rotary width."""
         import torch
 
+        from pkvbench.engine.probe import scale_after_rotation
+
         modules = self.attention_modules(model)
-        calls, kernel_queries = _watch_rotary(model, modules, self._softmaxes(model))
-        dim = modules[0].head_dim
-        rotates = tuple(layer in calls for layer in range(len(modules)))
-        if not calls:
+        dim = self.head_dim
+        rotates = tuple(calls[layer].rotary is not None for layer in range(self.num_layers))
+        if not any(rotates):
             return Rotation(interleaved=False, width=0, dim=dim, rotates=rotates)
-        first = calls[min(calls)]
+        first = rotates.index(True)
         with torch.inference_mode():
             scales = tuple(
-                _scale_after_rotation(modules[layer], calls[layer], kernel_queries.get(layer), layer)
-                if layer in calls
-                else None
-                for layer in range(len(modules))
+                scale_after_rotation(modules[layer], calls[layer]) if rotates[layer] else None
+                for layer in range(self.num_layers)
             )
-        rotation = Rotation(False, dim, dim, rotates, scales, first.function, first.heads_axis)
+        function, heads_axis = calls[first].rotary.function, calls[first].rotary.heads_axis
+        rotation = Rotation(False, dim, dim, rotates, scales, function, heads_axis)
         device = next(model.parameters()).device
         positions = torch.ones(1, dim, dtype=torch.long, device=device)
-        embedding = self.rope(model, min(calls), torch.zeros(1, device=device), positions)
+        embedding = self.rope(model, first, torch.zeros(1, device=device), positions)
         basis = torch.eye(dim, device=device)[None, None]  # [1, 1, d, d]: d "tokens", each a unit vector
         turned = rotation.turn(basis, embedding)[0, 0].clone()  # row i: where e_i turns
         turned.fill_diagonal_(0.0)
@@ -352,178 +536,26 @@ class Architecture:
         interleaved = width > 2 and int(turned[0].abs().argmax()) == 1
         return dataclasses.replace(rotation, interleaved=interleaved, width=width)
 
-    # --- attention sinks ----------------------------------------------------------------------------------------
 
-    @staticmethod
-    def sinks(module):
-        """The attention module's sinks ``[Hq]`` (gpt-oss: a learned logit per head that joins the softmax's
-        denominator, no value attached), or None."""
-        return getattr(module, "sinks", None)
+def check_weights(model, folder, name: str) -> None:
+    """Refuse weights (the ``.safetensors`` files in ``folder``, read from their headers) whose shapes are not those
+    the config gives ``model`` (built from it, on any device): a ``head_dim`` or head count the weights were not
+    made with would load only by re-drawing them."""
+    from safetensors import safe_open
 
-
-@dataclass(frozen=True)
-class LayerSoftmax:
-    """How a layer turns q·k into attention weights, as the statistics must too: the logits scaled by ``scaling``,
-    soft-capped to softcap·tanh(logits / softcap) where ``softcap`` (Gemma 2), and each head's ``sinks`` logit ``[Hq]``
-    joining the denominator where the module has them (gpt-oss; ``attention.attention_softmax``)."""
-
-    scaling: float
-    softcap: float | None = None
-    sinks: object = None  # a tensor [Hq] or None
-
-
-@dataclass(frozen=True)
-class Rotation:
-    """How a model's RoPE turns a head: the first ``width`` dimensions in pairs, dimension i with i + width/2
-    (transformers' ``rotate_half``: llama and most) or, ``interleaved``, 2i with 2i + 1 (Cohere, GLM); the dimensions
-    beyond pass as they are (Phi-3's partial RoPE). ``rotates``: per layer, whether it rotates at all (a NoPE layer
-    does not); ``scales``: per layer, a norm's weights after RoPE; ``function``: the model's own rotary function,
-    taking queries with their heads on ``heads_axis``."""
-
-    interleaved: bool
-    width: int
-    dim: int = 0  # the head size
-    rotates: tuple[bool, ...] = ()
-    scales: tuple = field(default=(), compare=False)  # per layer: a norm's weights [d] after RoPE, or None
-    function: Callable | None = field(default=None, compare=False)
-    heads_axis: int = 1
-
-    def scale(self, layer: int):
-        """Layer ``layer``'s weights of a norm after RoPE ``[d]``, or None."""
-        return self.scales[layer] if self.scales else None
-
-    def turn(self, x, embedding):
-        """``x`` ``[1, k, n, d]`` turned by the model's own rotary function with ``embedding`` (what its rotary module
-        gives for the n positions: cos and sin, or Llama 4's complex frequencies)."""
-        arguments = embedding if isinstance(embedding, tuple) else (embedding,)
-        laid = x if self.heads_axis == 1 else x.transpose(1, 2)
-        turned = self.function(laid, laid, *arguments)[0]
-        return turned if self.heads_axis == 1 else turned.transpose(1, 2)
-
-    def tables(self, embedding, layer: int, count: int):
-        """Layer ``layer``'s cos and sin ``[count, width]`` (float32) at the ``count`` positions ``embedding`` is of,
-        as the model's own function applies them, whatever layout its rotary module gives them in (one entry per
-        pair: gpt-oss; the first half spread over the pairs: GLM, Helium, Ernie 4.5; complex: Llama 4): read by
-        turning two vectors, 1 and σ (σᵢ = ±1 as ``rotate_half`` signs dimension i), which gives
-        y₁ = c + σ·s and y₂ = σ·c − s. A NoPE layer: the identity (cos 1, sin 0)."""
-        import torch
-
-        device = _device_of(embedding)
-        if not self.rotates[layer]:
-            width = self.width or self.dim
-            return torch.ones(count, width, device=device), torch.zeros(count, width, device=device)
-        from pkvbench.engine.attention import rotate_half
-
-        ones = torch.ones(self.dim, device=device)
-        signs = ones.clone()
-        signs[: self.width] = rotate_half(ones[: self.width], self.interleaved)
-        probes = torch.stack([ones, signs])[None, :, None].expand(1, 2, count, self.dim).contiguous()
-        first, second = self.turn(probes, embedding)[0].float()
-        signs = signs[: self.width]
-        first, second = first[:, : self.width], second[:, : self.width] * signs
-        return (first + second) / 2, signs * (first - second) / 2
+    expected = {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as stored:
+            for key in stored.keys():  # noqa: SIM118 (a safetensors file is not iterable)
+                shape = tuple(stored.get_slice(key).get_shape())
+                if key in expected and expected[key] != shape:
+                    raise PkvError(
+                        f"model {name}: its config makes {key} of shape {list(expected[key])}, its weights hold "
+                        f"{list(shape)}: the config (head_dim, heads, sizes) is not the weights'"
+                    )
 
 
-def _device_of(embedding):
-    return (embedding[0] if isinstance(embedding, tuple) else embedding).device
-
-
-@dataclass(frozen=True)
-class _RotaryCall:
-    """A layer's call of its model's rotary function: the function, the axis its queries' heads lie on (1, or 2 for
-    Llama 4's), and the queries it gave ``[batch, heads, n, d]``."""
-
-    function: Callable
-    heads_axis: int
-    turned: object
-
-
-def _watch_rotary(model, modules, softmaxes) -> tuple[dict[int, _RotaryCall], dict]:
-    """One forward pass over a few tokens, watching the rotary functions of the model's modeling module
-    (``apply_rotary*``) and the queries each layer's kernel gets (``attention.recording``; ``softmaxes``: the
-    layers'): per layer that calls one, its call; per layer, its kernel's queries."""
-    import torch
-
-    from pkvbench.engine.attention import Recorder, recording  # (attention imports this module)
-
-    class KernelQueries(Recorder):
-        def __init__(self):
-            self.softmaxes, self.queries = softmaxes, {}
-
-        def observe(self, layer_idx, query, key, logsumexp=None):
-            self.queries[layer_idx] = query
-
-    modeling = inspect.getmodule(type(modules[0]))
-    names = [name for name, value in vars(modeling).items() if name.startswith("apply_rotary") and callable(value)]
-    layer_of = {id(module): index for index, module in enumerate(modules)}
-    current: list[int] = []
-    calls: dict[int, _RotaryCall] = {}
-    heads = model.config.num_attention_heads
-
-    def watched(function):
-        def spy(query, *args, **kwargs):
-            turned = function(query, *args, **kwargs)
-            if current and current[-1] not in calls:
-                axis = 1 if query.shape[1] == heads else 2
-                calls[current[-1]] = _RotaryCall(function, axis, turned[0] if axis == 1 else turned[0].transpose(1, 2))
-            return turned
-
-        return spy
-
-    def enter(module, _):
-        current.append(layer_of[id(module)])
-
-    def leave(*_):
-        current.pop()
-
-    hooks = [module.register_forward_pre_hook(enter) for module in modules]
-    hooks += [module.register_forward_hook(leave) for module in modules]
-    originals = {name: getattr(modeling, name) for name in names}
-    count = heads + 3  # tokens: never the number of heads, so the layout is plain
-    kernel = KernelQueries()
-    try:
-        for name, function in originals.items():
-            setattr(modeling, name, watched(function))
-        device = next(model.parameters()).device
-        with torch.inference_mode(), recording(kernel):
-            model(input_ids=torch.arange(1, count + 1, device=device)[None], use_cache=False)
-    finally:
-        for name, function in originals.items():
-            setattr(modeling, name, function)
-        for hook in hooks:
-            hook.remove()
-    return calls, kernel.queries
-
-
-def _scale_after_rotation(module, call: _RotaryCall, kernel_query, layer: int):
-    """The weights ``[d]`` of a norm a layer applies to its queries after RoPE (Hunyuan's ``query_layernorm``:
-    w ⊙ x / rms(x)), found among the attention module's own submodules as the one that turns what the rotary function
-    gave into what the kernel got; None where the kernel gets the function's queries as they are. A norm over the
-    head commutes with RoPE up to its weights (rms(R x) = rms(x)): un-rotating divides them out first
-    (``Rotation.unrotate``). Anything else after RoPE is refused, in one line."""
-    import torch
-
-    turned = call.turned
-    if kernel_query is None or kernel_query.shape != turned.shape or torch.equal(kernel_query, turned):
-        return None
-    tolerance = {"atol": 1e-4, "rtol": 1e-3} if turned.dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    for child in module.children():
-        if isinstance(child, torch.nn.Linear):
-            continue
-        laid = turned if call.heads_axis == 1 else turned.transpose(1, 2)
-        try:
-            normed = child(laid)
-        except (TypeError, RuntimeError):
-            continue
-        normed = normed if call.heads_axis == 1 else normed.transpose(1, 2)
-        if normed.shape != kernel_query.shape or not torch.allclose(normed, kernel_query, **tolerance):
-            continue
-        scale = child(torch.ones_like(laid[..., :1, :1, :])).flatten().float()
-        weighted = scale * turned.float()  # a norm over the head: the kernel's queries are c·w ⊙ x, c per token
-        factor = (weighted * kernel_query.float()).sum(-1, keepdim=True) / (weighted * weighted).sum(-1, keepdim=True)
-        if torch.allclose(factor * weighted, kernel_query.float(), **tolerance):
-            return scale
-    raise PkvError(
-        f"layer {layer}'s attention changes its queries after RoPE in a way pkvbench cannot undo (not a norm over "
-        "the head); not supported"
-    )
+def attention_statistics(needs) -> bool:
+    """Whether a policy's ``Needs`` include statistics of the prompt's attention (window sums, accumulated or
+    bidirectional attention, KVzip's reconstruction), which assume every query sees the whole prompt."""
+    return bool(needs.windows or needs.accumulated or needs.bidirectional or needs.reconstruction)

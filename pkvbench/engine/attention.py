@@ -20,8 +20,8 @@ from collections.abc import Iterator
 
 import torch
 
-from pkvbench.engine.architecture import LayerSoftmax, Rotation
 from pkvbench.engine.cache import FLEX_BLOCK
+from pkvbench.engine.probe import LayerSoftmax, Rotation, active_probe
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs
 
@@ -34,6 +34,9 @@ class Recorder(ABC):
     softmaxes: list[LayerSoftmax]
     needed: bool = True  # False: the wrapper leaves the forward to the model's kernel alone
     wants_logsumexp: bool = False  # True: ``observe`` takes each query's log-sum-exp where the fused kernel gives it
+    # True: what it records is attention over the prompt's keys, computed as if every query saw the whole prompt
+    # (not so past an all-sliding model's window: ``Engine.recorded_forward`` refuses it there).
+    attends_over_prompt: bool = True
 
     @abstractmethod
     def observe(
@@ -350,6 +353,11 @@ class StatsRecorder(Recorder):
         """Accumulated attention is cheap given each query's log-sum-exp (``accumulated_from_logsumexp``)."""
         return self.accumulated
 
+    @property
+    def attends_over_prompt(self) -> bool:
+        """Window sums, accumulated and bidirectional attention; queries and their moments are the model's own."""
+        return bool(self.windows or self.accumulated or self.bidirectional)
+
     def observe(
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, logsumexp: torch.Tensor | None = None
     ) -> None:
@@ -640,6 +648,9 @@ def _accumulated_in_sixteen_bits(query, keys, logsumexp, scaling, kernel) -> tor
 
 def _recording_attention(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
+        probe = active_probe()
+        if probe is not None:  # reading what the layer does (``probe.layer_calls``): no attention computed
+            return probe.attention(module, query, key, value, attention_mask, **kwargs)
         kernel = _kernel_for(base, module)
         decoding = _ACTIVE_DECODE.get()
         if decoding is not None:
@@ -678,6 +689,18 @@ def install_recording_attention(model) -> str:
     name = PREFIX + base
     if name not in ALL_ATTENTION_FUNCTIONS:
         ALL_ATTENTION_FUNCTIONS.register(name, _recording_attention(base))
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, _probed_mask(ALL_MASK_ATTENTION_FUNCTIONS[base]))
     model.set_attn_implementation(name)
     return name
+
+
+def _probed_mask(make_mask):
+    """The model's own mask interface, except while a probe reads which mask function each layer gets."""
+
+    def mask(*args, **kwargs):
+        probe = active_probe()
+        if probe is not None:
+            return probe.mask(kwargs["mask_function"], kwargs.get("device"))
+        return make_mask(*args, **kwargs)
+
+    return mask

@@ -51,10 +51,14 @@ def masked_reference(
     tokens seeing only the prompt positions where ``visible`` (``[T]``) is true, at positions T, T + 1, …
 
     ``kept_whole``: layer kinds whose layers keep every prompt entry (a mixed model's local layers, never
-    compressed); their layers see the whole prompt under their own window while the others see ``visible``: the
-    model then takes one mask per layer kind, as its own forward builds them."""
+    compressed); their layers see the whole prompt under their own window while the others see ``visible``. The
+    masks are 4-D, one per layer kind (a model of one kind takes its one): each kind's window applied as the model
+    applies it while it generates (``Architecture.windows``: its masks', or its cache's where that keeps fewer)."""
     from transformers import DynamicCache
 
+    from pkvbench.engine.architecture import Architecture
+
+    architecture = Architecture.of_model(model)  # read on pkvbench's kernel, before the stock one takes over
     length = visible.shape[0]
     device = keys[0].device
     # transformers renamed ``past_key_values`` to ``cache``; speak whichever this version knows (as the engine does).
@@ -68,11 +72,10 @@ def masked_reference(
         while len(tokens) < new_tokens and tokens[-1] not in stop_ids:
             mask = torch.cat([mask, torch.ones(1, dtype=torch.long, device=device)])
             position = length + len(tokens) - 1
+            masks = _masks_by_kind(architecture, model.config, mask.bool(), position, kept_whole, model.dtype)
             step = model(
                 input_ids=torch.tensor([[tokens[-1]]], device=device),
-                attention_mask=_masks_by_kind(model.config, mask.bool(), position, kept_whole, model.dtype)
-                if kept_whole
-                else mask[None],
+                attention_mask=masks if len(masks) > 1 else next(iter(masks.values())),
                 position_ids=torch.tensor([[position]], device=device),
                 use_cache=True,
                 **{cache_arg: cache},
@@ -82,22 +85,21 @@ def masked_reference(
 
 
 def _masks_by_kind(
-    config, visible: torch.Tensor, position: int, kept_whole: tuple[str, ...], dtype: torch.dtype
+    architecture, config, visible: torch.Tensor, position: int, kept_whole: tuple[str, ...], dtype: torch.dtype
 ) -> dict:
     """The one query's 4-D masks ``[1, 1, 1, position + 1]`` per layer kind: what it may see of the cache's entries
-    (at positions 0 … position), a sliding kind within its window, a chunked kind within its chunk; boolean, or
-    added to the logits in ``dtype`` where the model runs the eager kernel (Gemma 2)."""
-    from pkvbench.engine.architecture import CHUNKED, SLIDING, Architecture
+    (at positions 0 … position), a sliding kind within its window, a chunked kind within its chunk
+    (``architecture``'s, read from the model); boolean, or added to the logits in ``dtype`` where the model runs the
+    eager kernel (Gemma 2)."""
+    from pkvbench.engine.architecture import CHUNKED
+    from pkvbench.engine.sliding import oldest_seen
 
-    architecture = Architecture.of(config)
     entries = torch.arange(position + 1, device=visible.device)
     masks = {}
-    for kind in set(architecture.layer_kinds):
+    for kind, window in zip(architecture.layer_kinds, architecture.windows):
         seen = torch.ones_like(visible) if kind in kept_whole else visible
-        if kind == SLIDING:
-            seen = seen & (entries > position - architecture.sliding_window)
-        if kind == CHUNKED:
-            seen = seen & (entries >= position - position % architecture.chunk)
+        if window is not None:
+            seen = seen & (entries >= oldest_seen(position, window, kind == CHUNKED))
         masks[kind] = seen[None, None, None]
     if config._attn_implementation == "eager":  # the eager kernel adds its masks to the logits
         return {

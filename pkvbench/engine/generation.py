@@ -142,7 +142,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
         self.model = loaded.model
-        self.architecture = Architecture.of_model(loaded.model)
+        self.architecture = Architecture.of_model(loaded.model, loaded.name)
         self.tokenizer = loaded.tokenizer
         self.device = torch.device(loaded.device)
         # transformers renamed the model's ``past_key_values`` argument to ``cache``; speak whichever it knows.
@@ -165,8 +165,10 @@ class Engine:
 
     @property
     def geometry(self) -> kv_formats.CacheGeometry:
-        whole = tuple(not self.architecture.compressible(layer) for layer in range(self.loaded.num_layers))
-        return kv_formats.CacheGeometry(self.loaded.num_layers, self.loaded.num_kv_heads, self.loaded.head_dim, whole)
+        architecture = self.architecture
+        return kv_formats.CacheGeometry(
+            architecture.num_layers, architecture.kv_heads, architecture.head_dim, architecture.local
+        )
 
     @property
     def native_format(self) -> kv_formats.KVFormat:
@@ -273,10 +275,11 @@ class Engine:
 
         length = len(prompt)
         prefix, passes = repeat_inputs(self.tokenizer, prompt, chunk)
-        # The fused path attends to the whole prompt: not for a sliding window or chunk shorter than a pass's reach.
-        reach = min((window for window in self.architecture.windows if window), default=None)
-        if reach:
-            fused = fused and all(length + len(ids) <= reach for _, _, ids in passes)
+        # The fused path attends to the whole prompt: not for a sliding window or chunk shorter than a
+        # pass's reach.
+        sliding = self.architecture.prompt_window
+        if sliding:
+            fused = fused and all(length + len(ids) <= sliding for _, _, ids in passes)
         scores = [torch.zeros(self.loaded.num_kv_heads, length, device=self.device) for _ in layers]
         for layer_scores in scores:  # the chat prefix and the sinks are always kept
             layer_scores[:, : max(prefix, min(SINK, length))] = float("inf")
@@ -299,8 +302,11 @@ class Engine:
         input_ids = input_ids.to(self.device)
         length = input_ids.shape[1]
         limit = self.architecture.prompt_limit
-        if limit is not None and length > limit:
-            raise PkvError(f"prompt of {length} tokens exceeds the model's sliding window ({limit}); not supported")
+        if limit is not None and length > limit and recorder.needed and recorder.attends_over_prompt:
+            raise PkvError(
+                f"a prompt of {length} tokens exceeds the sliding window of {limit} tokens of every layer of "
+                f"{self.loaded.name}, and these statistics assume every query sees the whole prompt"
+            )
         started = time.perf_counter()
         with recording(recorder):
             logits = self._forward(input_ids, cache, torch.arange(length, device=self.device)[None])[0]
@@ -317,15 +323,17 @@ class Engine:
         return plan, self._choose(prefill, policy, plan)
 
     def _plan(self, policy: Policy, budget: budgets.Budget, length: int) -> budgets.LayerPlan:
-        return budgets.plan(policy, budget, length, self.loaded.num_layers, self.geometry.whole)
+        return budgets.plan(policy, budget, length, self.architecture.num_layers, self.architecture.local)
 
     def _choose(self, prefill: Prefill, policy: Policy, plan: budgets.LayerPlan) -> dict[int, torch.Tensor]:
-        """Each compressed layer's selection under ``plan``."""
-        if not plan.compressed:
-            return {}
+        """Each layer's selection under ``plan`` where the policy compresses it (a local layer keeps its window's
+        entries whatever the policy: ``_gather``)."""
         length = plan.context_len
+        architecture = self.architecture
+        compressed = [i for i, k in enumerate(plan.per_layer) if k < length and architecture.compressible(i)]
+        if not compressed:
+            return {}
         stats = prefill.stats_at[length]
-        compressed = [layer for layer, k in enumerate(plan.per_layer) if k < length]
         with too_big_for_memory(f"{policy.label}'s scores", length):
             kept = policy.select_layers([stats[i] for i in compressed], [plan.per_layer[i] for i in compressed])
         return dict(zip(compressed, kept))
@@ -405,7 +413,10 @@ class Engine:
         keys, values, positions = [], [], []
         lengths: list[torch.Tensor | None] = [None] * len(plan.per_layer)
         selected: list[torch.Tensor | None] = [None] * len(plan.per_layer)
-        for layer in range(len(plan.per_layer)):
+        for layer, budget in enumerate(plan.per_layer):
+            if layer not in chosen and budget < length:  # a local layer: the last entries its window still sees
+                recent = torch.arange(length - budget, length, device=self.device)
+                chosen[layer] = recent.expand(full_keys[layer].shape[0], -1)
             if layer not in chosen:
                 keys.append(full_keys[layer])
                 values.append(full_values[layer])
@@ -437,6 +448,8 @@ class Engine:
         ``question``, after feeding the question's tokens on top of the compressed context (the cache's first
         ``cache.plan.context_len`` prompt tokens) at their original positions; they are never compressed by the
         prefill budget. With ``schedule`` the cache is cut while the answer is written (``engine/shrinking.py``)."""
+        sequence = prefill.context_len if question is None else cache.plan.context_len + len(question)
+        self.architecture.check_rope(sequence, max_new_tokens, self.loaded.name)
         common = {
             "kept": cache.kept,
             "max_new_tokens": max_new_tokens,
@@ -459,7 +472,8 @@ class Engine:
         target or for a policy that keeps everything)."""
         if target is None:
             return None
-        schedule = DecodeSchedule.make(policy, target, interval, buffer, self.loaded.num_layers, self.geometry.whole)
+        architecture = self.architecture
+        schedule = DecodeSchedule.make(policy, target, interval, buffer, architecture.num_layers, architecture.local)
         return None if schedule.cuts_nothing else schedule
 
     def decode_many(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:

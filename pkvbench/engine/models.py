@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import importlib.metadata
 import io
@@ -35,10 +36,21 @@ class ModelShape:
     query_heads: int
     head_dim: int
     bits: int  # the width the model computes in: its own cache's values
+    architecture: Architecture | None = None  # what its layers do (``Architecture.read``), where it was read
 
     @classmethod
-    def of(cls, config, bits: int) -> ModelShape:
-        """From a transformers config and the width the model computes in."""
+    def of(cls, config, bits: int, architecture: Architecture | None = None) -> ModelShape:
+        """From a transformers config, the width the model computes in and, read from the model's code, what its
+        layers do (its heads and head size then the attention calls', not the config's)."""
+        if architecture is not None:
+            return cls(
+                architecture.num_layers,
+                architecture.kv_heads,
+                architecture.query_heads,
+                architecture.head_dim,
+                bits,
+                architecture,
+            )
         query_heads = config.num_attention_heads
         return cls(
             layers=config.num_hidden_layers,
@@ -50,7 +62,8 @@ class ModelShape:
 
     @property
     def geometry(self) -> CacheGeometry:
-        return CacheGeometry(self.layers, self.kv_heads, self.head_dim)
+        local = self.architecture.local if self.architecture is not None else ()
+        return CacheGeometry(self.layers, self.kv_heads, self.head_dim, local)
 
     @property
     def native_format(self) -> KVFormat:
@@ -68,6 +81,7 @@ class LoadedModel:
     load_s: float
     source: str
     info: dict = field(default_factory=dict)
+    architecture: Architecture | None = None  # read before the weights loaded (``Architecture.read``)
 
     @property
     def config(self):
@@ -91,7 +105,7 @@ class LoadedModel:
 
     @property
     def shape(self) -> ModelShape:
-        return ModelShape.of(self.config, 32 if self.dtype == "float32" else 16)
+        return ModelShape.of(self.config, 32 if self.dtype == "float32" else 16, self.architecture)
 
     def describe(self) -> dict:
         """What a run records about its model (run.json's ``model``)."""
@@ -266,6 +280,32 @@ def check_architecture(config, name: str) -> None:
     check_family(config, name)
 
 
+# Architectures read in this process, by config (its JSON), model name and weights folder: read once each.
+_ARCHITECTURES: dict[tuple[str, str, str | None], Architecture] = {}
+
+
+def read_architecture(config, name: str, folder: str | None = None) -> Architecture:
+    """What ``config``'s model does, read from its code before its weights load (``Architecture.read``: refuses
+    what it cannot compute or pkvbench cannot run exactly, in one line); ``folder``: where its weights are, whose
+    shapes must be the config's. Read once per config."""
+    weights = folder if folder and any(Path(folder).glob("*.safetensors")) else None
+    key = (config.to_json_string(use_diff=False), name, weights)
+    if key not in _ARCHITECTURES:
+        _ARCHITECTURES[key] = Architecture.read(copy.deepcopy(config), name, Path(weights) if weights else None)
+    return _ARCHITECTURES[key]
+
+
+def _transformers_config(path: Path, name: str):
+    """The transformers config of a ``config.json`` (its family already admitted): transformers' own checks of its
+    values, refused in one line."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path.parent))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise PkvError(f"model {name}: its config is not valid: {first_line(exc)}") from None
+
+
 def is_gguf_file(name: str) -> bool:
     return name.lower().endswith(".gguf")
 
@@ -332,13 +372,13 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
         raise PkvError(f"could not load the tokenizer of {name}: {first_line(exc)}") from None
 
 
-def kernel_of_family(config, requested: str) -> str:
+def kernel_of_family(config, architecture: Architecture, requested: str) -> str:
     """The attention kernel to load the model with: ``requested``, but eager where it is sdpa and the model
     soft-caps its logits (``Architecture.attention_kernel``) or its family has no sdpa kernel (gpt-oss, whose sinks
     only its eager kernel adds); the stock reference runs on the same one (``exactness.stock_attention``)."""
     from transformers import AutoModelForCausalLM
 
-    requested = Architecture.of(config).attention_kernel(requested)
+    requested = architecture.attention_kernel(requested)
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
     if requested == "sdpa" and model_class is not None and not getattr(model_class, "_supports_sdpa", True):
         return "eager"
@@ -364,7 +404,8 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise PkvError(f"could not load model {name}: {first_line(exc)}") from None
     check_architecture(config, name)
-    attn_implementation = kernel_of_family(config, attn_implementation)
+    architecture = read_architecture(config, name, path if os.path.isdir(path) else None)
+    attn_implementation = kernel_of_family(config, architecture, attn_implementation)
     try:
         tokenizer = _tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(
@@ -383,6 +424,7 @@ def load_model(
         attn_implementation=attn_implementation,
         load_s=time.perf_counter() - started,
         source=source,
+        architecture=architecture,
     )
 
 
@@ -415,11 +457,12 @@ def model_shape(model: str, bits: int) -> ModelShape | None:
     no config can be read here (the model load then reports what is wrong)."""
     from transformers import AutoConfig
 
+    path = model_path(model)[0]
     try:
-        config = AutoConfig.from_pretrained(model_path(model)[0])
-        return ModelShape.of(config, bits)
+        config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, AttributeError, TypeError, ZeroDivisionError):
         return None
+    return ModelShape.of(config, bits, read_architecture(config, model, path if os.path.isdir(path) else None))
 
 
 def model_context_window(model: str) -> int | None:
@@ -434,7 +477,8 @@ def model_context_window(model: str) -> int | None:
         return gguf_header(locate_gguf(ALIASES[model]) if model in ALIASES else Path(model)).context_length
     path = _config_file(str(float_copy or model))
     config = read_json(path, "model config") if path is not None else None
-    if isinstance(config, dict):  # an architecture pkvbench cannot run is refused before its tokenizer is used
+    if isinstance(config, dict):  # a model pkvbench cannot run is refused before its tokenizer is used
         check_architecture(SimpleNamespace(**config), model)
+        read_architecture(_transformers_config(path, model), model, str(path.parent))
     window = config.get("max_position_embeddings") if isinstance(config, dict) else None
     return window if isinstance(window, int) and window > 0 else None

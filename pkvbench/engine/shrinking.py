@@ -48,19 +48,28 @@ class DecodeSchedule:
     interval: int
     buffer: int
     num_layers: int
-    whole: tuple[bool, ...] = ()  # per layer: never cut (a mixed model's local layers, ``budgets.layer_budgets``)
+    # Per layer: a mixed model's local layer's reach, or None. A local layer is never cut: it decodes under its
+    # window from the entries it kept (``budgets.layer_budgets``).
+    local: tuple[int | None, ...] = ()
 
     @classmethod
     def make(
-        cls, policy: Policy, target: int, interval: int, buffer: int, num_layers: int, whole: tuple[bool, ...] = ()
+        cls,
+        policy: Policy,
+        target: int,
+        interval: int,
+        buffer: int,
+        num_layers: int,
+        local: tuple[int | None, ...] = (),
     ) -> DecodeSchedule:
-        return cls(policy, target, interval, buffer, num_layers, whole)
+        return cls(policy, target, interval, buffer, num_layers, local)
 
     def targets(self, length: int) -> list[int]:
         """Each layer's entries per head after a cut when the sequence (prompt and answer so far) holds ``length``
         tokens: the policy's split of the target over a prompt of that length, as at the prefill (nothing is cut
-        where the target holds the whole sequence)."""
-        return budgets.layer_budgets(self.policy, self.target, length, self.num_layers, self.whole)
+        where the target holds the whole sequence, nor in a local layer)."""
+        never_cut = tuple(None if reach is None else length for reach in self.local)
+        return budgets.layer_budgets(self.policy, self.target, length, self.num_layers, never_cut)
 
     @property
     def cuts_nothing(self) -> bool:

@@ -415,6 +415,7 @@ def run_grid(
     plan = plan_grid(tasks, engine.tokenizer, cells, options, store, shard, items)
     check_formats(engine.loaded.shape, cells)  # evaluate checked them from the model's config: again, as loaded
     check_memory(engine.loaded.shape, plan.pending)
+    check_prompts(engine.loaded.shape, plan.pending, (settings or RunSettings()).max_new_tokens, engine.loaded.name)
     writer = RowWriter(store, plan, started=started, quiet=quiet, on_row=on_row)
     try:
         for task, sample, pending in plan.pending:
@@ -437,6 +438,22 @@ def check_formats(shape: ModelShape, cells: list[Cell]) -> None:
                 f"--kv-group {fmt.group} does not divide the model's head size ({head_dim}): values are quantized "
                 f"per token in groups of G channels; try {', '.join(str(g) for g in (16, 32, 64) if head_dim % g == 0)}"
             )
+
+
+def check_prompts(
+    shape: ModelShape, pending: list[tuple[TaskSpec, Sample, list[Cell]]], max_new_tokens: int | None, name: str
+) -> None:
+    """Refuse what the model cannot run exactly on these prompts (``engine.architecture.Architecture``'s
+    ``check_rope`` and ``check_window``), from its config and the prompts' lengths: before the model loads."""
+    architecture = shape.architecture
+    if architecture is None:
+        return
+    for task, sample, cells in pending:
+        prompts = [len(sample.prompt(question)) for question in sample.questions]
+        for length in prompts:
+            architecture.check_rope(length, max_new_tokens or task.max_new_tokens, name)
+        for mode, length in ((AWARE, max(prompts)), (AGNOSTIC, len(sample.context_ids))):  # what each prefills
+            architecture.check_window(length, [cell.policy for cell in cells if cell.query_mode == mode], name)
 
 
 def check_memory(shape: ModelShape, pending: list[tuple[TaskSpec, Sample, list[Cell]]]) -> None:
