@@ -790,8 +790,11 @@ def test_a_family_pkvbench_cannot_run_is_refused_in_one_line_before_the_model_lo
 
 
 def test_pkvbench_list_shows_every_family_its_layer_kinds_and_what_is_refused(capsys):
-    """Every family of the seam's table, admitted or refused, with its layer kinds; each admitted family has its row
-    in this matrix (a family is admitted only with one)."""
+    """Every family of the seam's table, admitted or refused, with its layer kinds, in ``pkvbench list`` and in
+    docs/models.md's matrix; each admitted family has its row in this matrix (a family is admitted only with one)."""
+    import re
+    from pathlib import Path
+
     from pkvbench.cli import main
     from pkvbench.engine.architecture import FAMILIES
 
@@ -803,3 +806,7 @@ def test_pkvbench_list_shows_every_family_its_layer_kinds_and_what_is_refused(ca
         assert f"  {name} " in listed and f"layers: {family.layers}" in listed
         assert (family.handled if family.admitted else f"refused: {family.refused}") in listed
     assert {name for name, family in FAMILIES.items() if family.admitted} == {row.model_type for row in ROWS}
+    docs = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    matrix = docs[docs.index("## The matrix") :].split("\n## ")[0]
+    documented = {name for line in matrix.splitlines() for name in re.findall(r"`(\w+)`", line.split(" | ")[0])}
+    assert set(FAMILIES) <= documented, set(FAMILIES) - documented

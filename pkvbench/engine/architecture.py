@@ -63,7 +63,8 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(HALF_ROPE + "; Llama 3.1 and YaRN scaling", "the reference layout"),
     "mistral": Family(
         "a sliding window on every layer (Mistral-7B-v0.1)",
-        "compressed as any model; the window applied while decoding; prompts up to the window",
+        "compressed as any model; the window applied while decoding; past the window, only the policies that score "
+        "without the prompt's attention",
         layers=EVERY_LAYER_SLIDES,
     ),
     "qwen2": Family(
@@ -74,8 +75,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("q/k norms; an optional sliding window as qwen2", "as qwen2", layers=WINDOW_LAYERS),
     "qwen3_moe": Family("mixture-of-experts MLP; q/k norms", "attention as qwen3", layers=WINDOW_LAYERS),
     "phi3": Family(
-        "fused qkv projection; partial RoPE (partial_rotary_factor)",
-        "RoPE un-rotated over its width",
+        "fused qkv projection; partial RoPE (partial_rotary_factor); longrope's tables switch past "
+        "original_max_position_embeddings (Phi-3.5, Phi-4-mini)",
+        "RoPE un-rotated over its width; a prompt at or below the switch whose answer crosses it refused",
         layers=EVERY_LAYER_SLIDES,
     ),
     "olmo2": Family("q/k norms over all heads, after the projection", "attention as llama"),
@@ -117,12 +119,12 @@ FAMILIES: dict[str, Family] = {
     ),
     "ministral": Family(
         "sliding layers per layer_types (every layer by default)",
-        "every layer sliding: as mistral; some: the local layers kept whole",
-        layers=LOCAL_AND_GLOBAL,
+        "every layer sliding: as mistral; some: the local layers keep what their window sees",
+        layers="sliding on every layer, or " + LOCAL_AND_GLOBAL,
     ),
     "olmo3": Family(
         "q/k norms over all heads; local and global layers, a RoPE per layer kind",
-        "each layer's own RoPE; local layers kept whole",
+        "each layer's own RoPE; local layers keep what their window sees",
         layers=LOCAL_AND_GLOBAL,
     ),
     "seed_oss": Family("q/k/v biases", "attention as llama"),
@@ -148,8 +150,9 @@ FAMILIES: dict[str, Family] = {
     ),
     "exaone4": Family(
         "q/k norms; local layers with RoPE, global layers NoPE (where sliding_window)",
-        "NoPE read from the model; local layers kept whole",
-        layers="local (sliding, kept whole; RoPE) and global (full; NoPE) per layer_types",
+        "NoPE read from the model; local layers keep what their window sees",
+        layers="local (sliding: its window's entries kept; RoPE) and global (full; NoPE) per layer_types, or full "
+        "with RoPE on every layer (no sliding_window)",
     ),
     "glm": Family(
         "partial RoPE with interleaved pairs, its tables laid out as rotate-half's (GLM-4)",
@@ -173,9 +176,9 @@ FAMILIES: dict[str, Family] = {
     "llama4_text": Family(
         "chunked layers (attention_chunk_size) with RoPE as complex frequencies and an L2 norm after it; global layers "
         "NoPE (every 4th), their queries scaled by position (attn_temperature_tuning); mixture-of-experts MLP",
-        "chunked layers kept whole, decoding under their chunk; NoPE, the pairing and the norm read from the model; "
-        "the temperature's position from the sequence's length as transformers counts it",
-        layers="chunked (kept whole; RoPE) and global (full; NoPE) per layer_types",
+        "chunked layers keep the prompt's last chunk − 1 entries, decoding under their chunk; NoPE, the pairing and "
+        "the norm read from the model; the temperature's position from the sequence's length as transformers counts it",
+        layers="chunked (its last chunk − 1 entries kept; RoPE) and global (full; NoPE) per layer_types",
     ),
     "gemma4_text": Family(
         "global layers of another head size and KV heads than the local ones (global_head_dim, "
@@ -240,12 +243,13 @@ def check_config(config, name: str) -> None:
     window = given("sliding_window")
     if window is not None and not _whole_number(window):
         refuse(f"sliding_window is {window!r}; it must be a whole number of tokens (or null: no window)")
-    if window is not None and window < 1:
-        refuse(f"sliding_window is {window}: a window of {window} tokens hides every token (null: no window)")
     kinds = given("layer_types")
+    if kinds is not None and (not isinstance(kinds, (list, tuple)) or not all(isinstance(k, str) for k in kinds)):
+        refuse(f"layer_types must be a list with one layer kind per layer, not {kinds!r}"[:300])
+    # A window no layer declares is no window (Qwen2-MoE writes 0 where use_sliding_window is off, every layer full).
+    if window is not None and window < 1 and (kinds is None or SLIDING in kinds):
+        refuse(f"sliding_window is {window}: a window of {window} tokens hides every token (null: no window)")
     if kinds is not None:
-        if not isinstance(kinds, (list, tuple)) or not all(isinstance(kind, str) for kind in kinds):
-            refuse(f"layer_types must be a list with one layer kind per layer, not {kinds!r}"[:300])
         if _whole_number(layers) and len(kinds) != layers:
             refuse(f"layer_types names {len(kinds)} layers, num_hidden_layers {layers}")
         if SLIDING in kinds and window is None:

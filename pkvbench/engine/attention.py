@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 
 from pkvbench.engine.cache import FLEX_BLOCK
-from pkvbench.engine.probe import LayerSoftmax, Rotation, active_probe
+from pkvbench.engine.probe import LayerSoftmax, Rotation, active_probe, rotate_half
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs
 
@@ -193,15 +193,6 @@ def bidirectional_attention_sums(
         logits.masked_fill_((query_pos >= masked_from) & (key_pos > query_pos), float("-inf"))
         totals += attention_softmax(logits, softmax.sinks).sum(dim=1)
     return totals
-
-
-def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """RoPE's pairing of dimension i with i + d/2 (transformers' convention): (x1, x2) → (−x2, x1); ``interleaved``
-    (Cohere's): of dimension 2i with 2i + 1, (x₂ᵢ, x₂ᵢ₊₁) → (−x₂ᵢ₊₁, x₂ᵢ)."""
-    if interleaved:
-        return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
 
 
 def unrotate(

@@ -371,8 +371,6 @@ class Rotation:
         if not self.rotates[layer]:
             width = self.width or self.dim
             return torch.ones(count, width, device=device), torch.zeros(count, width, device=device)
-        from pkvbench.engine.attention import rotate_half
-
         ones = torch.ones(self.dim, device=device)
         signs = ones.clone()
         signs[: self.width] = rotate_half(ones[: self.width], self.interleaved)
@@ -381,6 +379,17 @@ class Rotation:
         signs = signs[: self.width]
         first, second = first[:, : self.width], second[:, : self.width] * signs
         return (first + second) / 2, signs * (first - second) / 2
+
+
+def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """RoPE's pairing of dimension i with i + d/2 (transformers' convention): (x1, x2) → (−x2, x1); ``interleaved``
+    (Cohere's): of dimension 2i with 2i + 1, (x₂ᵢ, x₂ᵢ₊₁) → (−x₂ᵢ₊₁, x₂ᵢ)."""
+    import torch
+
+    if interleaved:
+        return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
 
 
 def _device_of(embedding):
