@@ -18,17 +18,27 @@ import pandas as pd
 
 from pkvbench.cell import budgets as budget_rules
 from pkvbench.cell import kv_formats
-from pkvbench.cell.budgets import Budget, parse_budgets, parse_decode_budgets, parse_memory_budgets, rounding_for
+from pkvbench.cell.budgets import (
+    DEFAULT_BUDGET,
+    DEFAULT_DECODING_BUDGET,
+    Budget,
+    parse_budgets,
+    parse_decode_budgets,
+    parse_memory_budgets,
+    rounding_for,
+)
 from pkvbench.cell.kv_formats import KVFormat
-from pkvbench.cell.schema import PROTOCOLS, QUERY_MODES
+from pkvbench.cell.schema import DEFAULT_PROTOCOL, EVERY_TURN, MULTI_TURN
 from pkvbench.config import (
     MAX_LAYERS,
+    RECORDED,
+    TASK,
     as_list,
     list_value,
     options_of,
+    options_with,
     pair_values,
     parse_int,
-    parse_numbers,
 )
 from pkvbench.engine.models import (
     ALIASES,
@@ -38,12 +48,12 @@ from pkvbench.engine.models import (
     model_slug,
 )
 from pkvbench.errors import PkvError
-from pkvbench.options import EXECUTORS, FunnelConfig, RunConfig, SampleConfig
+from pkvbench.options import FunnelConfig, RunConfig, SampleConfig, model_settings
 from pkvbench.policies.base import Policy
 from pkvbench.policies.spec import parse_policies
 from pkvbench.reports.summary import summarize
 from pkvbench.run.provenance import git_commit, make_deterministic, package_version, provenance, versions
-from pkvbench.run.runner import Cell, RunSettings, RunStats, Shard, work_items
+from pkvbench.run.runner import Cell, RunSettings, RunStats, Shard, load_run_model, work_items
 from pkvbench.store.results import ResultStore, decode_budget_label
 from pkvbench.tasks.base import TaskOptions, TaskSpec
 from pkvbench.tasks.registry import (
@@ -128,10 +138,11 @@ class ResolvedRun:
     budgets: list[Budget]
     options: TaskOptions
     shard: Shard | None
-    out: Path
+    out: Path | None  # None: a grid alone (``resolve_grid``)
     query_modes: list[str]
     formats: list[KVFormat | None] = field(default_factory=lambda: [None])  # None: the model's own cache
     decode_budgets: list[int | None] = field(default_factory=lambda: [None])  # None: never cut while decoding
+    turn_compressions: list[str] = field(default_factory=list)  # a conversation's cuts (with --query-mode multi-turn)
 
     @property
     def memory(self) -> bool:
@@ -143,10 +154,11 @@ class ResolvedRun:
         fixed set (the full cache) is one cell per format, whatever the budgets: it keeps ``all``."""
         keep_all = [Budget.parse(budget_rules.ALL)]
         return [
-            Cell(p, b, m, f, d)
+            Cell(p, b, m, f, d, t)
             for p in self.policies
             for b in (keep_all if self.memory and budget_rules.keeps_fixed_set(p) else self.budgets)
             for m in self.query_modes
+            for t in (self.turn_compressions if m == MULTI_TURN else [None])
             for f in self.formats
             for d in self.decode_budgets
         ]
@@ -160,88 +172,83 @@ class ResolvedRun:
         """``run.json``'s ``options``: what makes two runs the same run (resuming under others is refused). The
         executor and its settings are not among them: another executor may resume a run."""
         c = self.config
+        # an option that shapes another is recorded only where that one is used, decode budgets only where they cut,
+        # conversations' options only for conversations: a run folder of an earlier version, which had none of them,
+        # resumes as the same run
+        groups = dependent_options(self.formats, self.decode_budgets, self.query_modes)
+        unused = [name for names, used, *_ in groups if not used for name in names]
+        cutting = self.decode_budgets != [None]
         return recorded(
             c,
             self.tasks,
             self.options,
             {
                 "policies": [p.label for p in self.policies],
-                "budgets": [b.recorded for b in self.budgets],
-                "max_new_tokens": c.max_new_tokens,
+                "budgets": [b.recorded for b in self.budgets],  # memory budgets among them (``mem0.05``)
                 "shard": str(self.shard) if self.shard else None,
-                "protocol": c.protocol,
                 "query_modes": self.query_modes,
-                # only where given: a run folder of an earlier version, which had neither, resumes as the same run
-                "kv_bits": [f.bits if f else native_bits(c) for f in self.formats] if c.kv_bits is not None else None,
-                **(
-                    {"kv_group": c.kv_group, "kv_residual": c.kv_residual}
-                    if any(f and f.quantized for f in self.formats)
-                    else {}
-                ),
-                # recorded only when cutting while decoding, so that runs from before the option resume as they were
-                **(
-                    {
-                        "decode_budgets": [decode_budget_label(d) for d in self.decode_budgets],
-                        "decode_interval": c.decode_interval,
-                        "decode_buffer": c.decode_buffer,
-                    }
-                    if self.decode_budgets != [None]
-                    else {}
-                ),
+                "kv_bits": [recorded_format(f, c) for f in self.formats] if c.kv_bits is not None else None,
+                "decode_budgets": [decode_budget_label(d) for d in self.decode_budgets] if cutting else UNUSED,
+                "turn_compressions": self.turn_compressions or UNUSED,
+                "turns": c.turns if c.turns is not None else UNUSED,
+                **dict.fromkeys(unused, UNUSED),
             },
         )
 
 
-def recorded(config: SampleConfig, tasks: list[TaskSpec], options: TaskOptions, own: dict[str, Any]) -> dict[str, Any]:
-    """What ``run.json`` / ``funnel.json`` record as the options: the model, tasks and samples, and the command's
-    ``own`` options. As JSON reads them back (tuples are lists)."""
-    common = {
-        "model": config.model,
-        "device": config.device,
-        "dtype": config.dtype,
-        "attn_implementation": config.attn_implementation,
-        "tasks": [t.name for t in tasks],
-        "lengths": options.lengths,
-        "depths": options.depths,
-        "limit": options.limit,
-        "seed": options.seed,
-        "data_dir": options.data_dir,
-        "max_length": options.max_length,
-        "sample_ids": options.sample_ids,
-        "task_versions": {t.name: t.identity for t in tasks},
-    }
-    return json.loads(json.dumps({**common, **own}))
+UNUSED = object()  # a recorded option this run leaves out of its record
+
+
+def recorded(
+    config: SampleConfig, tasks: list[TaskSpec], options: TaskOptions, resolved: dict[str, Any]
+) -> dict[str, Any]:
+    """What ``run.json`` / ``funnel.json`` record as the options: each field marked ``RECORDED``, as the run
+    resolved it (``resolved``; the samples' options as ``options`` holds them; else the field's value; ``UNUSED``:
+    left out), and each task's version. As JSON reads them back (tuples are lists)."""
+    values = {"tasks": [t.name for t in tasks], **{o.name: getattr(options, o.name) for o in task_fields(config)}}
+    values.update(resolved)
+    record = {o.name: values.get(o.name, getattr(config, o.name)) for o in options_with(type(config), RECORDED)}
+    record = {name: value for name, value in record.items() if value is not UNUSED}
+    return json.loads(json.dumps({**record, "task_versions": {t.name: t.identity for t in tasks}}))
+
+
+def task_fields(config: SampleConfig) -> list:
+    return options_with(type(config), TASK)
 
 
 def task_options(config: SampleConfig) -> TaskOptions:
-    return TaskOptions(
-        lengths=parse_numbers(config.lengths, "--lengths", int),
-        depths=parse_numbers(config.depths, "--depths", float),
-        limit=config.limit,
-        seed=config.seed,
-        data_dir=str(config.data_dir) if config.data_dir is not None else None,
-        verify=config.verify,
-        max_length=config.max_length,
-        sample_ids=tuple(as_list(config.sample_ids, "--sample-id")) if config.sample_ids is not None else None,
-    )
+    """How the samples are chosen: the (checked) fields marked ``TASK``."""
+    return TaskOptions(**{o.name: getattr(config, o.name) for o in task_fields(config)})
 
 
 # Options that only shape another (KIVI's group and residual, the decode-time schedule): None in a RunConfig, their
 # ``implied`` value once the option they shape is given; given without it they would be ignored, so they are refused
 # (as --workers without --executor ray).
+def dependent_options(
+    formats: list[KVFormat | None], decode_budgets: list[int | None], modes: Sequence[str] = ()
+) -> tuple:
+    """(the fields, whether this run uses what they shape, what they set, what they need) of each group of options
+    that only shapes another."""
+    return (
+        (("kv_group", "kv_residual"), any(f and f.kivi for f in formats), "KIVI's formats", "--kv-bits 8, 4 or 2"),
+        (
+            ("decode_interval", "decode_buffer"),
+            decode_budgets != [None],
+            "the cuts while decoding",
+            "a --decode-budget (not none)",
+        ),
+        (("turn_compressions", "turn_answers"), MULTI_TURN in modes, "conversations", f"--query-mode {MULTI_TURN}"),
+    )
+
+
 def with_dependent_options(
-    config: RunConfig, formats: list[KVFormat | None], decode_budgets: list[int | None]
+    config: RunConfig, formats: list[KVFormat | None], decode_budgets: list[int | None], modes: list[str] = ()
 ) -> RunConfig:
-    """Refuse ``--kv-group``/``--kv-residual`` where no format of the run is KIVI's (8, 4 or 2 bits) and
-    ``--decode-interval``/``--decode-buffer`` where no decode budget cuts; return ``config`` with their defaults
-    filled in."""
+    """Refuse ``--kv-group``/``--kv-residual`` where no format of the run is KIVI's (8, 4 or 2 bits),
+    ``--decode-interval``/``--decode-buffer`` where no decode budget cuts and ``--turn-compression``/
+    ``--turn-answers`` where no question is asked in turn; return ``config`` with their defaults filled in."""
     options = options_of(RunConfig)
-    quantized = any(f and f.quantized for f in formats)
-    cutting = decode_budgets != [None]
-    for names, used, purpose, needed in (
-        (("kv_group", "kv_residual"), quantized, "KIVI's formats", "--kv-bits 8, 4 or 2"),
-        (("decode_interval", "decode_buffer"), cutting, "the cuts while decoding", "a --decode-budget (not none)"),
-    ):
+    for names, used, purpose, needed in dependent_options(formats, decode_budgets, modes):
         given = [options[name].flag for name in names if getattr(config, name) is not None]
         if given and not used:
             one = len(given) == 1
@@ -262,31 +269,69 @@ def resolve(config: RunConfig) -> ResolvedRun:
     config = checked(config)
     tasks = expand_tasks(list(dict.fromkeys(as_list(config.tasks, "--task"))), tuple(config.include_paths))
     tasks = [with_task_args(task, parse_task_args(config.task_args)) for task in tasks]
+    run = _resolve_grid(config)
+    config = run.config
+    shard = Shard.parse(config.shard) if config.shard is not None else None
+    if config.executor != "ray" and (config.ray_address, config.workers, config.gpus_per_worker) != (None, None, None):
+        raise PkvError("--ray-address, --workers and --gpus-per-worker go with --executor ray")
+    out = Path(config.out) if config.out is not None else default_out("runs", config.model, tasks)
+    return replace(run, tasks=tasks, options=task_options(config), shard=shard, out=out)
+
+
+def resolve_grid(config: RunConfig) -> ResolvedRun:
+    """The grid ``config`` names (policies × budgets × query modes × storage formats × decode budgets) and how its
+    cells run, checked and parsed by ``pkvbench run``'s rules and in its words, without tasks: what lm-eval's backend
+    runs (``lm_eval.grid.GridSpec``). Nothing slow happens here."""
+    expect_config(config, RunConfig, "resolve_grid")
+    return _resolve_grid(checked(config))
+
+
+def _resolve_grid(config: RunConfig) -> ResolvedRun:
     policies = parse_policies(config.policies, config.policy_args, config.protocol)
     decode_budgets = parse_decode_budgets(config.decode_budgets)
     formats = resolve_formats(config)
-    config = with_dependent_options(config, formats, decode_budgets)
-    formats = [replace(f, group=config.kv_group, residual=config.kv_residual) if f else f for f in formats]
+    modes = list(config.query_modes)
+    config = with_dependent_options(config, formats, decode_budgets, modes)
+    turn_compressions = check_turns(config, policies, formats, decode_budgets) if MULTI_TURN in modes else []
+    formats = [replace(f, group=config.kv_group, residual=config.kv_residual) if f and f.kivi else f for f in formats]
     check_decoding(policies, decode_budgets, config.decode_interval, config.decode_buffer)
-    budgets = resolve_budgets(config, policies, "cr0" if decode_budgets != [None] else "128")
+    default = DEFAULT_DECODING_BUDGET if decode_budgets != [None] else DEFAULT_BUDGET
+    budgets = resolve_budgets(config, policies, default)
     if decode_budgets != [None] and formats != [None]:
         raise PkvError("--decode-budget with --kv-bits: a cache stored in fewer bits is not cut while decoding yet")
-    shard = Shard.parse(config.shard) if config.shard is not None else None
-    options = task_options(config)
-    if config.executor not in EXECUTORS:
-        raise PkvError(f"unknown executor {config.executor!r}; valid: {', '.join(EXECUTORS)}")
-    if config.executor != "ray" and (config.ray_address, config.workers, config.gpus_per_worker) != (None, None, None):
-        raise PkvError("--ray-address, --workers and --gpus-per-worker go with --executor ray")
     check_model_name(config.model)
-    out = Path(config.out) if config.out is not None else default_out("runs", config.model, tasks)
-    modes = list(dict.fromkeys(as_list(config.query_modes, "--query-mode")))
-    unknown = [m for m in modes if m not in QUERY_MODES]
-    if unknown:
-        raise PkvError(f"unknown query mode {unknown[0]!r}; valid: {', '.join(QUERY_MODES)}")
-    return ResolvedRun(config, tasks, policies, budgets, options, shard, out, modes, formats, decode_budgets)
+    return ResolvedRun(
+        config, [], policies, budgets, TaskOptions(), None, None, modes, formats, decode_budgets, turn_compressions
+    )
 
 
-def resolve_budgets(config: RunConfig, policies: list[Policy], default: str = "128") -> list[Budget]:
+def check_turns(
+    config: RunConfig, policies: list[Policy], formats: list[KVFormat | None], decode_budgets: list[int | None]
+) -> list[str]:
+    """``--turn-compression``'s values, and a refusal of what a conversation cannot carry yet: a cache stored in
+    fewer bits, cuts while the answer is written, and — compressed every turn — a policy with no rule for a cache
+    that is not a prompt (its cut is the one ``--decode-budget`` makes, between turns)."""
+    compressions = list(config.turn_compressions)
+    if formats != [None]:
+        raise PkvError(
+            f"--query-mode {MULTI_TURN} with --kv-bits: a cache stored in fewer bits is not carried across turns yet"
+        )
+    if decode_budgets != [None]:
+        raise PkvError(
+            f"--query-mode {MULTI_TURN} with --decode-budget: a conversation's cache is not cut while an answer is "
+            "written yet"
+        )
+    if EVERY_TURN in compressions:
+        for policy in policies:
+            refusal = policy.decoding_refusal()
+            if refusal:
+                raise PkvError(
+                    f"--turn-compression {EVERY_TURN} cuts by the policy's rule on the cache between turns: {refusal}"
+                )
+    return compressions
+
+
+def resolve_budgets(config: RunConfig, policies: list[Policy], default: str = DEFAULT_BUDGET) -> list[Budget]:
     """``--budget`` (entries, fractions of the prompt; ``default`` if not given), or ``--memory`` (bytes), never
     both."""
     if config.memory is None:
@@ -304,6 +349,14 @@ def resolve_budgets(config: RunConfig, policies: list[Policy], default: str = "1
     return budgets
 
 
+def recorded_format(fmt: KVFormat | None, config: RunConfig) -> int | str:
+    """A ``--kv-bits`` value as ``run.json`` records it: bits as a number (as runs before named formats did), a named
+    format as its label (``fp8``, ``tq3:qjl=true``)."""
+    if fmt is None:
+        return native_bits(config)
+    return fmt.bits if fmt.codec == kv_formats.KIVI else str(fmt)
+
+
 def native_bits(config: RunConfig) -> int:
     """The width of the model's own cache values: its dtype's (``auto``: float32 on a CPU, bfloat16 on CUDA)."""
     from pkvbench.engine.models import resolve_device, resolve_dtype
@@ -316,21 +369,19 @@ def native_bits(config: RunConfig) -> int:
 
 
 def resolve_formats(config: RunConfig) -> list[KVFormat | None]:
-    """``--kv-bits``: each value's storage format; the model's own width is its own cache (None), token for
-    token."""
+    """``--kv-bits``: each value's storage format (``kv_formats.parse_format``); the model's own width is its own
+    cache (None), token for token."""
     if config.kv_bits is None:
         return [None]
     native = native_bits(config)
     formats: list[KVFormat | None] = []
     for item in as_list(config.kv_bits, "--kv-bits"):
-        bits = parse_int(item, "--kv-bits")
-        if bits not in kv_formats.KV_BITS:
-            raise PkvError(f"--kv-bits {item}: supported are 2, 4 and 8 (KIVI's integers), 16, and the model's own 32")
-        if bits > native:
+        fmt = kv_formats.parse_format(item)  # KIVI's group and residual: with_dependent_options
+        if fmt.codec == kv_formats.KIVI and fmt.bits > native:
             raise PkvError(
-                f"--kv-bits {bits}: the model computes in {native} bits; its own cache is --kv-bits {native}"
+                f"--kv-bits {fmt.bits}: the model computes in {native} bits; its own cache is --kv-bits {native}"
             )
-        formats.append(None if bits == native else KVFormat(bits))  # group and residual: with_dependent_options
+        formats.append(None if fmt == KVFormat(native) else fmt)
     return list(dict.fromkeys(formats))
 
 
@@ -387,41 +438,67 @@ def evaluate(config: RunConfig | ResolvedRun, *, on_row: Callable[[dict], None] 
         check_ray()
     run.options = fit_to_model(config.model, run.tasks, run.options, config.max_new_tokens)
     store = ResultStore(run.out)
-    info: dict[str, Any] = {}
-    this_session = session(config.model)
-
-    def record(model_info: dict) -> None:
-        info.update(
-            {
-                "options": run.recorded_options,
-                "model": model_info,
-                "policies": {p.label: p.options for p in run.policies},
-                "executor": config.executor,
-                **provenance(config.seed),
-                **this_session,
-            }
-        )
-        store.record_with_first_row(info)
-
-    # The folder is checked and locked before the slow model load; it changes only once the model has loaded
-    # (``record``), so a run that fails before that leaves it as it was.
-    with store.claim(run.recorded_options, overwrite=config.overwrite, session=this_session):
-        make_deterministic(config.seed)
+    with RunFolder(store, run.recorded_options, config.model, config.seed, config.overwrite) as folder:
         # Every sample is built now, before the model loads and before --overwrite deletes anything: a --sample-id
         # that names no sample, a length too short for a task's prompt, a shard without samples stop the run here.
         items = samples_of(run.tasks, config.model, run.options, run.shard)
         check_model_fit(run, items)
-        try:
-            stats = _execute(run, store, record, on_row, items)
-        except BaseException:
-            if store.started:  # the finished rows still get their summary; the error is what is reported
-                with contextlib.suppress(PkvError):
-                    store.write_summary(summarize(store.rows()))
-            raise
-        summary = store.write_summary(summarize(store.rows()))
-        rows = store.rows()
+
+        def record(model_info: dict) -> None:
+            policies = {p.label: p.options for p in run.policies}
+            folder.record(model_info, policies=policies, executor=config.executor)
+
+        stats = _execute(run, store, record, on_row, items)
     notes = [*store.notes, *([note] if (note := store.duplicate_note()) else [])]
-    return EvalResult(run.out, pd.DataFrame(rows), summary, stats, info, notes)
+    return EvalResult(run.out, pd.DataFrame(folder.rows), folder.summary, stats, folder.info, notes)
+
+
+class RunFolder:
+    """A run's folder from start to end, as every command that writes rows keeps it (``with RunFolder(...)``): checked
+    and locked before anything slow (``ResultStore.claim``: a folder of other options, or in use, is refused), the
+    run seeded; ``record`` hands over the run's record once the model has loaded, which the store writes with the
+    first row (only then does a folder being replaced, ``overwrite``, lose its previous files); at the end the
+    summary of every row — also when the run fails part-way, for the rows it finished (the error is what is
+    reported). ``tabulate``: the summary of the rows (None: the run writes its own tables, as the funnel)."""
+
+    def __init__(
+        self,
+        store: ResultStore,
+        options: dict[str, Any],
+        model: str,
+        seed: int,
+        overwrite: bool,
+        tabulate: Callable[[list[dict]], pd.DataFrame] | None = summarize,
+    ):
+        self.store, self.options, self.seed, self.overwrite, self.tabulate = store, options, seed, overwrite, tabulate
+        self.session = session(model)
+        self.info: dict[str, Any] = {}  # the run's record
+        self.summary: pd.DataFrame | None = None
+        self.rows: list[dict] = []
+
+    def __enter__(self) -> RunFolder:
+        self.store.claim(self.options, overwrite=self.overwrite, session=self.session)
+        make_deterministic(self.seed)
+        return self
+
+    def record(self, model_info: dict[str, Any], **more: Any) -> None:
+        """The run's record (its options, the model loaded, ``more``, provenance), written with the first row."""
+        self.info = {"options": self.options, "model": model_info, **more, **provenance(self.seed), **self.session}
+        self.store.record_with_first_row(self.info)
+
+    def __exit__(self, kind, error, traceback) -> None:
+        store = self.store
+        try:
+            if self.tabulate is None:
+                return
+            if error is None:
+                self.summary = store.write_summary(self.tabulate(store.rows()))
+                self.rows = store.rows()
+            elif store.started:  # the finished rows still get their summary; the error is what is reported
+                with contextlib.suppress(PkvError):
+                    store.write_summary(self.tabulate(store.rows()))
+        finally:
+            store.close()
 
 
 def check_model_fit(run: ResolvedRun, items: list) -> None:
@@ -455,15 +532,12 @@ def _execute(
         from pkvbench.run.ray_executor import ModelSpec, RaySettings, run_grid_on_ray
 
         workers = RaySettings(config.ray_address, config.workers, config.gpus_per_worker)
-        model = ModelSpec(config.model, config.device, config.dtype, config.attn_implementation, config.seed)
+        model = ModelSpec(**model_settings(config), seed=config.seed)
         return run_grid_on_ray(workers, model, *grid, on_model=record, **how)
     from pkvbench.engine.generation import Engine
-    from pkvbench.engine.models import load_model
     from pkvbench.run.runner import run_grid
 
-    loaded = load_model(
-        config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation
-    )
+    loaded = load_run_model(config)
     record(loaded.describe())
     return run_grid(Engine(loaded), *grid, **how)
 
@@ -508,7 +582,6 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
     """Prefill each sample once and measure attention concentration per layer and head; write the tables, the
     figure and the verdict into ``config.out`` (rerunning resumes)."""
     from pkvbench.engine.generation import Engine
-    from pkvbench.engine.models import load_model
     from pkvbench.reports.figures.plots import plot_funnel
     from pkvbench.run import funnel
 
@@ -522,19 +595,12 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
     check_model_name(config.model)
     options = fit_to_model(config.model, tasks, options, None, decodes=False)
     out = Path(config.out) if config.out is not None else default_out("funnel", config.model, tasks)
-    record = recorded(config, tasks, options, {"window": config.window, "sink": config.sink, "top_k": config.top_k})
     store = funnel.funnel_store(out)
-    this_session = session(config.model)
     # As evaluate: checked now, every sample built before the model loads, the folder changed only after the load.
-    with store.claim(record, overwrite=config.overwrite, session=this_session):
-        make_deterministic(config.seed)
+    with RunFolder(store, recorded(config, tasks, options, {}), config.model, config.seed, config.overwrite, None) as f:
         items = samples_of(tasks, config.model, options)
-        loaded = load_model(
-            config.model, device=config.device, dtype=config.dtype, attn_implementation=config.attn_implementation
-        )
-        store.record_with_first_row(
-            {"options": record, "model": loaded.describe(), **provenance(config.seed), **this_session}
-        )
+        loaded = load_run_model(config)
+        f.record(loaded.describe())
         engine = Engine(loaded)
         stats = funnel.run_funnel(engine, items, store, config.window, config.sink, config.top_k, quiet=config.quiet)
         report = funnel.write_reports(out, store.rows(), loaded.name, loaded.num_layers, overlay[0], config.sink)
@@ -550,7 +616,7 @@ def layer_budget_table(
     policy_args: Mapping[str, Any] | Sequence[str],
     context: int,
     layers: int,
-    protocol: str = PROTOCOLS[0],
+    protocol: str = DEFAULT_PROTOCOL,
 ) -> list[dict[str, Any]]:
     """``pkvbench budgets``: per policy × budget, the per-layer entries the engine would keep on a T-token prompt."""
     from pkvbench.cell.budgets import plan

@@ -64,6 +64,18 @@ class Number(click.ParamType):
         return self.bounds(value, param.opts[0] if param is not None and param.opts else self.name)
 
 
+class Choice(click.Choice):
+    """``click.Choice`` whose refusal is the option's own check (``Option.check``): the words the Python API and a
+    config file get for the same value."""
+
+    def __init__(self, declared: Option):
+        super().__init__(declared.choices)
+        self.declared = declared
+
+    def convert(self, value, param, ctx):
+        return self.declared.check(value, self.declared.flag)
+
+
 class PathType(click.Path):
     """``click.Path`` that refuses an empty path: '' would mean the current folder, never what was meant."""
 
@@ -122,7 +134,7 @@ def config_option(declared: Option, **differences):
         }
         return click.option(declared.flag, declared.name, **{**settings, **differences})
     if declared.choices:
-        kind = click.Choice(declared.choices)
+        kind = Choice(declared)
     elif isinstance(declared.check, Bounds):
         kind = Number(declared.check)
     elif declared.check in (path_value, path_list):
@@ -132,7 +144,8 @@ def config_option(declared: Option, **differences):
     default = declared.default
     if declared.kind == LIST and isinstance(default, tuple):
         default = ",".join(default)  # typed as a comma string
-    implied = str(declared.implied) if declared.implied is not None else None  # what None means, once it is used
+    implied = declared.implied  # what None means, once it is used
+    implied = ",".join(implied) if isinstance(implied, tuple) else str(implied) if implied is not None else None
     settings = {
         "type": kind,
         "default": default,
@@ -151,8 +164,32 @@ def config_options(config: type):
     return _options(*(config_option(declared) for declared in options_of(config).values()))
 
 
-# The options every table-writing command shares.
-table_format = click.option("--format", "fmt", type=click.Choice(FORMATS), default=FORMATS[0], show_default=True)
+class TableOption(click.Option):
+    """An option that shapes ``report``'s table (with --html and no --out there is no table for it to shape)."""
+
+
+# The options several commands share, each declared once: the table's format, a file or folder to write (--out), the
+# HTML page (--html); each command says in its own words what goes there.
+OUT, HTML = "--out", "--html"
+table_format = click.option(
+    "--format", "fmt", cls=TableOption, type=click.Choice(FORMATS), default=FORMATS[0], show_default=True
+)
+
+
+def out_file_option(help: str):
+    return click.option(OUT, "out_file", type=PathType(dir_okay=False), help=help)
+
+
+def out_folder_option(help: str):
+    return click.option(OUT, "out_dir", required=True, type=PathType(file_okay=False), help=help)
+
+
+def html_option(help: str):
+    return click.option(HTML, "html_file", type=PathType(dir_okay=False), help=help)
+
+
+# ``run --config``'s key for --html (not a RunConfig field): read as the option is
+HTML_KEY = Option(None, "", path_value, flag=HTML)
 
 
 @click.group(cls=StrictGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -178,8 +215,7 @@ def _run_config(options: dict) -> tuple:
         return RunConfig(**options), html_file
     context = click.get_current_context()
     given = {k: v for k, v in options.items() if context.get_parameter_source(k) is not ParameterSource.DEFAULT}
-    html = Option(None, "", path_value, flag="--html")  # the command's option, not a RunConfig field
-    from_file = read_run_config(config_file, {**options_of(RunConfig), "html_file": html})
+    from_file = read_run_config(config_file, {**options_of(RunConfig), "html_file": HTML_KEY})
     html_in_file = from_file.pop("html_file", None)
     return RunConfig(**{**from_file, **given}), html_file if html_file is not None else html_in_file
 
@@ -193,12 +229,7 @@ def _run_config(options: dict) -> tuple:
     "see configs/). Options given on the command line override it.",
 )
 @config_options(RunConfig)
-@click.option(
-    "--html",
-    "html_file",
-    type=PathType(dir_okay=False),
-    help="At the end, also write the run's report as one self-contained HTML page (as `report --html`).",
-)
+@html_option("At the end, also write the run's report as one self-contained HTML page (as `report --html`).")
 def run(**options) -> None:
     """Run policies × budgets over a task's samples; write samples.jsonl, summary.csv and run.json.
 
@@ -235,16 +266,18 @@ def run(**options) -> None:
 
 @cli.command()
 @click.argument("folders", nargs=-1, required=True, type=PathType(exists=True, file_okay=False))
-@click.option("--out", required=True, type=PathType(file_okay=False), help="New (or empty) folder for the merged run.")
-def merge(folders, out) -> None:
+@out_folder_option("New (or empty) folder for the merged run.")
+def merge(folders, out_dir) -> None:
     """Combine run folders (the shards of one run) into one, without duplicate rows."""
     from pkvbench.run.merge import merge_runs
 
-    written, duplicates, missing = merge_runs(list(folders), out)
-    click.echo(f"{written} rows from {len(folders)} folders → {out}/samples.jsonl ({duplicates} duplicates dropped)")
+    written, duplicates, missing = merge_runs(list(folders), out_dir)
+    click.echo(
+        f"{written} rows from {len(folders)} folders → {out_dir}/samples.jsonl ({duplicates} duplicates dropped)"
+    )
     if missing:
         click.echo(
-            f"note: shards {missing} are missing: {out} is not the whole run (recorded in its run.json)", err=True
+            f"note: shards {missing} are missing: {out_dir} is not the whole run (recorded in its run.json)", err=True
         )
 
 
@@ -281,41 +314,41 @@ def budgets(policies, budgets, policy_args, layers, context, protocol, as_json, 
 @cli.command()
 @click.argument("folders", nargs=-1, required=True, type=PathType())
 @table_format
-@click.option(
-    "--out", "out_file", type=PathType(dir_okay=False), help="Write the table to this file instead of stdout."
-)
+@out_file_option("Write the table to this file instead of stdout.")
 @click.option(
     "--intervals/--no-intervals",
+    cls=TableOption,
     default=True,
     show_default=True,
     help="Each score with its 95%% bootstrap interval over samples (Markdown/LaTeX: in the cell; CSV: columns).",
 )
 @click.option(
     "--power",
+    cls=TableOption,
     type=Number(number(MIN_POWER, 100)),
     metavar="POINTS",
     help="Also say, for every pair of policies, how many samples would resolve a difference of POINTS.",
 )
 @click.option(
     "--drift/--no-drift",
+    cls=TableOption,
     default=None,
     help="Also the answers' length against the full cache's and the largest cache while decoding, per policy "
     "(default: when any row cut its cache while decoding).",
 )
-@click.option(
-    "--html",
-    "html_file",
-    type=PathType(dir_okay=False),
-    help="Write one self-contained HTML page instead of the table (tables, figures, every sample's predictions, "
-    "run metadata; opens offline). With --out the table is written too.",
+@html_option(
+    "Write one self-contained HTML page instead of the table (tables, figures, every sample's predictions, run "
+    "metadata; opens offline). With --out the table is written too."
 )
 @click.option(
     "--view",
+    cls=TableOption,
     type=click.Choice(VIEWS),
     default=VIEWS[0],
     show_default=True,
     help="frontier: each cell's bytes and score, the Pareto front marked (runs with --kv-bits or --memory); "
-    "memory-diff: per memory target, its best cell against every other, paired.",
+    "memory-diff: per memory target, its best cell against every other, paired; memory: per storage format and "
+    "budget, the entries kept and the bytes as stored.",
 )
 def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> None:
     """One table from run folders: rows model × policy × budget (× the bits values were stored in, × query mode),
@@ -342,7 +375,8 @@ def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> 
 
         if not frontier.has_frontier(runs.rows):
             raise PkvError(f"--view {view}: the runs have no storage bits or memory budgets (--kv-bits, --memory)")
-        table = frontier.points(runs.rows) if view == "frontier" else frontier.comparisons(runs.rows)
+        views = {"frontier": frontier.points, "memory-diff": frontier.comparisons, "memory": frontier.storage}
+        table = views[view](runs.rows)
         if table.empty:
             raise PkvError(f"--view {view}: no memory target with two cells to compare")
         _write_or_echo(
@@ -363,6 +397,14 @@ def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> 
         needed = power_table(pairwise(runs.rows), power)
         heading = f"\nSamples needed to resolve {power:g} points (paired, alpha 0.05, power 0.8):\n\n"
         text += (heading if fmt == "markdown" else "\n") + render(needed, fmt)
+    from pkvbench.reports.turns import has_turns, turn_table
+
+    if has_turns(runs.rows):
+        heading = (
+            "\nAccuracy by turn (the conversations' rows; score × 100 [95% interval]; curve: the means from the first "
+            "turn on, 0 to 100):\n\n"
+        )
+        text += (heading if fmt == "markdown" else "\n") + render(turn_table(runs.rows, intervals), fmt)
     if drift or (drift is None and (runs.rows["decode_budget"] != "none").any()):
         from pkvbench.reports.drift import length_table
 
@@ -380,7 +422,7 @@ def report(folders, fmt, out_file, html_file, intervals, power, view, drift) -> 
 
 @cli.command()
 @click.argument("folders", nargs=-1, required=True, type=PathType())
-@click.option("--out", "out_dir", required=True, type=PathType(file_okay=False), help="Folder for the PNG files.")
+@out_folder_option("Folder for the PNG files.")
 def plot(folders, out_dir) -> None:
     """Figures from run folders: needle heatmaps (depth × length, one per model × policy × budget, and one grid of
     policies side by side per budget) and score-vs-budget curves (a panel per task and for the average)."""
@@ -389,7 +431,7 @@ def plot(folders, out_dir) -> None:
     from pkvbench.store.outputs import Outputs
 
     runs = load_runs(list(folders))
-    outputs = Outputs("--out", [*folders, *runs.folders])
+    outputs = Outputs(OUT, [*folders, *runs.folders])
     outputs.check_folder(out_dir)
     paths = plot_runs(runs, out_dir, outputs)
     outputs.commit()
@@ -408,7 +450,7 @@ def plot(folders, out_dir) -> None:
     show_default=True,
     help="kvpress: its evaluation folders (predictions.csv, metrics.json, config.yaml per press and ratio).",
 )
-@click.option("--out", "out_dir", required=True, type=PathType(file_okay=False), help="Folder to write into.")
+@out_folder_option("Folder to write into.")
 def export(folders, fmt, out_dir) -> None:
     """Results in another harness's layout, from run folders alone."""
     from pkvbench.reports.export import export_kvpress, write_ranking
@@ -416,7 +458,7 @@ def export(folders, fmt, out_dir) -> None:
     from pkvbench.store.outputs import Outputs
 
     runs = load_runs(list(folders))
-    outputs = Outputs("--out", [*folders, *runs.folders])
+    outputs = Outputs(OUT, [*folders, *runs.folders])
     outputs.check_folder(out_dir)
     written = export_kvpress(runs, out_dir, outputs)
     ranking = write_ranking(runs, out_dir, outputs)
@@ -453,7 +495,7 @@ def compare(folders, reference, paper_model, fmt) -> None:
 @click.option("--policy", "policies", help="Compare only these policies (comma list; default: every policy).")
 @click.option("--against", help="Compare every policy with this one only (e.g. full) instead of every pair.")
 @table_format
-@click.option("--out", "out_file", type=PathType(dir_okay=False), help="Write to this file instead of stdout.")
+@out_file_option("Write to this file instead of stdout.")
 def diff(folders, policies, against, fmt, out_file) -> None:
     """Paired policy comparisons on the same samples: per budget, per task and over all tasks, A − B in points with
     its 95% paired-bootstrap interval, a sign-flip p-value and Holm's adjustment over every comparison shown.
@@ -472,16 +514,6 @@ def diff(folders, policies, against, fmt, out_file) -> None:
         click.echo(f"note: {note}", err=True)
 
 
-# The options that shape ``report``'s table: with --html and no --out there is no table for them to shape.
-TABLE_OPTIONS = {
-    "fmt": "--format",
-    "view": "--view",
-    "intervals": "--intervals",
-    "power": "--power",
-    "drift": "--drift",
-}
-
-
 def _check_html_with_table(html_file: str, out_file: str | None) -> None:
     """``report --html``: the page and the table (``--out``) are two files, and an option of the table given without
     one is refused rather than ignored."""
@@ -493,9 +525,9 @@ def _check_html_with_table(html_file: str, out_file: str | None) -> None:
         return
     context = click.get_current_context()
     given = [
-        flag
-        for name, flag in TABLE_OPTIONS.items()
-        if context.get_parameter_source(name) is not ParameterSource.DEFAULT
+        param.opts[0]
+        for param in context.command.params
+        if isinstance(param, TableOption) and context.get_parameter_source(param.name) is not ParameterSource.DEFAULT
     ]
     if given:
         raise PkvError(
@@ -520,7 +552,7 @@ def _outputs_for(out_file: str | None, reads: list):
 
     if out_file is None:
         return None
-    outputs = Outputs("--out", reads)
+    outputs = Outputs(OUT, reads)
     outputs.check(out_file)
     return outputs
 
@@ -537,7 +569,7 @@ def _write_or_echo(text: str, out_file: str | None, outputs) -> None:
 
 @cli.command()
 @click.argument("file", type=PathType(dir_okay=False))
-@click.option("--out", "out_file", type=PathType(dir_okay=False), help="Write the scored lines here (default: stdout).")
+@out_file_option("Write the scored lines here (default: stdout).")
 @click.option("--dataset", help="Dataset of lines that name none (an official pred/<model>/<dataset>.jsonl file).")
 def score(file, out_file, dataset) -> None:
     """Score LongBench predictions as the official eval.py does.
@@ -735,6 +767,13 @@ LM_EVAL_DIFFERENCES = {
     "limit": {"help": "At most this many documents per task."},
 }
 _RUN_OPTIONS = options_of(RunConfig)
+# Where ``lm-eval --help`` lists the run options it takes as model args — every RunConfig field marked MODEL_ARG
+# (options.py; tests/test_options.py holds the two together) — the grid's axes before --question-split, the rest after.
+LM_EVAL_AXES = (
+    *("model", "policies", "policy_args", "budgets", "memory", "kv_bits", "kv_group", "kv_residual"),
+    *("decode_budgets", "decode_interval", "decode_buffer", "query_modes"),
+)
+LM_EVAL_HOW = ("protocol", "decode_batch", "device", "dtype", "attn_implementation")
 
 
 def run_option(name: str):
@@ -744,12 +783,12 @@ def run_option(name: str):
 
 @cli.command(name="lm-eval")
 @click.option("--tasks", required=True, help="lm-eval task names (comma list), as `lm_eval --tasks` takes them.")
-@_options(*map(run_option, ("model", "policies", "budgets", "memory", "kv_bits", "decode_budgets", "query_modes")))
+@_options(*map(run_option, LM_EVAL_AXES))
 @click.option(
     "--question-split",
     help="Needed with --query-mode agnostic: the question starts where this text last occurs in the context.",
 )
-@_options(run_option("device"), run_option("dtype"), run_option("limit"))
+@_options(*map(run_option, LM_EVAL_HOW), run_option("limit"))
 @click.option("--num-fewshot", type=Number(whole(0)), help="Few-shot examples (default: each task's own).")
 @click.option(
     "--include-path",
@@ -771,13 +810,15 @@ def lm_eval_command(tasks, include_paths, limit, num_fewshot, bootstrap_iters, o
       pkvbench lm-eval --tasks arc_easy --policy full,snapkv --budget 64,128 --limit 20 --out results/lm-eval/arc
     """
     from pkvbench.config import as_list
-    from pkvbench.lm_eval.grid import GRID_ARGS
+    from pkvbench.lm_eval.grid import model_arg_name
     from pkvbench.lm_eval.run import LM_EVAL_FOLDER, evaluate_grid
 
-    grid.update(
-        {arg: grid.pop(field) for arg, field in GRID_ARGS.items()}
-    )  # model args as lm-eval's backend names them
-    model_args = {name: value for name, value in grid.items() if value is not None}
+    # model args as lm-eval's backend names them (--question-split is the backend's own question_split)
+    model_args = {
+        model_arg_name(_RUN_OPTIONS[name]) if name in _RUN_OPTIONS else name: value
+        for name, value in grid.items()
+        if value not in (None, ())
+    }
     run = evaluate_grid(
         as_list(tasks, "--tasks"),
         model_args,

@@ -280,12 +280,13 @@ def name_value(value: Any, what: str) -> str:
     return value
 
 
-def path_value(value: Any, what: str) -> str | os.PathLike:
+def path_value(value: Any, what: str) -> str:
+    """A path, as text (a ``pathlib.Path`` too: what a run records must be JSON)."""
     if not isinstance(value, (str, os.PathLike)):
         raise PkvError(f"{what}: expected a path, got {shown(value)}")
     if not os.fspath(value).strip():
         raise PkvError(f"{what} '': an empty path would mean the current folder; give a name")
-    return value
+    return os.fspath(value)
 
 
 def one_of(choices: Sequence[str]) -> Check:
@@ -293,6 +294,16 @@ def one_of(choices: Sequence[str]) -> Check:
         if value not in choices:
             raise PkvError(f"{what} {shown(value)}: valid: {', '.join(choices)}")
         return value
+
+    return check
+
+
+def one_each_of(choices: Sequence[str]) -> Check:
+    """A list option whose items are each one of ``choices``: the items, each once, in the order given."""
+    item_check = one_of(choices)
+
+    def check(value: Any, what: str) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(item_check(item, what) for item in as_list(list_value(value, what), what)))
 
     return check
 
@@ -306,6 +317,20 @@ def list_value(value: Any, what: str) -> Any:
     if _single(value) or (isinstance(value, (list, tuple)) and all(_single(item) for item in value)):
         return value
     raise PkvError(f"{what}: expected a comma string or a list of values, got {shown(value)}")
+
+
+def numbers(kind: type) -> Check:
+    """``--lengths`` / ``--depths``: a list option of numbers, parsed (``parse_numbers``)."""
+
+    def check(value: Any, what: str) -> tuple:
+        return parse_numbers(list_value(value, what), what, kind)
+
+    return check
+
+
+def names(value: Any, what: str) -> tuple[str, ...]:
+    """A list option of names (``--sample-id``), parsed: each non-empty, in the order given."""
+    return tuple(as_list(list_value(value, what), what))
 
 
 def path_list(value: Any, what: str) -> tuple[str, ...]:
@@ -333,6 +358,13 @@ def pair_values(value: Any, what: str) -> Mapping[str, Any] | list[str]:
 LIST, REPEATED, PAIR, FLAG, SCALAR = "list", "repeated", "pair", "flag", "scalar"
 OPTION = "pkvbench.option"  # the key of a field's metadata that holds its Option
 
+# Where a field goes besides its command line option (``Option.roles``), so that no table spells the field set again:
+RECORDED = "recorded"  # run.json's / funnel.json's options: what makes two runs the same run (``api.recorded``)
+TASK = "task"  # a ``TaskOptions`` field of the same name: how the samples are chosen (``api.task_options``)
+SETTING = "setting"  # a ``RunSettings`` field: how every sample is run, by any executor (``options.RunSettings``)
+MODEL = "model"  # how the model loads: ``load_model``'s keyword of the same name (``options.model_settings``)
+MODEL_ARG = "model_arg"  # a model arg of lm-eval's ``pkvbench`` backend and an option of ``pkvbench lm-eval``
+
 
 @dataclasses.dataclass(frozen=True)
 class Option:
@@ -348,6 +380,7 @@ class Option:
     choices: tuple[str, ...] | None = None  # the command line offers only these
     show_default: str | None = None  # words for a default the value does not say (None: shown when there is one)
     implied: Any = None  # the value a None takes once the option it shapes is given (``api.with_dependent_options``)
+    roles: frozenset[str] = frozenset()  # where else the field goes (RECORDED, TASK, SETTING, MODEL, MODEL_ARG)
     name: str = ""  # the field's
 
     def parse(self, value: Any) -> Any:
@@ -356,13 +389,20 @@ class Option:
 
 
 def option(
-    default: Any, *, help: str = "", check: Check | None = None, choices: Sequence[str] | None = None, **more
+    default: Any,
+    *,
+    help: str = "",
+    check: Check | None = None,
+    choices: Sequence[str] | None = None,
+    roles: Sequence[str] = (),
+    **more,
 ) -> Any:
     """A configuration field declared with everything an option is (``Option``); ``check`` defaults to one of
     ``choices``."""
     choices = tuple(choices) if choices is not None else None
     check = check or one_of(choices)
-    return dataclasses.field(default=default, metadata={OPTION: Option(default, help, check, choices=choices, **more)})
+    declared = Option(default, help, check, choices=choices, roles=frozenset(roles), **more)
+    return dataclasses.field(default=default, metadata={OPTION: declared})
 
 
 @functools.cache
@@ -373,3 +413,8 @@ def options_of(config: type) -> dict[str, Option]:
         for f in dataclasses.fields(config)
         if (declared := f.metadata.get(OPTION)) is not None
     }
+
+
+def options_with(config: type, role: str) -> list[Option]:
+    """The options of a configuration class that go where ``role`` says, in the fields' order."""
+    return [declared for declared in options_of(config).values() if role in declared.roles]

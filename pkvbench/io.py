@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -48,12 +49,21 @@ def make_dir(path: str | os.PathLike, what: str = "folder") -> bool:
 
 def remove_file(path: str | os.PathLike) -> None:
     """Delete the file ``path`` if it is there (one line if it cannot be)."""
+    _remove(os.unlink, path)
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+    """Delete the folder ``path`` and everything in it if it is there (one line if it cannot be)."""
+    _remove(shutil.rmtree, path)
+
+
+def _remove(remove: Callable[[Any], None], path: str | os.PathLike) -> None:
     try:
-        os.unlink(path)
+        remove(path)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        raise os_error(path, exc, "delete") from None
+        raise os_error(exc.filename or path, exc, "delete") from None
 
 
 # The process's umask, read once at import (reading it means setting it, which is not safe once threads run).

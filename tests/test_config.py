@@ -106,9 +106,9 @@ def test_flags_override_the_file(tmp_path):
     path = write(tmp_path, "task: needle\nbudget: [64, 128]\nlengths: [1000]\nquiet: true\nmodel: smollm2-135m\n")
     from_file = invoke(["--config", str(path)])
     # the file's values as YAML reads them: no round trip through the command line's strings
-    assert from_file.budgets == [64, 128] and from_file.lengths == [1000] and from_file.quiet is True
+    assert from_file.budgets == [64, 128] and from_file.lengths == (1000,) and from_file.quiet is True
     overridden = invoke(["--budget", "32", "--config", str(path), "--lengths", "2000"])
-    assert overridden.budgets == "32" and overridden.lengths == "2000"
+    assert overridden.budgets == "32" and overridden.lengths == (2000,)  # parsed, as every option the resolver reads
     assert overridden.quiet is True and overridden.tasks == "needle"
     assert invoke([]).budgets is None  # no config: the command's own default (128 entries, as api.resolve reads it)
     default = invoke_run([])  # no --policy: RunConfig's None, which is the registry's default grid

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -277,3 +278,299 @@ def test_perplexity_tasks_are_refused(engine):
     view = PkvbenchLM(grid=Grid(GridSpec.parse({"policy": "snapkv"}), engine=engine))
     with pytest.raises(PkvError, match="loglikelihood_rolling .* not supported"):
         view.loglikelihood_rolling([])
+
+
+# --- issue 47: nothing lost, no silent setting, the same rules as `pkvbench run` ----------------------------------
+
+
+@pytest.fixture
+def on_session_model(engine, monkeypatch):
+    """``pkvbench lm-eval`` and the backend on the session's model: a grid they build takes the loaded engine."""
+    build = Grid.__init__
+    monkeypatch.setattr(Grid, "__init__", lambda self, spec, loaded=None: build(self, spec, loaded or engine))
+
+
+def lm_eval_cli(capsys, *args: str) -> tuple[int, str]:
+    """``pkvbench lm-eval`` on the tests' tasks (one document each): exit code and stderr."""
+    from pkvbench.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["lm-eval", "--include-path", DATA, "--limit", "1", "--device", "cpu", "--dtype", "float32", *args])
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (but the lock, which each run takes) and its bytes."""
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != ".pkvbench.lock"
+    }
+
+
+@pytest.fixture
+def earlier_run(grid_run, tmp_path) -> Path:
+    """A copy of the grid's folder (full and SnapKV at 16): an earlier run that a new one may replace."""
+    import shutil
+
+    run, _ = grid_run
+    return Path(shutil.copytree(run.out, tmp_path / "earlier"))
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(
+    "args,refusal",
+    [
+        (["--tasks", "pkv_sample"], "task pkv_sample: sampling (do_sample, temperature > 0) is not supported"),
+        (["--tasks", "pkv_rolling"], "task pkv_rolling: loglikelihood_rolling (perplexity tasks) is not supported"),
+        (
+            ["--tasks", "pkv_gen", "--query-mode", "agnostic", "--question-split", "NOWHERE"],
+            "question_split='NOWHERE' does not occur in a context",
+        ),
+    ],
+    ids=["sampling", "perplexity", "split-nowhere"],
+)
+def test_overwrite_refused_by_what_the_requests_say_loses_nothing(earlier_run, args, refusal, capsys, monkeypatch):
+    """R1: what only lm-eval's requests tell (a task that samples, a perplexity task, a context without the question
+    split) is refused before the model loads, and a folder being replaced keeps its run: rows, record and lm-eval's
+    files byte for byte. One line, without lm-eval's own log lines, naming what `pkvbench lm-eval` takes."""
+    monkeypatch.setattr(Grid, "__init__", lambda *_: pytest.fail("the model loaded before the refusal"))
+    before = snapshot(earlier_run)
+    code, err = lm_eval_cli(capsys, *args, "--overwrite", "--out", str(earlier_run))
+    assert code == 2 and refusal in err and err.count("\n") == 1, err
+    assert "--gen_kwargs" not in err  # R8: no option this command does not have
+    assert snapshot(earlier_run) == before
+
+
+@pytest.mark.model
+def test_overwrite_refused_mid_run_keeps_the_earlier_run(earlier_run, on_session_model, capsys):
+    """R1: a refusal that comes only once a request runs — a memory budget below what SnapKV's window takes on this
+    prompt (read from the tokens) — leaves the run being replaced as it was."""
+    before = snapshot(earlier_run)
+    code, err = lm_eval_cli(
+        capsys, "--tasks", "pkv_gen", "--policy", "snapkv", "--memory", "1KiB", "--overwrite", "--out", str(earlier_run)
+    )
+    assert code == 2 and "--memory 1KiB is below what snapkv" in err, err
+    assert snapshot(earlier_run) == before
+
+
+@pytest.mark.model
+def test_a_replaced_run_leaves_nothing_of_itself(earlier_run, on_session_model, capsys):
+    """R5: --overwrite replaces rows, record and lm-eval's configuration folders: SnapKV's folder of the earlier run
+    goes, the full cache's holds the new run's files only."""
+    from pkvbench.store.results import read_rows
+
+    code, err = lm_eval_cli(capsys, "--tasks", "pkv_mc", "--budget", "16", "--overwrite", "--out", str(earlier_run))
+    assert code == 0, err
+    assert sorted(p.name for p in (earlier_run / "lm_eval").iterdir()) == ["full-b16"]
+    files = sorted(p.name.split("_20")[0] for p in (earlier_run / "lm_eval" / "full-b16").rglob("*.json*"))
+    assert files == ["results", "samples_pkv_mc"]
+    rows = read_rows(earlier_run)
+    assert {(r["task"], r["policy"]) for r in rows} == {("pkv_mc", "full")} and len(rows) == 1
+
+
+@pytest.mark.model
+def test_a_run_in_a_folder_in_use_is_refused_before_anything(earlier_run, capsys, monkeypatch):
+    """Two `pkvbench lm-eval` runs into one folder at once: the second is refused before its model loads, and the
+    folder stays the first's."""
+    from pkvbench.store.lock import FolderLock
+
+    monkeypatch.setattr(Grid, "__init__", lambda *_: pytest.fail("the model loaded"))
+    before = snapshot(earlier_run)
+    with FolderLock(earlier_run):  # the first run, holding the folder
+        for extra in ([], ["--overwrite"]):
+            code, err = lm_eval_cli(capsys, "--tasks", "pkv_mc", *extra, "--out", str(earlier_run))
+            assert code == 2 and "in use" in err and err.count("\n") == 1, err
+    assert snapshot(earlier_run) == before
+
+
+@pytest.mark.model
+def test_decode_budget_fills_in_run_s_schedule(on_session_model, tmp_path, capsys):
+    """R3: --decode-budget through `pkvbench lm-eval` and through lm-eval's own backend: the interval and buffer
+    take `run`'s implied values (16, 8), as the rows record."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import pkvbench.lm_eval.backend  # noqa: F401  (registers "pkvbench")
+    from pkvbench.store.results import read_rows
+
+    out = tmp_path / "decoding"
+    code, err = lm_eval_cli(
+        capsys, "--tasks", "pkv_gen", "--policy", "snapkv", "--decode-budget", "12", "--out", str(out)
+    )
+    assert code == 0, err
+    [row] = read_rows(out)
+    assert (row["decode_budget"], row["decode_interval"], row["decode_buffer"]) == (12, 16, 8)
+    assert GridSpec.parse({"policy": "snapkv", "decode_budget": "12"}).settings.decode_buffer == 8
+    results = lm_eval.simple_evaluate(
+        model="pkvbench",
+        model_args="policy=snapkv,budget=16,decode_budget=12",
+        tasks=["pkv_gen"],
+        task_manager=TaskManager(include_path=[DATA], include_defaults=False),
+        limit=1,
+        bootstrap_iters=0,
+    )
+    assert "pkv_gen" in results["results"]
+
+
+@pytest.mark.model
+def test_kv_bits_grid_takes_run_s_kivi_options_and_rows_say_what_was_used(on_session_model, tmp_path, capsys):
+    """R4: a --kv-bits grid through `pkvbench lm-eval` with --kv-group and --kv-residual: each configuration stored
+    as asked, and every row (generations and log-likelihoods) records the group and residual it used."""
+    from pkvbench.store.results import read_rows
+
+    out = tmp_path / "kivi"
+    grid = ["--policy", "snapkv", "--budget", "16", "--kv-bits", "4,8", "--kv-group", "16", "--kv-residual", "8"]
+    code, err = lm_eval_cli(capsys, "--tasks", "pkv_gen,pkv_mc", *grid, "--out", str(out))
+    assert code == 0, err
+    assert sorted(p.name for p in (out / "lm_eval").iterdir()) == ["snapkv-b16-kv4", "snapkv-b16-kv8"]
+    rows = read_rows(out)
+    assert len(rows) == 4
+    assert {(r["task"], r["kv_bits"], r["kv_group"], r["kv_residual"]) for r in rows} == {
+        (task, bits, 16, 8) for task in ("pkv_gen", "pkv_mc") for bits in (4, 8)
+    }
+
+
+# R7: values `pkvbench run` refuses are refused here too, in its words (model args, and the command line's options).
+SAME_RULES = [
+    ({"kv_group": 16}, {"kv_group": 16}),
+    ({"decode_interval": 4}, {"decode_interval": 4}),
+    (
+        {"policy": "snapkv", "decode_budget": "32", "kv_bits": "4"},
+        {"policies": "snapkv", "decode_budgets": "32", "kv_bits": "4"},
+    ),
+    ({"query_mode": "nosuch"}, {"query_modes": "nosuch"}),
+    ({"protocol": "nosuch"}, {"protocol": "nosuch"}),
+    ({"kv_bits": "4", "kv_residual": -1}, {"kv_bits": "4", "kv_residual": -1}),
+]
+
+
+@pytest.mark.parametrize("model_args,run_options", SAME_RULES, ids=lambda v: ",".join(map(str, v)))
+def test_model_args_are_refused_as_run_refuses_them(model_args, run_options):
+    from pkvbench.api import RunConfig, resolve
+
+    with pytest.raises(PkvError) as run_refusal:
+        resolve(RunConfig(**run_options))
+    with pytest.raises(PkvError) as lm_eval_refusal:
+        GridSpec.parse(model_args)
+    assert str(lm_eval_refusal.value) == str(run_refusal.value)
+
+
+@pytest.mark.parametrize(
+    "model_args,refusal",
+    [
+        ({"question_split": "Question:"}, "question_split (--question-split) only sets where the question starts"),
+        ({"model": "smollm2-135m", "pretrained": "smollm2-135m"}, "model args model and pretrained both name"),
+    ],
+)
+def test_what_run_has_no_rule_for_is_refused_too(model_args, refusal):
+    with pytest.raises(PkvError, match=re.escape(refusal)):
+        GridSpec.parse(model_args)
+
+
+@pytest.mark.model
+def test_a_kivi_group_the_model_cannot_take_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """R7: kv_group=7 divides no head of the model: refused from its config, as `run` refuses it."""
+    monkeypatch.setattr(Grid, "__init__", lambda *_: pytest.fail("the model loaded"))
+    code, err = lm_eval_cli(
+        capsys, "--tasks", "pkv_mc", "--kv-bits", "4", "--kv-group", "7", "--out", str(tmp_path / "o")
+    )
+    assert code == 2 and "--kv-group 7 does not divide the model's head size (64)" in err, err
+    code, err = lm_eval_cli(capsys, "--tasks", "pkv_mc", "--question-split", "Q", "--out", str(tmp_path / "o"))
+    assert code == 2 and "only sets where the question starts for query mode agnostic" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_refused_family_is_refused_before_lm_eval_indexes_a_task(tmp_path, capsys, monkeypatch):
+    """R9: a model folder of a family pkvbench refuses (deepseek_v3: MLA) is refused from its config, before lm-eval
+    indexes a task, in the words `pkvbench run` uses."""
+    from pkvbench.lm_eval import run as lm_eval_run
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    monkeypatch.setattr(lm_eval_run, "task_manager", lambda *_: pytest.fail("lm-eval indexed its tasks"))
+    code, err = lm_eval_cli(capsys, "--tasks", "pkv_mc", "--model", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert code == 2 and "'deepseek_v3' model, not supported: MLA caches a compressed latent" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+def test_lm_eval_s_own_command_line_is_told_its_own_remedy():
+    """R8: the backend made by `lm_eval` (which has --gen_kwargs) names that option; `pkvbench lm-eval` its own."""
+    from pkvbench.lm_eval.backend import greedy_settings
+
+    assert greedy_settings("t", {"until": ["\n"], "do_sample": False})["max_gen_toks"] == 256
+    with pytest.raises(PkvError, match=r"pass --gen_kwargs do_sample=false,temperature=0"):
+        greedy_settings("t", {"do_sample": True})
+    with pytest.raises(PkvError, match=r"sampling .* not supported"):
+        greedy_settings("t", {"temperature": 0.7})
+
+
+SIX = {"policy": "full+snapkv+streamingllm", "budget": "8+16", "device": "cpu", "dtype": "float32"}
+KILLED = """
+import os, signal, sys
+from pkvbench.lm_eval.run import evaluate_grid
+from pkvbench.store.results import ResultStore
+
+written = []
+extend = ResultStore.extend
+
+
+def extend_then_die(self, rows):  # the third configuration: its lm-eval files are written, its rows not
+    if len(written) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    written.append(rows)
+    extend(self, rows)
+
+
+ResultStore.extend = extend_then_die
+evaluate_grid({tasks!r}, {grid!r}, sys.argv[1], limit=1, include_paths=[{data!r}], include_defaults=False)
+"""
+TIMES = ("prefill_s", "extra_pass_s", "selection_s", "decode_s")  # seconds: the only fields of a row that vary
+
+
+def lm_eval_files(out: Path) -> list[tuple[str, object]]:
+    """lm-eval's files per configuration, each named without its date, with what varies between two runs left out
+    (a configuration written twice has its files twice)."""
+    files = []
+    for path in sorted((out / "lm_eval").rglob("*.json*")):
+        name = str(path.relative_to(out)).split("_20")[0]
+        if path.suffix == ".json":
+            results = json.loads(path.read_text())
+            files.append(
+                (name, {k: v for k, v in results.items() if k not in ("date", "total_evaluation_time_seconds")})
+            )
+        else:
+            files.append((name, path.read_text()))
+    return sorted(files, key=lambda file: file[0])
+
+
+@pytest.mark.model
+def test_a_grid_killed_mid_configuration_resumes_to_the_uninterrupted_run(engine, tmp_path):
+    """A six-configuration grid killed (SIGKILL) after the third configuration's lm-eval files were written and
+    before its rows: the rerun keeps the two finished configurations, writes the third anew and the other three;
+    its rows and lm-eval's files equal those of a run never interrupted."""
+    import subprocess
+
+    from pkvbench.lm_eval.run import evaluate_grid
+    from pkvbench.store.results import read_rows
+
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+    script = KILLED.format(tasks=TASKS, grid=SIX, data=DATA)
+    done = subprocess.run([sys.executable, "-c", script, str(killed)], cwd=REPO, capture_output=True, timeout=900)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    assert len({r["policy"] + str(r["budget"]) for r in read_rows(killed)}) == 2
+    assert len(list((killed / "lm_eval").iterdir())) == 3  # the third's files, without its rows
+
+    def run(out: Path):
+        grid = Grid(GridSpec.parse(SIX), engine=engine)
+        return evaluate_grid(TASKS, {}, out, limit=1, include_paths=[DATA], grid=grid, include_defaults=False)
+
+    resumed, uninterrupted = run(killed), run(whole)
+    assert len(resumed.resumed) == 2 and resumed.resumed == list(uninterrupted.seconds)[:2]
+    assert len(resumed.seconds) == 4 and len(uninterrupted.seconds) == 6
+
+    def rows(out: Path) -> list[dict]:
+        return sorted(({k: v for k, v in r.items() if k not in TIMES} for r in read_rows(out)), key=json.dumps)
+
+    assert rows(killed) == rows(whole) and len(rows(whole)) == 6 * 2
+    assert lm_eval_files(killed) == lm_eval_files(whole)
+    assert len(lm_eval_files(whole)) == 6 * 3  # per configuration: its results, and its samples of each task

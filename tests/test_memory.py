@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from pkvbench.cell.budgets import Budget, keeps_fixed_set, parse_budgets, parse_memory
-from pkvbench.cell.kv_formats import CacheGeometry, KVFormat, MemoryTooSmall, memory_plan, planned_bytes
+from pkvbench.cell.kv_formats import (
+    CacheGeometry,
+    KVFormat,
+    MemoryTooSmall,
+    memory_plan,
+    parse_format,
+    planned_bytes,
+)
 from pkvbench.codecs.kivi import dequantize_keys, dequantize_values
 from pkvbench.engine.decoding import KeptEntries
 from pkvbench.engine.generation import kept_bytes
@@ -19,7 +26,13 @@ from pkvbench.reports.axes import order_axes
 from tests.helpers import quantized_layers
 
 GEOMETRY = CacheGeometry(layers=4, kv_heads=3, head_dim=64)
-FORMATS = [KVFormat(16), KVFormat(8), KVFormat(4, group=16, residual=5), KVFormat(2, group=32, residual=0)]
+FORMATS = [
+    KVFormat(16),
+    KVFormat(8),
+    KVFormat(4, group=16, residual=5),
+    KVFormat(2, group=32, residual=0),
+    *(parse_format(spec) for spec in ("fp8", "fp8_e5m2:scale=prompt", "tq4", "tq3", "tq3:qjl=true")),
+]
 
 
 # --- parsing -------------------------------------------------------------------------------------------------------
@@ -96,9 +109,44 @@ def test_the_byte_formula_is_what_the_stored_tensors_hold(fmt, layout):
     held = sum(t.numel() * t.element_size() for layer in stored.layers for t in layer.tensors)
     assert stored.nbytes == held == kept_bytes(kept, fmt)
     assert stored.entries == sum(sum(counts) for counts in layout)
-    # quantized formats store each head's last R entries in 16 bits, the rest packed
+    # KIVI stores each head's last R entries in 16 bits, the rest packed; FP8 and TurboQuant pack every entry
     for layer, counts in zip(stored.layers, layout):
-        assert layer.residual.tolist() == [min(n, fmt.residual) if fmt.quantized else n for n in counts]
+        assert layer.residual.tolist() == [min(n, fmt.recent) if fmt.quantized else n for n in counts]
+
+
+U8, F16, F32 = torch.uint8, torch.float16, torch.float32
+
+
+@pytest.mark.parametrize(
+    "spec,keys,values",
+    [
+        # a byte a value, and the layer's scale in float32 (vLLM's k_scale / v_scale)
+        ("fp8", [((3, 40, 64), U8), ((1, 1, 1), F32)], [((3, 40, 64), U8), ((1, 1, 1), F32)]),
+        # b bits a coordinate, a 16-bit norm a vector, the codebook of 2^b float32 centroids
+        (
+            "tq4",
+            [((3, 40, 32), U8), ((3, 40), F16), ((1, 16), F32)],
+            [((3, 40, 32), U8), ((3, 40), F16), ((1, 16), F32)],
+        ),
+        ("tq3", [((3, 40, 24), U8), ((3, 40), F16), ((1, 8), F32)], [((3, 40, 24), U8), ((3, 40), F16), ((1, 8), F32)]),
+        # QJL: the keys' centroids in 2 bits, then a sign bit a coordinate and the residual's norm
+        (
+            "tq3:qjl=true",
+            [((3, 40, 16), U8), ((3, 40), F16), ((1, 4), F32), ((3, 40, 8), U8), ((3, 40), F16)],
+            [((3, 40, 24), U8), ((3, 40), F16), ((1, 8), F32)],
+        ),
+    ],
+)
+def test_named_formats_store_the_tensors_their_codec_says(spec, keys, values):
+    fmt = parse_format(spec)
+    layer = StoredEntries.store(kept_entries([[40, 40, 40]]), fmt, torch.float16).layers[0]
+    for part, expected in ((layer.keys, keys), (layer.values, values)):
+        assert [(tuple(t.shape), t.dtype) for t in part.tensors] == expected
+    assert layer.residual_keys.shape == (3, 0, 64)  # nothing in 16 bits: every kept entry is packed
+    expected_bytes = sum(
+        math.prod(shape) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in keys + values
+    )
+    assert layer.codec is not None and fmt.layer_bytes(3, 64, [40, 40, 40]) == expected_bytes
 
 
 def test_the_model_dtype_format_is_the_kept_tensors_bytes():
@@ -182,8 +230,8 @@ def attend(query, keys, values, visible):
     return torch.einsum("hn,hnd->hd", logits.softmax(-1), values)
 
 
-def test_a_batch_of_stored_caches_attends_to_each_rows_own_entries():
-    fmt = KVFormat(4, group=16, residual=5)
+@pytest.mark.parametrize("fmt", [KVFormat(4, group=16, residual=5), *FORMATS[4:]], ids=str)
+def test_a_batch_of_stored_caches_attends_to_each_rows_own_entries(fmt):
     rows = [kept_entries(layout, seed=i) for i, layout in enumerate([[[40, 12, 3]], [[9, 9, 9]], [[70, 1, 30]]])]
     stored = [StoredEntries.store(kept, fmt, torch.float16) for kept in rows]
     layer = quantized_layers(stored, room=4, kv_heads=3)[0]
@@ -240,6 +288,7 @@ def frontier_rows() -> pd.DataFrame:
                     "memory_target": target,
                     "memory_fraction": size / 1000,
                     "budget_tokens": size,
+                    "kv_entries": size * 2,
                     "score": float(score),
                 }
             )
@@ -268,13 +317,59 @@ def test_the_frontier_marks_the_pareto_front_and_compares_each_target_with_its_b
     assert "## Accuracy per byte" in text and "snapkv · 4 bits better" in text
 
 
+def test_the_memory_view_has_a_row_per_format_and_budget_with_its_bytes_as_stored():
+    from pkvbench.reports import frontier
+
+    table = frontier.storage(frontier_rows())
+    assert table[["kv_bits", "budget"]].values.tolist() == [
+        ["16", "mem0.05"],
+        ["16", "mem0.12"],
+        ["16", "all"],
+        ["4", "mem0.05"],
+        ["4", "mem0.12"],
+        ["2", "all"],
+    ]
+    row = table.set_index(["kv_bits", "budget"]).loc[("4", "mem0.12")]
+    assert (row["kv_bytes"], row["memory"], row["bytes/entry"], row["target"], row["n"]) == (118, 11.8, 0.5, 120, 20)
+
+
+def test_lm_eval_and_the_gate_tell_formats_of_the_same_bits_apart():
+    """The cell key holds the format: fp8 and fp8_e5m2 (8 bits both), tq3 with and without QJL, are cells apart in
+    lm-eval's configurations and in the store's (and so the gate's) keys."""
+    from pkvbench.lm_eval.grid import GridSpec, cell_label
+    from pkvbench.run.runner import row_identity
+    from pkvbench.store.results import row_key, stored_as
+    from pkvbench.tasks.registry import get_task
+
+    spec = GridSpec.parse({"policy": "snapkv", "memory": "0.25", "kv_bits": "16+8+fp8+fp8_e5m2+tq3+tq3:qjl=true"})
+    assert [cell_label(cell).split("-kv")[1] for cell in spec.cells] == [
+        "16",
+        "8",
+        "fp8",
+        "fp8-e5m2",
+        "tq3",
+        "tq3-qjl=true",
+    ]
+    rows = [row_identity(get_task("needle"), "s", cell) for cell in spec.cells]
+    assert len({row_key(row) for row in rows}) == 6
+    assert [stored_as(row) for row in rows] == ["16", "8", "fp8", "fp8_e5m2", "tq3", "tq3:qjl=true"]
+
+
 # --- bad input: one line, exit 2 -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "args,expected",
     [
-        (["--kv-bits", "3"], "--kv-bits 3: supported are 2, 4 and 8 (KIVI's integers), 16, and the model's own 32"),
+        (
+            ["--kv-bits", "3"],
+            "--kv-bits 3: supported are 2, 4 and 8 (KIVI's integers), 16, the model's own 32, and fp8, fp8_e5m2, tq4, "
+            "tq3",
+        ),
+        (["--kv-bits", "16,fp8:scale=2"], "--kv-bits fp8: option scale=2: one of 1, prompt"),
+        (["--kv-bits", "tq3:rotation=hadamard"], "tq3 has no option 'rotation'; its options: qjl, seed"),
+        (["--kv-bits", "tq4:qjl"], "'qjl' is not of the form name=value (e.g. tq4:qjl=true)"),
+        (["--kv-bits", "fp8,tq3", "--kv-group", "16"], "--kv-group only sets KIVI's formats"),
         (["--kv-bits", "32", "--dtype", "bfloat16", "--device", "cpu"], "the model computes in 16 bits"),
         (["--kv-bits", "4", "--kv-group", "0"], "--kv-group 0: must be at least 1"),
         (["--memory", "0.05", "--budget", "64"], "--memory and --budget together"),

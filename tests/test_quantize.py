@@ -1,18 +1,14 @@
-"""KIVI's quantizer on hand-made tensors: against a longhand transcription of its formulas, packing, error bounds."""
+"""The codecs on hand-made tensors: KIVI's quantizer against a longhand transcription of its formulas, packing, error
+bounds; FP8 against torch's own float8 round trip; TurboQuant against the paper's distortion bounds."""
+
+import math
 
 import pytest
 import torch
 
-from pkvbench.codecs.kivi import (
-    dequantize_keys,
-    dequantize_values,
-    levels,
-    pack,
-    quantize_keys,
-    quantize_values,
-    round_outward,
-    unpack,
-)
+from pkvbench.codecs import fp8, turboquant
+from pkvbench.codecs.bits import levels, pack, unpack
+from pkvbench.codecs.kivi import dequantize_keys, dequantize_values, quantize_keys, quantize_values, round_outward
 
 
 def kivi_longhand(rows: list[list[float]], bits: int) -> tuple[list[int], float, float]:
@@ -116,3 +112,155 @@ def test_minima_round_down_and_scales_up_to_16_bits():
     assert (down.float() <= values).all() and (up.float() >= values).all()
     assert (up.float() - down.float() <= values.abs() * 2**-9 + 2**-23).all()  # neighbours, not further
     assert down[5].item() == up[5].item() == 3.0  # exact values stay
+
+
+# --- packing codes of any width ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_codes_of_any_width_round_trip_as_one_little_endian_bit_stream(bits):
+    codes = torch.randint(0, levels(bits) + 1, (2, 5, 64), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.shape == (2, 5, 64 * bits // 8) and torch.equal(unpack(packed, bits), codes)
+    stream = sum(int(code) << (bits * j) for j, code in enumerate(codes[0, 0].tolist()))
+    assert packed[0, 0].tolist() == list(stream.to_bytes(64 * bits // 8, "little"))
+    with pytest.raises(ValueError, match="do not fill whole bytes"):
+        pack(codes[..., :7], 3)
+
+
+# --- FP8, as vLLM stores it -------------------------------------------------------------------------------------------
+
+
+def float8_longhand(byte: int, variant: str) -> float:
+    """An OCP float8 byte read by hand: sign, exponent, mantissa (e4m3fn: bias 7, no infinities, S.1111.111 NaN;
+    e5m2: bias 15, IEEE-like)."""
+    exponent_bits, mantissa_bits = (4, 3) if variant == "e4m3" else (5, 2)
+    bias = (1 << (exponent_bits - 1)) - 1
+    sign = -1.0 if byte & 0x80 else 1.0
+    exponent = (byte >> mantissa_bits) & ((1 << exponent_bits) - 1)
+    mantissa = byte & ((1 << mantissa_bits) - 1)
+    if exponent == 0:  # subnormal
+        return sign * mantissa / (1 << mantissa_bits) * 2.0 ** (1 - bias)
+    return sign * (1 + mantissa / (1 << mantissa_bits)) * 2.0 ** (exponent - bias)
+
+
+@pytest.mark.parametrize("variant", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("scale", [1.0, "calculated"])
+def test_fp8_storage_is_torchs_own_float8_round_trip_of_the_same_values_and_scale(variant, scale):
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 50, 64, generator=generator) * torch.logspace(-4, 1.5, 64)  # subnormals to tens
+    scale = fp8.unit_scale() if scale == 1.0 else fp8.calculated_scale(x, fp8.KEY_RANGE)
+    stored = fp8.quantize(x, scale, variant)
+    assert stored.codes.dtype == torch.uint8 and stored.codes.shape == x.shape and stored.scale.dtype == torch.float32
+    own = (x / scale).to(fp8.VARIANTS[variant])  # torch's cast: to nearest, ties to even
+    assert torch.equal(stored.codes, own.view(torch.uint8))
+    assert torch.equal(fp8.dequantize(stored, variant, torch.float32), own.float() * scale)
+    # and the bytes are OCP's float8, read by hand
+    sample = stored.codes.flatten()[::97]
+    restored = fp8.dequantize(fp8.Fp8(sample, fp8.unit_scale()), variant, torch.float32).flatten()
+    assert restored.tolist() == [float8_longhand(int(b), variant) for b in sample]
+
+
+@pytest.mark.parametrize("variant,largest", [("e4m3", 448.0), ("e5m2", 57344.0)])
+def test_fp8_saturates_beyond_its_largest_finite_value_as_vllm_converts(variant, largest):
+    x = torch.tensor([[[1e6, -1e6, largest * 1.5, 1.0]]])
+    restored = fp8.dequantize(fp8.quantize(x, fp8.unit_scale(), variant), variant, torch.float32)
+    assert restored.flatten().tolist() == [largest, -largest, largest, 1.0]
+
+
+def test_a_calculated_fp8_scale_is_the_largest_magnitude_over_vllms_divisors():
+    keys = torch.tensor([[[0.5, -30.0], [2.0, 4.0]]])
+    assert fp8.calculated_scale(keys, fp8.KEY_RANGE).item() == pytest.approx(30.0 / 200)
+    assert fp8.calculated_scale(keys, fp8.VALUE_RANGE).item() == pytest.approx(30.0 / 100)
+    assert fp8.calculated_scale(torch.zeros(2, 3), fp8.KEY_RANGE).item() == 1.0
+    assert fp8.calculated_scale(keys, fp8.KEY_RANGE).shape == (1, 1, 1)
+
+
+# --- TurboQuant -------------------------------------------------------------------------------------------------------
+
+# The paper's figures (arXiv 2504.19874): Theorem 1, D_mse ≤ √3·π/2 · 4^(−b) for a unit vector, with the finer values
+# D_mse ≈ 0.36, 0.117, 0.03, 0.009 at b = 1…4; Theorem 2, D_prod ≤ √3·π² · ‖y‖²/d · 4^(−b); the codebooks at 1 and 2
+# bits for a large d, ±√(2/π)/√d and ±0.453/√d, ±1.51/√d.
+PAPER_MSE = {1: 0.36, 2: 0.117, 3: 0.03, 4: 0.009}
+
+
+def mse_bound(bits: int) -> float:
+    return math.sqrt(3) * math.pi / 2 * 4.0**-bits
+
+
+def prod_bound(bits: int, dim: int) -> float:
+    return math.sqrt(3) * math.pi**2 / dim * 4.0**-bits
+
+
+def unit_vectors(count: int, dim: int = 64, heads: int = 2, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(heads, count, dim, generator=torch.Generator().manual_seed(seed))
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def test_the_codebook_is_lloyd_max_for_a_rotated_coordinate_as_the_paper_derives():
+    dim = 128
+    one, two = turboquant.codebook(dim, 1) * math.sqrt(dim), turboquant.codebook(dim, 2) * math.sqrt(dim)
+    assert one.tolist() == pytest.approx([-math.sqrt(2 / math.pi), math.sqrt(2 / math.pi)], rel=0.01)
+    assert two.tolist() == pytest.approx([-1.51, -0.453, 0.453, 1.51], rel=0.01)
+    for dim in (64, 128):
+        for bits in (1, 2, 3, 4):
+            table = turboquant.codebook(dim, bits)
+            assert table.shape == (2**bits,) and bool((table.diff() > 0).all())
+            assert torch.allclose(table, -table.flip(0), atol=1e-4 / math.sqrt(dim))  # the density is symmetric
+            # the expected error of a unit vector, d · C(f_X, b): the paper's finer values, within its Theorem 1
+            error = turboquant.expected_error(dim, bits)
+            assert error == pytest.approx(PAPER_MSE[bits], rel=0.15) and error <= mse_bound(bits)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_turboquant_mse_on_random_unit_vectors_is_the_codebooks_and_within_theorem_1(bits):
+    x = unit_vectors(4000)
+    rotation = turboquant.rotations(64, 2, seed=0, layer=0)
+    stored = turboquant.quantize(x, bits, rotation, torch.float16)
+    error = (turboquant.dequantize(stored, rotation, torch.float32) - x).square().sum(-1).mean().item()
+    assert error == pytest.approx(turboquant.expected_error(64, bits), rel=0.05)
+    assert error <= mse_bound(bits)
+
+
+def test_turboquant_keeps_a_vectors_length_and_a_zero_vector_stays_zero():
+    x = unit_vectors(10) * torch.tensor([0.0, 7.5])[:, None, None]
+    rotation = turboquant.rotations(64, 2, seed=1, layer=3)
+    restored = turboquant.dequantize(turboquant.quantize(x, 4, rotation, torch.float16), rotation, torch.float32)
+    assert torch.equal(restored[0], torch.zeros(10, 64))
+    relative = (restored[1] - x[1]).norm(dim=-1) / 7.5
+    assert bool((relative < 0.2).all())
+
+
+def test_rotations_are_orthogonal_seeded_and_their_own_per_layer_and_head():
+    first = turboquant.rotations(64, 3, seed=0, layer=0)
+    assert torch.allclose(first @ first.transpose(-1, -2), torch.eye(64).expand(3, -1, -1), atol=1e-5)
+    assert torch.equal(first, turboquant._random_matrices(64, 3, 0, 0, "rotation", "cpu").clone())
+    again = turboquant._random_matrices.__wrapped__(64, 3, 0, 0, "rotation", "cpu")  # drawn anew from the seed
+    assert torch.equal(first, again)
+    assert not torch.allclose(first[0], first[1])
+    for other in (turboquant.rotations(64, 3, seed=0, layer=1), turboquant.rotations(64, 3, seed=1, layer=0)):
+        assert not torch.allclose(first, other)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_qjl_makes_inner_products_unbiased_within_theorem_2(bits):
+    """The MSE quantizer shrinks inner products (a slope below 1); TurboQuant_prod's are unbiased (slope 1) and their
+    squared error is within Theorem 2's bound."""
+    dim, x = 64, unit_vectors(3000, heads=1)
+    y = torch.randn(1, 50, dim, generator=torch.Generator().manual_seed(9))
+    rotation = turboquant.rotations(dim, 1, seed=0, layer=0)
+    projection = turboquant.projections(dim, 1, seed=0, layer=0)
+    exact = (x[0] @ y[0].T).flatten()
+
+    def slope_and_error(restored):
+        estimate = (restored[0] @ y[0].T).flatten()
+        slope = float((estimate * exact).sum() / exact.square().sum())
+        return slope, float((estimate - exact).square().mean() / y.square().sum(-1).mean())
+
+    mse = turboquant.dequantize(turboquant.quantize(x, bits - 1, rotation, torch.float16), rotation, torch.float32)
+    prod = turboquant.quantize(x, bits, rotation, torch.float16, projection)
+    assert prod.bits == bits - 1 and prod.signs.shape == (1, 3000, dim // 8)
+    prod_slope, prod_error = slope_and_error(turboquant.dequantize(prod, rotation, torch.float32, projection))
+    mse_slope, _ = slope_and_error(mse)
+    assert mse_slope < 0.99 and prod_slope == pytest.approx(1.0, abs=0.03)
+    assert prod_error <= prod_bound(bits, dim)

@@ -48,13 +48,14 @@ def built_row(cell: runner.Cell) -> dict:
 
 SNAPKV = parse_policy("snapkv")
 DECODING_ONLY = {field.name for field in schema.ROW if field.only_with == "decode_budget"}
+CONVERSATION_ONLY = {field.name for field in schema.ROW if field.only_with == "turn_compression"}
 
 
 def test_a_row_has_exactly_the_schemas_fields_in_its_order():
     row = built_row(runner.Cell(SNAPKV, Budget(64)))
-    assert list(row) == [*(name for name in schema.FIELDS if name not in DECODING_ONLY), *EXTRAS]
+    assert list(row) == [*(name for name in schema.FIELDS if name not in DECODING_ONLY | CONVERSATION_ONLY), *EXTRAS]
     decoding = built_row(runner.Cell(SNAPKV, Budget(64), decode_budget=32))
-    assert list(decoding) == [*schema.FIELDS, *EXTRAS]
+    assert list(decoding) == [*(name for name in schema.FIELDS if name not in CONVERSATION_ONLY), *EXTRAS]
     assert decoding["decode_cuts"] == 1 and decoding["kv_trace"] == [[0, 4], [2, 3]]
 
 
@@ -62,7 +63,7 @@ def test_a_stored_cache_writes_its_storage_with_the_key():
     """A cache stored in another format than the model's own carries its storage in its key (results.row_key),
     and writes it there: right after the query mode."""
     row = built_row(runner.Cell(SNAPKV, Budget(64), schema.AGNOSTIC, KVFormat(4)))
-    assert set(row) == set(schema.FIELDS) - DECODING_ONLY | set(EXTRAS)
+    assert set(row) == set(schema.FIELDS) - DECODING_ONLY - CONVERSATION_ONLY | set(EXTRAS)
     key = ["task", "sample_id", "policy", "budget", "query_mode", *schema.STORAGE, "decode_budget"]
     assert list(row)[: len(key)] == key
     native = built_row(runner.Cell(SNAPKV, Budget(64)))
@@ -92,6 +93,8 @@ def test_the_store_key_is_the_identity_but_the_model():
         "kv_bits": 2,
         "kv_group": 64,
         "kv_residual": 16,
+        "kv_format": "fp8",
+        "turn_compression": schema.EVERY_TURN,
     }
     assert set(changed) | {"model"} == set(schema.fields_of(schema.IDENTITY))
     for name, value in changed.items():
@@ -101,7 +104,7 @@ def test_the_store_key_is_the_identity_but_the_model():
 
 
 def test_the_pages_lists_come_from_the_schema():
-    configuration = (set(schema.FIELDS) - {"context_tokens", *schema.fields_of(schema.TEXT)}) | {
+    configuration = (set(schema.FIELDS) - {*schema.fields_of(schema.SAMPLE), *schema.fields_of(schema.TEXT)}) | {
         "folder",
         "kv_stored",
         "series",
@@ -109,7 +112,7 @@ def test_the_pages_lists_come_from_the_schema():
     assert configuration == CONFIG_FIELDS
     # the sample view shows the sample's own fields: the schema's sample group and the task's columns
     row = built_row(runner.Cell(SNAPKV, Budget(64)))
-    assert set(sample_fields(row)) == {*schema.fields_of(schema.SAMPLE), *EXTRAS}
+    assert set(sample_fields(row)) == {*schema.fields_of(schema.SAMPLE), *EXTRAS} - CONVERSATION_ONLY
 
 
 def test_the_query_modes_are_spelled_only_in_the_schema():

@@ -27,6 +27,10 @@ REMOVED_PREFIX = "cr"
 MEMORY_PREFIX = "mem"
 # The budget that keeps every entry: the full cache's one point per storage format in a memory grid.
 ALL = "all"
+# The budget a grid takes when none is given: 128 entries per KV head per layer; with a decode budget, nothing cut at
+# the prefill (kvpress's ratio 0), so that the cuts while decoding are all that is measured.
+DEFAULT_BUDGET = "128"
+DEFAULT_DECODING_BUDGET = f"{REMOVED_PREFIX}0"
 BYTE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 

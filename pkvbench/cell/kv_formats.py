@@ -1,24 +1,42 @@
 """Storage formats: how a compressed cache stores its kept entries (``KVFormat``: the model's own dtype, 16 bits,
-or KIVI's 8/4/2-bit integers), the bytes a cache of some entries takes in one (``CacheGeometry``, ``planned_bytes``),
-and how many entries a memory budget buys (``memory_plan``).
+KIVI's 8/4/2-bit integers, FP8 as vLLM stores it, TurboQuant), the bytes a cache of some entries takes in one
+(``CacheGeometry``, ``planned_bytes``), and how many entries a memory budget buys (``memory_plan``).
 
-Pure arithmetic, no tensors: ``codecs/kivi.py`` is the quantizer itself, and a test holds these byte counts against the
-stored tensors' own sizes (docs/memory.md). A memory budget's parsing is a budget's (``budgets.py``).
+Pure arithmetic, no tensors: ``codecs/`` holds the quantizers themselves (``kivi.py``, ``fp8.py``,
+``turboquant.py``), and a test holds these byte counts against the stored tensors' own sizes (docs/memory.md). A
+memory budget's parsing is a budget's (``budgets.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pkvbench.cell.budgets import MEMORY_PREFIX, Budget, LayerPlan, layer_budgets
+from pkvbench.config import excerpt, option_text, parse_int
 from pkvbench.errors import PkvError
 
-KV_BITS = (2, 4, 8, 16, 32)  # what --kv-bits accepts; below 16 KIVI's integers, 32 only where the model computes so
+KV_BITS = (2, 4, 8, 16, 32)  # --kv-bits as a number: below 16 KIVI's integers, 32 only where the model computes so
 QUANTIZED_BITS = (2, 4, 8)
 DEFAULT_GROUP = 32  # KIVI's G: tokens per key group (per channel), channels per value group (per token)
 DEFAULT_RESIDUAL = 128  # KIVI's R: the most recent entries kept at 16 bits
-SIXTEEN_BITS = 2  # bytes of a value at 16 bits: scales, minima, the residual, and the reference full cache
+SIXTEEN_BITS = 2  # bytes of a value at 16 bits: scales, minima, norms, the residual, and the reference full cache
+FLOAT32 = 4  # bytes of an FP8 scale and of a TurboQuant centroid
+
+# The codecs (``codecs/``): KIVI's integers (and, at 16 bits and wider, no codec), FP8 e4m3 and e5m2, TurboQuant.
+KIVI, FP8, FP8_E5M2, TURBOQUANT = "kivi", "fp8", "fp8_e5m2", "turboquant"
+# The formats --kv-bits names beside its numbers: name → (codec, bits per value).
+NAMED = {"fp8": (FP8, 8), "fp8_e5m2": (FP8_E5M2, 8), "tq4": (TURBOQUANT, 4), "tq3": (TURBOQUANT, 3)}
+UNIT_SCALE, PROMPT_SCALE = "1", "prompt"  # an FP8 layer's scale: vLLM's default 1.0, or calculated from the prompt
+# Each codec's options (``--kv-bits fp8:scale=prompt``, ``tq3:qjl=true:seed=1``): name → default; KVFormat's fields.
+CODEC_OPTIONS: dict[str, dict[str, Any]] = {
+    FP8: {"scale": UNIT_SCALE},
+    FP8_E5M2: {"scale": UNIT_SCALE},
+    TURBOQUANT: {"qjl": False, "seed": 0},
+}
+OPTION_CHOICES = {"scale": (UNIT_SCALE, PROMPT_SCALE)}
+SEED_RANGE = (0, 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -51,22 +69,67 @@ class KVFormat:
     ``bits`` 16 (where the model computes wider): every entry in 16 bits, widened for attention. ``bits`` 8/4/2:
     KIVI — per head, the last ``residual`` kept entries in 16 bits, the ones before them as packed integers, keys per
     channel in groups of ``group`` tokens, values per token in groups of ``group`` channels, each group's scale and
-    minimum in 16 bits (``pkvbench.codecs.kivi``)."""
+    minimum in 16 bits (``pkvbench.codecs.kivi``).
+
+    ``codec`` FP8 / FP8_E5M2 (``bits`` 8): every kept entry one float8 byte a value, a float32 scale per layer for
+    its keys and one for its values, 1.0 or (``scale`` PROMPT_SCALE) calculated from the prompt as vLLM's
+    ``--calculate-kv-scales`` does (``pkvbench.codecs.fp8``). ``codec`` TURBOQUANT (``bits`` 4 or 3): every kept key
+    and value rotated (one random rotation per layer and KV head, from ``seed``) and stored as ``bits``-bit indices
+    of the Lloyd–Max codebook of a rotated coordinate, with its norm in 16 bits and each codebook in float32; with
+    ``qjl`` the keys spend one of their bits on QJL's signs of the residual, stored with its norm in 16 bits
+    (``pkvbench.codecs.turboquant``). New tokens, for every codec, go into the 16-bit residual."""
 
     bits: int
     group: int = DEFAULT_GROUP
     residual: int = DEFAULT_RESIDUAL
     native: bool = False
+    codec: str = KIVI
+    scale: str = UNIT_SCALE  # FP8's
+    qjl: bool = False  # TurboQuant's
+    seed: int = 0  # TurboQuant's
+
+    @property
+    def kivi(self) -> bool:
+        """KIVI's integers: the formats ``--kv-group`` and ``--kv-residual`` shape."""
+        return self.codec == KIVI and self.bits in QUANTIZED_BITS
 
     @property
     def quantized(self) -> bool:
-        return self.bits in QUANTIZED_BITS
+        """Stored in a codec (packed), not as plain 16-bit or native values."""
+        return self.kivi or self.codec != KIVI
+
+    @property
+    def name(self) -> str:
+        """What ``--kv-bits`` calls the format, without its options: ``4``, ``16``, ``fp8``, ``tq3``."""
+        if self.codec == KIVI:
+            return str(self.bits)
+        return next(name for name, kind in NAMED.items() if kind == (self.codec, self.bits))
+
+    @property
+    def spec(self) -> str:
+        """What ``--kv-bits`` takes for the format: ``4``, ``fp8``, ``tq3:qjl=true`` (the options that differ from
+        their defaults; KIVI's group and residual are options of their own)."""
+        if self.codec == KIVI:
+            return self.name
+        defaults = CODEC_OPTIONS[self.codec]
+        changed = [f"{k}={option_text(v)}" for k, v in self.options.items() if v != defaults[k]]
+        return ":".join([self.name, *changed])
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The codec's options (KIVI's group and residual are run options of their own)."""
+        return {option: getattr(self, option) for option in CODEC_OPTIONS.get(self.codec, {})}
+
+    @property
+    def recent(self) -> int:
+        """Each head's last kept entries that stay in 16 bits: KIVI's residual; none where every entry is packed."""
+        return self.residual if self.kivi else 0
 
     def split(self, length: int) -> tuple[int, int]:
-        """A head's ``length`` kept entries → (quantized, residual): the last ``residual`` stay in 16 bits."""
+        """A head's ``length`` kept entries → (quantized, residual): the last ``recent`` stay in 16 bits."""
         if not self.quantized:
             return 0, length
-        residual = min(self.residual, length)
+        residual = min(self.recent, length)
         return length - residual, residual
 
     def layer_bytes(self, heads: int, head_dim: int, lengths: Sequence[int]) -> int:
@@ -77,20 +140,102 @@ class KVFormat:
         parts = [self.split(n) for n in lengths]
         quantized, residual = max(q for q, _ in parts), max(r for _, r in parts)
         total = 2 * heads * residual * head_dim * SIXTEEN_BITS
-        if quantized:
-            total += 2 * heads * quantized * head_dim * self.bits // 8  # packed codes of keys and values
-            total += 2 * heads * -(-quantized // self.group) * head_dim * SIXTEEN_BITS  # keys' scales and minima
-            total += 2 * heads * quantized * (head_dim // self.group) * SIXTEEN_BITS  # values' scales and minima
-        return total
+        return total + (self.packed_bytes(heads, head_dim, quantized) if quantized else 0)
+
+    def packed_bytes(self, heads: int, head_dim: int, count: int) -> int:
+        """Bytes of ``count`` packed entries per head of one layer, keys and values, with what reads them back."""
+        entries = heads * count
+        if self.codec in (FP8, FP8_E5M2):
+            return 2 * entries * head_dim + 2 * FLOAT32  # a byte a value; a scale for the keys, one for the values
+        if self.codec == TURBOQUANT:
+
+            def indices(bits: int) -> int:  # the codes and a norm per vector, and the codebook they index
+                return entries * (head_dim * bits // 8 + SIXTEEN_BITS) + (1 << bits) * FLOAT32
+
+            if not self.qjl:
+                return 2 * indices(self.bits)
+            return indices(self.bits - 1) + entries * (head_dim // 8 + SIXTEEN_BITS) + indices(self.bits)
+        return (
+            2 * entries * head_dim * self.bits // 8  # packed codes of keys and values
+            + 2 * heads * -(-count // self.group) * head_dim * SIXTEEN_BITS  # keys' scales and minima
+            + 2 * entries * (head_dim // self.group) * SIXTEEN_BITS  # values' scales and minima
+        )
 
     def __str__(self) -> str:
-        """``4`` (KIVI's defaults), ``4 g64 r32``, ``16``, ``32``."""
-        if not self.quantized:
-            return str(self.bits)
+        """``4`` (KIVI's defaults), ``4 g64 r32``, ``16``, ``32``, ``fp8``, ``fp8:scale=prompt``, ``tq3:qjl=true``:
+        ``spec``, and KIVI's group and residual where they differ from their defaults."""
+        if not self.kivi:
+            return self.spec
         extra = (f" g{self.group}" if self.group != DEFAULT_GROUP else "") + (
             f" r{self.residual}" if self.residual != DEFAULT_RESIDUAL else ""
         )
         return f"{self.bits}{extra}"
+
+
+def supported_formats() -> str:
+    return f"2, 4 and 8 (KIVI's integers), 16, the model's own 32, and {', '.join(NAMED)} (docs/memory.md)"
+
+
+def parse_format(text: Any, what: str = "--kv-bits") -> KVFormat:
+    """One ``--kv-bits`` value: a number (KIVI's bits, 16, the model's width: checked against the model by the
+    caller) or a named format with its options, ``fp8:scale=prompt``, ``tq3:qjl=true:seed=7``."""
+    name, *pairs = [part.strip() for part in str(text).split(":")]
+    if name not in NAMED:
+        bits = parse_int(name, what) if name and not any(c.isalpha() for c in name) else None
+        if pairs or bits not in KV_BITS:
+            raise PkvError(f"{what} {excerpt(str(text))}: supported are {supported_formats()}")
+        return KVFormat(bits)
+    codec, bits = NAMED[name]
+    defaults = CODEC_OPTIONS[codec]
+    given: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = (part.strip() for part in pair.partition("="))
+        if not sep or not key or not value:
+            raise PkvError(
+                f"{what} {excerpt(str(text))}: {pair!r} is not of the form name=value (e.g. {_example(name)})"
+            )
+        if key not in defaults:
+            raise PkvError(
+                f"{what} {excerpt(str(text))}: {name} has no option {key!r}; its options: {', '.join(defaults)}"
+            )
+        if key in given:
+            raise PkvError(f"{what} {excerpt(str(text))}: option {key} is given twice; give it once")
+        given[key] = _option_value(key, value, defaults[key], f"{what} {name}: option {key}")
+    return KVFormat(bits, codec=codec, **given)
+
+
+def _example(name: str) -> str:
+    codec = NAMED[name][0]
+    return f"{name}:scale={PROMPT_SCALE}" if codec in (FP8, FP8_E5M2) else f"{name}:qjl=true"
+
+
+def _option_value(key: str, text: str, default: Any, what: str) -> Any:
+    if isinstance(default, bool):
+        if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise PkvError(f"{what}={excerpt(text)}: expected true or false")
+        return text.lower() in ("true", "1", "yes")
+    if isinstance(default, int):
+        return parse_int(text, what, *SEED_RANGE)
+    if text not in OPTION_CHOICES[key]:
+        raise PkvError(f"{what}={excerpt(text)}: one of {', '.join(OPTION_CHOICES[key])}")
+    return text
+
+
+def format_of_row(bits: Any, group: Any, residual: Any, named: Any) -> KVFormat:
+    """A row's storage (``kv_bits``, ``kv_group``, ``kv_residual``, and ``kv_format`` where it names a codec)."""
+    if isinstance(named, str) and named:
+        return parse_format(named, "kv_format")
+    return KVFormat(int(bits), int(group), int(residual))
+
+
+def label_width(label: str) -> float | None:
+    """Bits per value of a storage label as tables show it (``4 g64 r32``, ``fp8``, ``tq3:qjl=true``), None where it
+    names none (``native``)."""
+    head = str(label).split(" ")[0]
+    try:
+        return float(parse_format(head).bits)
+    except PkvError:
+        return float(head) if head.replace(".", "").isdigit() else None
 
 
 def largest(low: int, high: int, fits: Callable[[int], bool]) -> int | None:

@@ -21,10 +21,20 @@ from typing import Any
 
 AWARE = "aware"  # the question is inside the compressed prompt (the paper's protocol)
 AGNOSTIC = "agnostic"  # the question is added after the context is compressed
-QUERY_MODES = (AWARE, AGNOSTIC)  # in the order tables list them
+MULTI_TURN = "multi-turn"  # the questions are asked in turn, one conversation on one cache (SCBench's protocol)
+QUERY_MODES = (AWARE, AGNOSTIC, MULTI_TURN)  # in the order tables list them
 DEFAULT_QUERY_MODE = AWARE  # also what rows written before the query mode was recorded were
+# A conversation's cache is compressed once after the context (a session's cache), or cut back to its budget after
+# every turn as well (a server reclaiming memory); its earlier answers are the model's own, or the reference answers
+# (teacher-forced turns).
+ONCE, EVERY_TURN = "once", "every-turn"
+TURN_COMPRESSIONS = (ONCE, EVERY_TURN)
+MODEL_ANSWERS, REFERENCE_ANSWERS = "model", "reference"
+TURN_ANSWERS = (MODEL_ANSWERS, REFERENCE_ANSWERS)
+NO_TURNS = "none"  # a row's turn compression where it is not a turn of a conversation (tables, the gate's cells)
 # How the policies select (a row's ``protocol``): pkvbench's exact budgets, the PyramidKV paper's code, kvpress's presses.
 PROTOCOLS = ("exact", "reference", "kvpress")
+DEFAULT_PROTOCOL = PROTOCOLS[0]  # exact
 FORMATS = ("markdown", "csv", "latex")  # what a table is written as (report.render), the first by default
 
 IDENTITY, CONFIGURATION, MEASURE, SAMPLE, TEXT = "identity", "configuration", "measure", "sample", "text"
@@ -49,6 +59,12 @@ ROW: tuple[Field, ...] = (
     ),
     Field("query_mode", IDENTITY, "where the question was: one of QUERY_MODES"),
     Field("decode_budget", IDENTITY, "the entries per KV head the cache was cut back to while decoding, or None"),
+    Field(
+        "turn_compression",
+        IDENTITY,
+        "a conversation's: compressed once, or every turn (TURN_COMPRESSIONS)",
+        only_with="turn_compression",
+    ),
     Field("model", IDENTITY, "the model's alias, Hugging Face id or GGUF path"),
     Field("task_version", CONFIGURATION, "the task file's version"),
     Field("task_hash", CONFIGURATION, "hash of the task's prompt-shaping keys"),
@@ -57,7 +73,17 @@ ROW: tuple[Field, ...] = (
     Field("budget_tokens", MEASURE, "entries kept, mean over layers"),
     Field("requested_tokens", CONFIGURATION, "the entries the budget asked for"),
     Field("context_tokens", SAMPLE, "the tokens compressed: the whole prompt, or the context"),
-    Field("question_tokens", MEASURE, "the tokens after the context"),
+    Field("question_tokens", MEASURE, "the tokens after the context (a conversation's turn: this turn's, fed)"),
+    Field("turn", SAMPLE, "a conversation's turn, from 1", only_with="turn_compression"),
+    Field(
+        "turn_answers", CONFIGURATION, "what earlier turns' answers were: TURN_ANSWERS", only_with="turn_compression"
+    ),
+    Field(
+        "conversation_tokens",
+        SAMPLE,
+        "tokens of the conversation before this turn's answer",
+        only_with="turn_compression",
+    ),
     Field("kv_kept", MEASURE, "entries kept per layer"),
     Field("kv_bytes", MEASURE, "bytes of the compressed cache as stored"),
     Field("kv_entries", MEASURE, "entries kept, summed over layers and heads"),
@@ -66,6 +92,7 @@ ROW: tuple[Field, ...] = (
     Field("kv_bits", IDENTITY, "bits per stored value"),
     Field("kv_group", IDENTITY, "KIVI's quantization group"),
     Field("kv_residual", IDENTITY, "KIVI's entries kept in 16 bits"),
+    Field("kv_format", IDENTITY, "a named storage format with its options: fp8, fp8_e5m2, tq4, tq3:qjl=true"),
     Field("memory_target", CONFIGURATION, "the bytes a memory budget allowed, or None"),
     Field("memory_fraction", MEASURE, "kv_bytes over the full cache's at 16 bits per value"),
     Field("attention_weights", CONFIGURATION, "what attention the policy needed recorded"),
@@ -103,7 +130,7 @@ def fields_of(group: str) -> tuple[str, ...]:
 
 
 # How the cache was stored; part of the store's key only where it was not the model's own (``results.stored_as``).
-STORAGE = ("kv_native", "kv_bits", "kv_group", "kv_residual")
+STORAGE = ("kv_native", "kv_bits", "kv_group", "kv_residual", "kv_format")
 # What report.load_runs adds to each row it reads: the folder it came from, the storage as one label, and the
 # policy with its bits and decode budget as figures' lines name it (axes.SERIES).
 LOADED = ("folder", "kv_stored", "series")
@@ -115,8 +142,15 @@ TABLE_KEY = ("model", *(name for name in fields_of(IDENTITY) if name not in ("mo
 # written before that column does not say: the model's own cache, no cut while decoding, the question inside.
 CELL_KEY = tuple(name for name in TABLE_KEY if name != "sample_id")
 # A question of a sample, whichever cell answered it: a row's key less the cell's configuration.
-SAMPLE_KEY = tuple(name for name in TABLE_KEY if name not in ("policy", "budget", "decode_budget", "kv_stored"))
-CELL_DEFAULTS = {"query_mode": DEFAULT_QUERY_MODE, "decode_budget": "none", "kv_stored": ""}
+SAMPLE_KEY = tuple(
+    name for name in TABLE_KEY if name not in ("policy", "budget", "decode_budget", "turn_compression", "kv_stored")
+)
+CELL_DEFAULTS = {
+    "query_mode": DEFAULT_QUERY_MODE,
+    "decode_budget": "none",
+    "turn_compression": NO_TURNS,
+    "kv_stored": "",
+}
 
 # A row whose cache was stored in another format than the model's own (``kv_native`` false) carries its storage in
 # its key, and writes it with the key: after the query mode, before the decode budget.

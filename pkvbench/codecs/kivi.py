@@ -4,7 +4,8 @@ Asymmetric min–max integers of ``bits`` bits (2, 4 or 8): a group of values wi
 as codes c = round((x − m) / s), s = (M − m) / (2^bits − 1), clamped to [0, 2^bits − 1], and read back as c·s + m.
 **Keys** are quantized per channel, in groups of ``group`` consecutive tokens (outlier channels keep their own
 scale); **values** per token, in groups of ``group`` consecutive channels. Each group's scale and minimum are stored
-in 16 bits. Codes are packed along the channel axis, 8 / bits to a byte, the first code in the lowest bits.
+in 16 bits. Codes are packed along the channel axis, 8 / bits to a byte, the first code in the lowest bits
+(``codecs/bits.py``).
 
 Where pkvbench differs from KIVI's code, and why:
 - KIVI requires whole groups of keys (T a multiple of G); here the last group of tokens may be shorter (its own
@@ -19,15 +20,11 @@ Where pkvbench differs from KIVI's code, and why:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-
-def levels(bits: int) -> int:
-    """The largest code: 2^bits − 1."""
-    return (1 << bits) - 1
+from pkvbench.codecs.bits import codes_as_floats, levels, pack
 
 
 def round_outward(values: torch.Tensor, dtype: torch.dtype, down: bool) -> torch.Tensor:
@@ -45,23 +42,6 @@ def round_outward(values: torch.Tensor, dtype: torch.dtype, down: bool) -> torch
     smallest = torch.tensor(-32767 if down else 1, dtype=torch.int16, device=values.device)  # 0x8001 / 0x0001
     stepped = torch.where(away, bits + 1, torch.where(toward, bits - 1, smallest)).view(dtype)
     return torch.where(wrong, stepped, nearest)
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes ``[..., D]`` (each below 2^bits) → bytes ``[..., D·bits/8]``: 8 / bits codes to a byte along the last
-    axis, code j of a byte in bits [j·bits, (j + 1)·bits)."""
-    per_byte = 8 // bits
-    if codes.shape[-1] % per_byte:
-        raise ValueError(f"{codes.shape[-1]} codes do not fill whole bytes at {bits} bits")
-    grouped = codes.to(torch.uint8).view(*codes.shape[:-1], -1, per_byte)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
-
-
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of ``pack``: bytes ``[..., B]`` → codes ``[..., B·8/bits]`` (uint8)."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    return ((packed[..., None] >> shifts) & levels(bits)).flatten(-2)
 
 
 @dataclass
@@ -110,19 +90,6 @@ def quantize_values(values: torch.Tensor, bits: int, group: int, dtype: torch.dt
     return Quantized(pack(codes.view(*lead, length, dim), bits), scale.squeeze(-1), minimum.squeeze(-1))
 
 
-@functools.cache
-def _code_table(bits: int, device: torch.device) -> torch.Tensor:
-    """``[256, 8 / bits]``: the codes of every byte, as floats (a byte → its codes in one lookup)."""
-    return unpack(torch.arange(256, dtype=torch.uint8, device=device)[:, None], bits).float()
-
-
-def _codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packed bytes ``[..., B]`` → their codes as float32 ``[..., B·8/bits]``: a table lookup per byte, which reads
-    and writes each value once (unpacking with shifts and then converting reads them three times)."""
-    table = _code_table(bits, packed.device)
-    return torch.nn.functional.embedding(packed.long(), table).flatten(-2)
-
-
 def dequantize_keys(
     stored: Quantized, bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -134,7 +101,7 @@ def dequantize_keys(
     count = stored.scale.shape[-2]
     if count * group != length:  # whole groups to multiply by their scale
         packed = torch.nn.functional.pad(packed, (0, 0, 0, count * group - length))
-    codes = _codes(packed, bits)
+    codes = codes_as_floats(packed, bits)
     dim = codes.shape[-1]
     grouped = codes.view(*lead, count, group, dim)
     scale, minimum = stored.scale[..., None, :].float(), stored.minimum[..., None, :].float()
@@ -149,7 +116,7 @@ def dequantize_values(
     stored: Quantized, bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``quantize_values``'s values back, ``[..., T, D]`` in ``dtype`` (written into ``out`` if given)."""
-    codes = _codes(stored.codes, bits)
+    codes = codes_as_floats(stored.codes, bits)
     *lead, length, dim = codes.shape
     grouped = codes.view(*lead, length, dim // group, group)
     scale, minimum = stored.scale[..., None].float(), stored.minimum[..., None].float()

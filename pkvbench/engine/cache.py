@@ -245,6 +245,14 @@ class RaggedLayer(DecodingLayer, DynamicLayer):
         width = self._key_store.shape[-1] + self._value_store.shape[-1]
         return int(lengths.sum()), len(lengths) * int(lengths.max()) * width * self._key_store.element_size()
 
+    def row_entries(self, row: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """Row ``row``'s keys and values ``[heads, n, dim]`` as a row alone holds them (n its fullest head's entries,
+        a head with fewer padded after its own) and each head's count: a conversation's cache carried to its next
+        turn (``engine/turns.py``). Copies, so that the batch's store can go."""
+        lengths = self.host_lengths[row].copy()
+        stored = int(lengths.max()) if lengths.size else 0
+        return self._key_store[row, :, :stored].clone(), self._value_store[row, :, :stored].clone(), lengths
+
     def set_row_length(self, row: int, count: int) -> None:
         """Row ``row`` now holds ``count`` entries in every head (a cut while decoding)."""
         self.lengths[row] = count

@@ -360,8 +360,9 @@ class Engine:
         kept, selected = self._gather(prefill, policy, plan, heads)
         if budget.memory and kept.lengths is not None and kept_bytes(kept, fmt) > plan.target_bytes:
             plan, (kept, selected) = self._fit_head_wise(prefill, policy, budget, plan, heads, fmt)
-        if not fmt.native:
-            kept = StoredEntries.store(kept, fmt, self.storage_dtype)
+        if not fmt.native:  # FP8 scales calculated from the prompt see every entry of it, as vLLM's do
+            prompt = [(k[0, :, :length], v[0, :, :length]) for k, v in zip(prefill.keys, prefill.values)]
+            kept = StoredEntries.store(kept, fmt, self.storage_dtype, prompt)
         return CompressedCache(kept, plan, selected)
 
     def _fit_head_wise(

@@ -179,9 +179,10 @@ def storage_of(requests: list) -> str:
     return "shrinking" if any(r.schedule for r in requests) else "ragged"
 
 
-def build_cache(requests: list, room: int, architecture: Architecture) -> RaggedCache:
-    """The batch's cache: per model layer the class its attention kind and the rows' storage name."""
-    storage = storage_of(requests)
+def build_cache(requests: list, room: int, architecture: Architecture, storage: str | None = None) -> RaggedCache:
+    """The batch's cache: per model layer the class its attention kind and the rows' storage name (``storage``: that
+    one instead of the rows', as a conversation that records for its cuts asks for ``shrinking``)."""
+    storage = storage or storage_of(requests)
     start = requests[0].position
     layers = []
     for layer, kind in enumerate(architecture.layer_kinds):

@@ -176,7 +176,7 @@ class ShrinkingLayer(PositionedLayer):
         if self._accumulated is not None:
             batch, query_heads, _, dim = query.shape
             keys = self.keys.float()  # [batch, H, columns, d]
-            grouped = query.float().view(batch, self.heads, query_heads // self.heads * new, dim)
+            grouped = query.float().reshape(batch, self.heads, query_heads // self.heads * new, dim)
             logits = (grouped @ keys.transpose(2, 3) * softmax.scaling).view(batch, query_heads, new, keys.shape[2])
             soft_cap_(logits, softmax.softcap)
             mask = self.attention_mask()
@@ -219,6 +219,17 @@ class ShrinkingLayer(PositionedLayer):
             positions=self._positions[row, :, :count],
             end=end,
         )
+
+    def row_recorded(self, row: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What row ``row``'s next cut would score from, as a row alone carries it into a later batch: its latest
+        queries ``[Hq, c, d]`` (c ≤ W) and each entry's accumulated attention ``[Hq, n]`` (None where not recorded)."""
+        queries = accumulated = None
+        if self._queries is not None:
+            count = int(self.query_counts[row])
+            queries = self._queries[row, :, self._queries.shape[2] - count :].clone()
+        if self._accumulated is not None:
+            accumulated = self._accumulated[row, :, : int(self.host_lengths[row].max())].clone()
+        return queries, accumulated
 
     def keep(self, row: int, columns: torch.Tensor) -> None:
         """Cut row ``row`` to the entries in ``columns`` ``[heads, m]`` (sorted), moved to its first m columns."""

@@ -76,6 +76,10 @@ class PositionedLayer(RaggedLayer):
         super().select_rows(rows, host_rows)
         self._positions = self._positions[rows]
 
+    def row_positions(self, row: int) -> torch.Tensor:
+        """Row ``row``'s entries' original positions ``[heads, n]`` (as ``row_entries`` holds them)."""
+        return self._positions[row, :, : int(self.host_lengths[row].max())].clone()
+
     @property
     def positions(self) -> torch.Tensor:
         """The exposed columns' positions ``[batch, heads, columns]``."""

@@ -20,6 +20,23 @@ from pkvbench.lm_eval.grid import Continuation, Generation, Grid, GridSpec
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf backend's
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's hf backend's, for a model that declares no window
+# How to make a sampling task greedy, said to the user of lm-eval's own command line (``pkvbench lm-eval`` says its own)
+GREEDY_HERE = "pass --gen_kwargs do_sample=false,temperature=0, or give a task that decodes greedily"
+ROLLING_REFUSAL = (
+    "loglikelihood_rolling (perplexity tasks) is not supported by the pkvbench backend: a rolling window has no "
+    "context to compress; run the task with lm-eval's hf backend"
+)
+
+
+def greedy_settings(task: str, gen_kwargs: dict[str, Any], remedy: str = GREEDY_HERE) -> dict[str, Any]:
+    """A generation request's settings, normalized as lm-eval's hf backend normalizes them; sampling is refused
+    (pkvbench decodes greedily), ``remedy`` saying what to do instead."""
+    kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
+    if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) > 0:
+        raise PkvError(
+            f"task {task}: sampling (do_sample, temperature > 0) is not supported: pkvbench decodes greedily; {remedy}"
+        )
+    return kwargs
 
 
 def lm_eval_device(model_args: dict[str, Any]) -> dict[str, Any]:
@@ -48,6 +65,7 @@ class PkvbenchLM(TemplateLM):
                     f"the model args name a grid of {len(spec.cells)} configurations; lm-eval evaluates one model per "
                     "run: run the grid with `pkvbench lm-eval` (one prefill per request for all), or give one value each"
                 )
+            spec.check_model()  # before the model loads, as `pkvbench run` checks it
             grid = Grid(spec)
         self.grid = grid
         self.configuration = configuration
@@ -90,11 +108,8 @@ class PkvbenchLM(TemplateLM):
     def _question_at(self, context: str, ids: list[int]) -> int | None:
         """Where the question starts in ``ids`` (the context's tokens): at the last occurrence of ``question_split``,
         found as lm-eval splits a context from its continuation (the text before it encoded on its own)."""
-        split = self.grid.spec.question_split
-        at = context.rfind(split) if split else -1
-        if at <= 0:
-            return None
-        return min(len(self.tok_encode(context[:at])), len(ids))
+        at = self.grid.spec.split_at(context)
+        return None if at is None else min(len(self.tok_encode(context[:at])), len(ids))
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         asked = []
@@ -115,22 +130,14 @@ class PkvbenchLM(TemplateLM):
         return answers
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        raise PkvError(
-            "loglikelihood_rolling (perplexity tasks) is not supported by the pkvbench backend: a rolling window has "
-            "no context to compress; run the task with lm-eval's hf backend"
-        )
+        raise PkvError(ROLLING_REFUSAL)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
         asked, stops = [], []
         for request in requests:
             context, gen_kwargs = request.args
-            kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
-            if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) > 0:
-                raise PkvError(
-                    f"task {request.task_name}: sampling (do_sample, temperature > 0) is not supported; pkvbench "
-                    "decodes greedily (pass --gen_kwargs temperature=0 or a greedy task)"
-                )
+            kwargs = greedy_settings(request.task_name, gen_kwargs)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_gen_toks = kwargs.pop("max_gen_toks")
             ids = self.tok_encode(context)

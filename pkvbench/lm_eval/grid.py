@@ -24,40 +24,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pkvbench import api
-from pkvbench.cell.budgets import parse_decode_budgets
-from pkvbench.cell.models import DEFAULT_MODEL
-from pkvbench.cell.schema import AGNOSTIC, AWARE, arrange
-from pkvbench.config import whole
-from pkvbench.engine.models import check_model_name
+from pkvbench.cell.schema import AGNOSTIC, AWARE, MULTI_TURN, arrange
+from pkvbench.config import LIST, MODEL_ARG, PAIR, Option, options_with, whole
 from pkvbench.errors import PkvError
-from pkvbench.policies.spec import parse_policies
-from pkvbench.run.runner import Cell, RunSettings, check_formats, check_memory, row_identity, run_sample
+from pkvbench.run.runner import (
+    Cell,
+    RunSettings,
+    check_formats,
+    check_memory,
+    load_run_model,
+    row_identity,
+    run_sample,
+)
 from pkvbench.store.results import row_key
-from pkvbench.tasks.base import Sample, TaskOptions, TaskSpec
+from pkvbench.tasks.base import Sample, TaskSpec
 
-# Model args that take a grid's values. Through ``lm_eval --model_args`` (whose values cannot hold a comma) they are
-# separated by "+"; from Python or ``pkvbench lm-eval`` a list or a comma string does too.
-GRID_ARGS = {
-    "policy": "policies",
-    "budget": "budgets",
-    "memory": "memory",
-    "kv_bits": "kv_bits",
-    "decode_budget": "decode_budgets",
-    "query_mode": "query_modes",
-}
-# Single-valued model args, as RunConfig's fields.
-PLAIN_ARGS = {
-    "model": "model",
-    "pretrained": "model",  # what lm-eval's hf backend calls it
-    "device": "device",
-    "dtype": "dtype",
-    "protocol": "protocol",
-    "kv_group": "kv_group",
-    "kv_residual": "kv_residual",
-    "decode_interval": "decode_interval",
-    "decode_buffer": "decode_buffer",
-    "decode_batch": "decode_batch",
-}
+
+def model_arg_name(declared: Option) -> str:
+    """A run option's name as a model arg: its flag's, with underscores (``--kv-bits``: ``kv_bits``)."""
+    return declared.flag.removeprefix("--").replace("-", "_")
+
+
+# The model args: the run options marked MODEL_ARG (options.py), named as their flags. A list option's values (a grid's
+# axis, the policies' options) are separated by "+" through ``lm_eval --model_args`` (whose values cannot hold a
+# comma), by "+" or "," from Python or ``pkvbench lm-eval``.
+MODEL_ARGS = {model_arg_name(declared): declared for declared in options_with(api.RunConfig, MODEL_ARG)}
+OTHER_NAMES = {"pretrained": "model"}  # what lm-eval's hf backend calls it
 # What lm-eval hands every backend (``create_from_arg_string``'s additional config), of no use to this one: the
 # engine batches a request's configurations itself.
 IGNORED_ARGS = ("batch_size", "max_batch_size")
@@ -91,9 +83,10 @@ class GridSpec:
 
     @classmethod
     def parse(cls, model_args: Mapping[str, Any]) -> GridSpec:
-        """Check every model arg before anything slow; a bad one is one line naming what to do (``PkvError``)."""
+        """Check every model arg before anything slow, by ``pkvbench run``'s rules and in its words (``api.resolve_grid``,
+        the resolver ``run`` uses); a bad one is one line naming what to do (``PkvError``)."""
         given = {k: v for k, v in model_args.items() if v is not None and k not in IGNORED_ARGS}
-        known = (*GRID_ARGS, *PLAIN_ARGS, *OWN_ARGS)
+        known = (*MODEL_ARGS, *OTHER_NAMES, *OWN_ARGS)
         for name, value in given.items():
             if name not in known:
                 hint = (
@@ -102,41 +95,69 @@ class GridSpec:
                     else ""
                 )
                 raise PkvError(f"model arg {name!r} is not one of pkvbench's: {', '.join(known)}{hint}")
-        fields: dict[str, Any] = {PLAIN_ARGS[k]: v for k, v in given.items() if k in PLAIN_ARGS}
-        fields.setdefault("model", DEFAULT_MODEL)
-        for name, field_name in GRID_ARGS.items():
-            if name in given:
-                values = grid_values(given[name])
+        for other, name in OTHER_NAMES.items():
+            if other in given and name in given:
+                raise PkvError(f"model args {name} and {other} both name the model; give one")
+        fields: dict[str, Any] = {}
+        for name, value in given.items():
+            declared = MODEL_ARGS.get(OTHER_NAMES.get(name, name))
+            if declared is None:
+                continue  # one of OWN_ARGS
+            if declared.kind in (LIST, PAIR):
+                values = grid_values(value)
                 twice = sorted({v for v in values if values.count(v) > 1})
                 if twice:
                     raise PkvError(f"model arg {name}={'+'.join(values)} names {twice[0]} twice; give each value once")
-                fields[field_name] = values
-        config = api.checked(api.RunConfig(**fields))
-        check_model_name(config.model)
-        policies = parse_policies(config.policies, config.policy_args, config.protocol)
-        decode_budgets = parse_decode_budgets(config.decode_budgets)
-        api.check_decoding(policies, decode_budgets, config.decode_interval, config.decode_buffer)
-        budgets = api.resolve_budgets(config, policies, "cr0" if decode_budgets != [None] else "128")
-        formats = api.resolve_formats(config)
-        modes = list(config.query_modes) if not isinstance(config.query_modes, str) else [config.query_modes]
-        unknown = [m for m in modes if m not in (AWARE, AGNOSTIC)]
-        if unknown:
-            raise PkvError(f"model arg query_mode={unknown[0]}: one of {AWARE}, {AGNOSTIC}")
-        split = given.get("question_split")
-        if AGNOSTIC in modes and not split:
+                value = values
+            fields[declared.name] = value
+        run = api.resolve_grid(api.RunConfig(**fields))
+        if MULTI_TURN in run.query_modes:
             raise PkvError(
-                "model arg query_mode=agnostic needs question_split=TEXT: where the question starts in lm-eval's "
-                "context (its last occurrence), so that the context before it is compressed and the rest fed on top"
+                f"query mode {MULTI_TURN}: lm-eval's requests are single questions, not conversations; run "
+                f"conversations with pkvbench run --query-mode {MULTI_TURN}"
+            )
+        split = given.get("question_split")
+        if AGNOSTIC in run.query_modes and not split:
+            raise PkvError(
+                "query mode agnostic needs question_split=TEXT (--question-split TEXT): where the question starts in "
+                "lm-eval's context (its last occurrence), so that the context before it is compressed and the rest fed "
+                "on top"
+            )
+        if split is not None and AGNOSTIC not in run.query_modes:
+            raise PkvError(
+                "question_split (--question-split) only sets where the question starts for query mode agnostic, which "
+                "this run has none of: give --query-mode agnostic with it, or leave it out (alone it would be ignored)"
             )
         # the shapes of values parsed per name (the same values named twice in other spellings, 128 and 128.0)
-        for name, parsed in (("policy", policies), ("budget", budgets), ("kv_bits", formats)):
+        for name, parsed in (("policy", run.policies), ("budget", run.budgets), ("kv_bits", run.formats)):
             if name in given and len(parsed) < len(grid_values(given[name])):
                 raise PkvError(f"model arg {name}={given[name]} names one value twice; give each value once")
         max_length = None if given.get("max_length") is None else whole(1)(given["max_length"], "max_length")
-        resolved = api.ResolvedRun(
-            config, [], policies, budgets, TaskOptions(), None, None, modes, formats, decode_budgets
+        return cls(run.config, run.cells, split, max_length, run, dict(given))
+
+    def split_at(self, context: str) -> int | None:
+        """Where the question starts in a context's text: the last occurrence of ``question_split`` (None where it
+        does not occur, or only at the very start: then there is no context before the question to compress)."""
+        at = context.rfind(self.question_split) if self.question_split else -1
+        return at if at > 0 else None
+
+    def missing_split(self) -> PkvError:
+        return PkvError(
+            f"query mode agnostic: question_split={self.question_split!r} does not occur in a context; choose text "
+            "that starts every request's question"
         )
-        return cls(config, resolved.cells, split, max_length, resolved, dict(given))
+
+    def check_model(self) -> None:
+        """What the model's config decides, checked before anything slow as ``pkvbench run`` checks it (before lm-eval
+        indexes a task, before the model loads): a family pkvbench refuses, a KIVI group that does not divide the
+        head size."""
+        from pkvbench.engine.models import model_context_window, model_shape
+
+        model = self.config.model
+        model_context_window(model)  # refuses an architecture pkvbench cannot run, from its config alone
+        shape = model_shape(model, api.native_bits(self.config))
+        if shape is not None:
+            check_formats(shape, self.cells)
 
 
 def cell_label(cell: Cell) -> str:
@@ -145,7 +166,7 @@ def cell_label(cell: Cell) -> str:
     if cell.query_mode != AWARE:
         parts.append(cell.query_mode)
     if cell.kv is not None:
-        parts.append(f"kv{cell.kv.bits}")
+        parts.append(f"kv{cell.kv.spec}")
     if cell.decode_budget is not None:
         parts.append(f"d{cell.decode_budget}")
     return re.sub(r"[^A-Za-z0-9.=-]+", "-", "_".join(parts))
@@ -176,12 +197,10 @@ class Grid:
 
     def __init__(self, spec: GridSpec, engine=None):
         from pkvbench.engine.generation import Engine
-        from pkvbench.engine.models import load_model
 
         self.spec = spec
         if engine is None:
-            c = spec.config
-            engine = Engine(load_model(c.model, device=c.device, dtype=c.dtype))
+            engine = Engine(load_run_model(spec.config))
         self.engine = engine
         check_formats(engine.loaded.shape, spec.cells)
         self.generated: dict[Generation, list[dict]] = {}  # per request, per cell: run_sample's row
@@ -207,10 +226,7 @@ class Grid:
     def _generate(self, request: Generation) -> list[dict]:
         cut = request.question_at if request.question_at is not None else len(request.context)
         if AGNOSTIC in self.spec.resolved.query_modes and cut >= len(request.context):
-            raise PkvError(
-                f"query_mode=agnostic: question_split={self.spec.question_split!r} does not occur in a context; "
-                "choose text that starts every request's question"
-            )
+            raise self.spec.missing_split()
         sample = Sample.one_question("0", list(request.context), cut, [])
         task = dataclasses.replace(STAND_IN_TASK, max_new_tokens=request.max_gen_toks, stop_strings=request.until)
         cells = self.spec.cells
@@ -241,10 +257,7 @@ class Grid:
             raise PkvError("a loglikelihood request with an empty context has nothing to compress; not supported")
         aware_cut = len(context) - 1
         if AGNOSTIC in modes and (question_at is None or question_at >= len(context)):
-            raise PkvError(
-                f"query_mode=agnostic: question_split={self.spec.question_split!r} does not occur in a context; "
-                "choose text that starts every request's question"
-            )
+            raise self.spec.missing_split()
         cuts = {AWARE: aware_cut, AGNOSTIC: question_at}
         prefill = engine.prefill(
             torch.tensor([context[: max(cuts[m] for m in modes)]]),

@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pkvbench.cell.schema import PROTOCOLS
-from pkvbench.config import as_list, excerpt, option_text, parse_float, parse_int
+from pkvbench.cell.schema import DEFAULT_PROTOCOL, PROTOCOLS
+from pkvbench.config import as_list, excerpt, one_of, option_text, parse_float, parse_int
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import Policy
 from pkvbench.policies.registry import default_grid, registry
@@ -69,7 +69,7 @@ def split_spec(spec: str) -> tuple[str, str | None, list[str]]:
     return spec[:opening].strip(), spec[opening + 1 : position].strip(), own
 
 
-def parse_policy(spec: str, shared_options: dict[str, str] | None = None, protocol: str = "exact") -> Policy:
+def parse_policy(spec: str, shared_options: dict[str, str] | None = None, protocol: str = DEFAULT_PROTOCOL) -> Policy:
     """Build a policy from ``name[:opt=value...]``.
 
     ``shared_options`` (from ``--policy-arg``) apply to every policy that has such an option; options in the spec
@@ -79,8 +79,7 @@ def parse_policy(spec: str, shared_options: dict[str, str] | None = None, protoc
     inner policy too — starts from its ``kvpress_options``: the settings of NVIDIA kvpress's press of the same rule
     where pkvbench's defaults differ on purpose (``docs/kvpress-crosscheck.md``).
     """
-    if protocol not in PROTOCOLS:
-        raise PkvError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
+    one_of(PROTOCOLS)(protocol, "--protocol")  # as the option checks it (options.py), for callers of this function
     policies = registry()
     name, inner_spec, own = split_spec(spec)
     if name not in policies:
@@ -126,7 +125,7 @@ def check_shared_options(shared_options: dict[str, str], policies: list[Policy])
 
 
 def parse_policies(
-    specs: Any, policy_args: Mapping[str, Any] | Sequence[str] = (), protocol: str = "exact"
+    specs: Any, policy_args: Mapping[str, Any] | Sequence[str] = (), protocol: str = DEFAULT_PROTOCOL
 ) -> list[Policy]:
     """Policy specs (``snapkv:window=32``) plus options shared by every policy that has them; each label once."""
     if isinstance(policy_args, Mapping):

@@ -26,7 +26,8 @@ from typing import Any
 import pandas as pd
 
 from pkvbench.cell.budgets import Budget
-from pkvbench.cell.schema import AGNOSTIC, QUERY_MODES, TABLE_KEY
+from pkvbench.cell.kv_formats import label_width
+from pkvbench.cell.schema import AGNOSTIC, NO_TURNS, ONCE, QUERY_MODES, TABLE_KEY, TURN_COMPRESSIONS
 from pkvbench.errors import PkvError
 from pkvbench.policies.registry import policy_order
 
@@ -134,10 +135,17 @@ def decode_budget_sort_key(label: str) -> tuple[int, int]:
     return (0, 0) if not str(label).isdigit() else (1, int(label))
 
 
+def turn_compression_sort_key(label: str) -> int:
+    """No conversation first, then compressed once, then every turn."""
+    order = (NO_TURNS, *TURN_COMPRESSIONS)
+    return order.index(label) if label in order else len(order)
+
+
 def bits_sort_key(label: str) -> tuple[float, str]:
-    """Widest first: 32, 16, 8, 4, 2 (``native`` first of all: the model's own cache, width unknown)."""
-    head = str(label).split(" ")[0]
-    return (-float(head) if head.replace(".", "").isdigit() else -math.inf, str(label))
+    """Widest first: 32, 16, 8 and fp8, 4 and tq4, tq3, 2 (``native`` first of all: the model's own cache, width
+    unknown)."""
+    width = label_width(label)
+    return (-width if width is not None else -math.inf, str(label))
 
 
 def _task_key(task: str) -> tuple[int, int, str]:
@@ -155,6 +163,7 @@ SORT_KEYS = {
     "query_mode": query_mode_sort_key,
     "kv_bits": bits_sort_key,
     "decode_budget": decode_budget_sort_key,
+    "turn_compression": turn_compression_sort_key,
     "task": _task_key,
 }
 
@@ -162,10 +171,11 @@ SORT_KEYS = {
 # stored in right after the policy. The optional ones show only where some row is not the paper's setting
 # (``report.row_axes``); the others are the paper's cell, model × policy × budget (``KEY``).
 ROW_AXES = ("policy", "kv_bits", *(name for name in TABLE_KEY if name in SORT_KEYS and name not in ("task", "policy")))
-OPTIONAL_AXES = ("kv_bits", "query_mode", "decode_budget")
+OPTIONAL_AXES = ("kv_bits", "query_mode", "decode_budget", "turn_compression")
 KEY = ["model", *(axis for axis in ROW_AXES if axis not in OPTIONAL_AXES)]
-# A line of a figure (``SERIES`` folds the bits and the decode budget into the policy) at a budget and query mode.
-LINE_KEY = ["model", *(axis for axis in ROW_AXES if axis not in ("kv_bits", "decode_budget"))]
+# A line of a figure (``SERIES`` folds the bits, the decode budget and the turn compression into the policy) at a
+# budget and query mode.
+LINE_KEY = ["model", *(axis for axis in ROW_AXES if axis not in ("kv_bits", "decode_budget", "turn_compression"))]
 
 
 def sort_rows(frame: pd.DataFrame, columns) -> pd.DataFrame:
@@ -215,6 +225,8 @@ def storage_words(value: str) -> str:
 LABELLED = {
     "kv_bits": Labelled(storage_words, unsaid=("",), several=True),
     "decode_budget": Labelled("decode {}".format, unsaid=("none",), full=False),
+    # a conversation's cache cut back to its budget after every turn (compressed once: the policy's at the prefill)
+    "turn_compression": Labelled("{}".format, unsaid=(NO_TURNS, ONCE), full=False),
 }
 
 

@@ -6,8 +6,9 @@ nothing: the command line reads them when it starts, and the modules whose meani
 TOLERANCE = 2.0
 SELECTION = ("on", "off")
 MIN_OVERLAP = 0.99
-# pkvbench report --view (frontier.py): the score table, each cell's bytes and score, the memory targets' comparisons.
-VIEWS = ("table", "frontier", "memory-diff")
+# pkvbench report --view (frontier.py): the score table, each cell's bytes and score, the memory targets' comparisons,
+# each storage format's entries and bytes as stored.
+VIEWS = ("table", "frontier", "memory-diff", "memory")
 # pkvbench export --format (export.py): the other harnesses whose layout pkvbench writes.
 EXPORT_FORMATS = ("kvpress",)
 # pkvbench compare --reference and the HTML report's comparison: the paper's table shipped with pkvbench

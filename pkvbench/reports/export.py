@@ -17,7 +17,8 @@ run, so kvpress users' scripts read it:
   ``budget<label>`` in the name where the ratio cannot be known); two budgets of one ratio are refused rather than
   written into one folder; ``__query_aware`` marks query-aware rows (kvpress's default is agnostic);
 - ``predictions.csv`` has ``task, sample_id, question, answer, predicted_answer, compression_ratio, query_mode,
-  context_tokens`` (``question`` from the rows' ``question_text``, empty for runs older than that column); kvpress's
+  context_tokens`` (``question`` from the rows' ``question_text``, empty for runs older than that column), and a
+  conversation's ``turn`` (``--query-mode multi-turn``: a folder per turn compression, ``__turns-every-turn``); kvpress's
   ``context`` and ``answer_prefix`` columns are absent (rows keep only the context's head and tail);
 - ``metrics.json`` holds each task's mean score × 100 under ``string_match`` (RULER's string match, the same
   definition as kvpress's), whatever the task's metric.
@@ -38,7 +39,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from pkvbench.cell.schema import AWARE, CELL_KEY, DEFAULT_QUERY_MODE
+from pkvbench.cell.schema import AWARE, CELL_KEY, DEFAULT_QUERY_MODE, NO_TURNS
 from pkvbench.errors import PkvError
 from pkvbench.reports.axes import FRACTION, REMOVED, budget_kind, budget_point, key_label, present
 from pkvbench.reports.report import (
@@ -100,14 +101,18 @@ def kvpress_name(policy: str) -> str:
 
 
 def compression_ratio(budget: str, rows: pd.DataFrame) -> float | None:
-    """The share of the prompt removed: a ``cr`` budget's own, else 1 − the mean share the rows kept, else (rows that
+    """The share of the prompt removed: a ``cr`` budget's own, else 1 − the mean share the rows kept (of their
+    conversation so far, a conversation's turns), else (rows that
     do not say: ``budget_tokens`` and ``context_tokens`` are not required of a row) 1 − a fraction budget; None for a
     budget of tokens or bytes whose rows do not say."""
     kind, value = budget_point(str(budget))
     if kind == REMOVED:
         return value
     kept = pd.to_numeric(_column(rows, "budget_tokens"), errors="coerce")
-    kept = (kept / pd.to_numeric(_column(rows, "context_tokens"), errors="coerce")).clip(upper=1.0).dropna()
+    # of the prompt: the context, or a conversation's turn's whole conversation so far
+    prompt = pd.to_numeric(_column(rows, "conversation_tokens"), errors="coerce")
+    prompt = prompt.fillna(pd.to_numeric(_column(rows, "context_tokens"), errors="coerce"))
+    kept = (kept / prompt).clip(upper=1.0).dropna()
     if len(kept):
         return float(1 - kept.mean())
     return 1 - value if kind == FRACTION else None
@@ -157,6 +162,8 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
                 else f"budget{cell['budget']}",  # kvpress's ratio, where it is known
             ]
         ) + ("__query_aware" if cell["query_mode"] == AWARE else "")
+        turns = cell.get("turn_compression", NO_TURNS)
+        name += f"__turns-{turns}" if turns != NO_TURNS else ""  # a conversation's: compressed once or every turn
         folder = out / name
         label = key_label(cell, at_budget=True)
         if folder in written:  # two budgets of one ratio: one folder would hold both, kvpress would read one
@@ -176,6 +183,7 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
                 "compression_ratio": ratio,
                 "query_mode": cell["query_mode"],
                 "context_tokens": _column(group, "context_tokens"),
+                **({"turn": group["turn"].astype("Int64")} if turns != NO_TURNS else {}),
             }
         )
         metrics = {
@@ -190,6 +198,7 @@ def export_kvpress(runs: Runs, out: str | Path, outputs: Outputs | None = None) 
             "pkvbench_budget": str(cell["budget"]),
             **({"pkvbench_kv_bits": cell["kv_stored"]} if cell["kv_stored"] else {}),
             "query_aware": cell["query_mode"] == AWARE,
+            **({"pkvbench_turn_compression": turns} if turns != NO_TURNS else {}),
             "samples": int(len(group)),
         }
         outputs.add(folder / "predictions.csv", predictions.to_csv(index=False))

@@ -18,12 +18,12 @@ import math
 import pandas as pd
 
 from pkvbench.cell.schema import AWARE, SAMPLE_KEY
-from pkvbench.reports.axes import MEMORY_KINDS, ROW_AXES, budget_kind, cell_label, of_kind, present
+from pkvbench.reports.axes import MEMORY_KINDS, budget_kind, cell_label, of_kind, present
 from pkvbench.reports.paired import ALL_TASKS, pairwise
 from pkvbench.reports.report import report_table, row_axes, stores_formats
 
 TARGET = "target"  # the memory target a comparison is made at
-CELL = [axis for axis in ROW_AXES if axis not in ("query_mode", "decode_budget")]  # a stored cell: policy, bits, budget
+CELL = ["policy", "kv_bits", "budget"]  # a stored cell: what its bytes depend on (not the question or the turns)
 
 
 def has_frontier(rows: pd.DataFrame) -> bool:
@@ -62,6 +62,37 @@ def points(rows: pd.DataFrame) -> pd.DataFrame:
     for _, group in table.groupby(groups, sort=False):
         for index in _pareto(group["kv_bytes"], group["avg"]):
             table.loc[index, "front"] = "*"
+    return table
+
+
+def storage(rows: pd.DataFrame) -> pd.DataFrame:
+    """``--view memory``: one row per storage format (``kv_bits``) × budget, over its policies and samples: the
+    entries it kept (mean per KV head and layer), the bytes as stored (``kv_bytes``, mean; ``memory``: % of the full
+    cache at 16 bits), ``bytes/entry`` (a head's key and value with their share of scales, norms, codebooks and
+    padding) and the target a memory budget allowed (mean bytes)."""
+    rows = _with_bits(rows)
+    keys = [c for c in ("model", "query_mode") if c in rows.columns and rows[c].nunique() > 1] + ["kv_bits", "budget"]
+    columns = {
+        "policies": ("policy", "nunique"),
+        "n": ("score", "size"),
+        "entries": ("budget_tokens", "mean"),
+        "kv_bytes": ("kv_bytes", "mean"),
+        "memory": ("memory_fraction", "mean"),
+        "bytes/entry": ("_per_entry", "mean"),
+        "target": ("memory_target", "mean"),
+    }
+    rows = rows.assign(_per_entry=rows["kv_bytes"] / rows["kv_entries"]) if "kv_entries" in rows.columns else rows
+    present_columns = {name: spec for name, spec in columns.items() if spec[0] in rows.columns}
+    # the axes are ordered categoricals (report.load_runs): grouped, they come in the axes' order
+    table = rows.groupby(keys, sort=True, observed=True).agg(**present_columns).reset_index()
+    if "memory" in table.columns:
+        table["memory"] = (table["memory"] * 100).round(2)
+    for name in ("entries", "bytes/entry"):
+        if name in table.columns:
+            table[name] = table[name].round(1)
+    for name in ("kv_bytes", "target"):
+        if name in table.columns:
+            table[name] = table[name].round(0).astype("Int64")
     return table
 
 

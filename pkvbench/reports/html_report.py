@@ -46,6 +46,7 @@ from pkvbench.reports.figures.html_figures import (
 from pkvbench.reports.paper_compare import compare, load_reference
 from pkvbench.reports.report import Runs, load_runs, model_display_name, report_table, uneven_counts
 from pkvbench.reports.summary import summarize
+from pkvbench.reports.turns import has_turns, turn_table
 from pkvbench.store.results import ROWS, RUN, read_run_record
 
 ASSETS = "html_assets"  # beside this module, in its package: the page's skeleton, style sheet and script
@@ -158,6 +159,8 @@ def page_data(runs: Runs) -> dict[str, Any]:
         if not compared.empty:
             tables["memory_diff"] = table_json(compared)
         figures += frontier_figures(points)
+    if has_turns(rows):  # conversations (--query-mode multi-turn): each cell's score turn by turn
+        tables["turns"] = table_json(turn_table(rows, intervals=True))
     labelled = rows.assign(policy=rows[SERIES])  # a policy with its bits and decode budget: each line its own
     return {
         "title": page_title(rows),

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from pkvbench.cell.budgets import budget_label
-from pkvbench.cell.schema import AWARE, DEFAULT_QUERY_MODE, FORMATS, REQUIRED, TABLE_KEY
+from pkvbench.cell.schema import AWARE, DEFAULT_QUERY_MODE, FORMATS, NO_TURNS, REQUIRED, TABLE_KEY
 from pkvbench.errors import PkvError
 from pkvbench.reports.axes import ROW_AXES, cell_label, order_axes, present
 from pkvbench.reports.stats import group_interval, mean_interval
@@ -131,6 +131,9 @@ def load_runs(paths: list[str | os.PathLike], strict: bool = False) -> Runs:
     # rows written before decode budgets existed never cut their cache while decoding
     raw = merged["decode_budget"] if "decode_budget" in merged else [None] * len(merged)
     merged["decode_budget"] = [decode_budget_label(v) for v in raw]
+    # rows that are no conversation's turn (every row before conversations) have no turn compression
+    turns = merged["turn_compression"] if "turn_compression" in merged else pd.Series(None, index=merged.index)
+    merged["turn_compression"] = turns.fillna(NO_TURNS)
     keys = list(TABLE_KEY)
     conflict = _disagreement(merged, keys)
     if conflict:
@@ -224,6 +227,7 @@ def row_axes(rows: pd.DataFrame) -> list[str]:
         "kv_bits": stores_formats(rows),
         "query_mode": "query_mode" in rows.columns and (rows["query_mode"] != AWARE).any(),
         "decode_budget": "decode_budget" in rows.columns and (rows["decode_budget"] != "none").any(),
+        "turn_compression": "turn_compression" in rows.columns and (rows["turn_compression"] != NO_TURNS).any(),
     }
     return ["model", *(axis for axis in ROW_AXES if shown.get(axis, True))]
 

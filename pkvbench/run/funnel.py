@@ -103,9 +103,9 @@ class FunnelRecorder(Recorder):
     (``softmaxes``: each layer's, ``Engine.softmaxes``)."""
 
     softmaxes: list
-    window: int = 8
-    sink: int = 4
-    top_k: int = 128
+    window: int  # the defaults are ``FunnelConfig``'s
+    sink: int
+    top_k: int
     layers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def observe(

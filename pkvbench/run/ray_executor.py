@@ -19,7 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pkvbench.errors import PkvError, first_line
-from pkvbench.run.runner import RowWriter, RunSettings, RunStats, pending_cells, plan_grid, run_sample
+from pkvbench.run.runner import (
+    RowWriter,
+    RunSettings,
+    RunStats,
+    load_run_model,
+    pending_cells,
+    plan_grid,
+    run_sample,
+)
 
 RAY_HINT = "--executor ray needs Ray: pip install 'pkvbench[ray]'"
 CPUS_PER_WORKER = 1  # also the worker's torch threads
@@ -37,9 +45,10 @@ class RaySettings:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What a worker needs to load the same model the local executor would, seeded the same way."""
+    """What a worker needs to load the same model the local executor would, seeded the same way: the run's model
+    options (``options.model_settings``) and its seed."""
 
-    name: str
+    model: str
     device: str
     dtype: str
     attn_implementation: str
@@ -59,14 +68,11 @@ class SampleWorker:
         import torch
 
         from pkvbench.engine.generation import Engine
-        from pkvbench.engine.models import load_model
         from pkvbench.run.provenance import make_deterministic
 
         torch.set_num_threads(threads)
         make_deterministic(spec.seed)
-        self.loaded = load_model(
-            spec.name, device=spec.device, dtype=spec.dtype, attn_implementation=spec.attn_implementation
-        )
+        self.loaded = load_run_model(spec)
         self.engine = Engine(self.loaded)
 
     def describe(self) -> dict:
@@ -103,7 +109,7 @@ def run_grid_on_ray(
     if model.device == "cuda" and cluster.gpus_per_worker == 0:
         raise PkvError("--device cuda with --gpus-per-worker 0: a worker has a GPU only when it reserves one")
     plan = plan_grid(
-        tasks, None if items is not None else load_tokenizer(model.name), cells, options, store, shard, items
+        tasks, None if items is not None else load_tokenizer(model.model), cells, options, store, shard, items
     )
     ray = _connect(cluster)
     try:

@@ -19,14 +19,16 @@ from pkvbench.cell import budgets, kv_formats
 from pkvbench.cell.budgets import Budget
 from pkvbench.cell.fingerprints import fingerprint
 from pkvbench.cell.kv_formats import KVFormat
-from pkvbench.cell.schema import AGNOSTIC, AWARE, DEFAULT_QUERY_MODE, arrange
+from pkvbench.cell.schema import AGNOSTIC, AWARE, DEFAULT_QUERY_MODE, EVERY_TURN, MODEL_ANSWERS, MULTI_TURN, arrange
 from pkvbench.config import int_text
 from pkvbench.engine.generation import CompressedCache, Engine, Prefill
-from pkvbench.engine.models import ModelShape
+from pkvbench.engine.models import LoadedModel, ModelShape
+from pkvbench.engine.shrinking import start_from
+from pkvbench.engine.turns import Conversation, answer_request, extend
 from pkvbench.errors import PkvError
 from pkvbench.metrics.functions import prepare_prediction
 from pkvbench.metrics.registry import METRICS
-from pkvbench.options import implied
+from pkvbench.options import RunSettings, model_settings  # RunSettings: RunConfig's fields marked SETTING
 from pkvbench.policies.base import LayerStats, Policy
 from pkvbench.store.results import ResultStore, row_key
 from pkvbench.tasks.base import Question, Sample, TaskOptions, TaskSpec
@@ -91,10 +93,12 @@ class Cell:
     query_mode: str = DEFAULT_QUERY_MODE
     kv: KVFormat | None = None
     decode_budget: int | None = None
+    turn_compression: str | None = None  # a conversation's (``multi-turn``): compressed once, or every turn
 
 
 def row_identity(task: TaskSpec, sample_id: str, cell: Cell) -> dict:
     stored = {} if cell.kv is None else {"kv_native": False, **kv_fields(cell.kv)}
+    turns = {} if cell.turn_compression is None else {"turn_compression": cell.turn_compression}
     return {
         "task": task.name,
         "sample_id": sample_id,
@@ -103,25 +107,23 @@ def row_identity(task: TaskSpec, sample_id: str, cell: Cell) -> dict:
         "query_mode": cell.query_mode,
         **stored,
         "decode_budget": cell.decode_budget,
+        **turns,
     }
 
 
+def load_run_model(config) -> LoadedModel:
+    """The model as a run's model options say (``options.model_settings``: a ``RunConfig``'s, a ``ModelSpec``'s)."""
+    from pkvbench.engine.models import load_model
+
+    settings = model_settings(config)
+    return load_model(settings.pop("model"), **settings)
+
+
 def kv_fields(fmt: KVFormat) -> dict:
-    return {"kv_bits": fmt.bits, "kv_group": fmt.group, "kv_residual": fmt.residual}
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """How every sample of a run is run, whichever executor runs it."""
-
-    max_new_tokens: int | None = None  # instead of the task's answer length
-    decode_batch: int | None = None  # at most this many configurations decode together (None: as memory allows)
-    protocol: str = "exact"  # recorded in every row: the policies were parsed under it
-    # RunConfig's options of the same names, as a run fills them in (``options.implied``)
-    kv_group: int = implied("kv_group")  # recorded in every row (the model's own cache has no use for them)
-    kv_residual: int = implied("kv_residual")
-    decode_interval: int = implied("decode_interval")  # a decode budget cuts the cache every this many new tokens
-    decode_buffer: int = implied("decode_buffer")  # and always keeps this many of the newest entries
+    """How a row records its storage: bits per value, KIVI's group and residual, and a named format with its options
+    (None for KIVI's integers, 16 bits and the model's own cache)."""
+    named = str(fmt) if fmt.codec != kv_formats.KIVI else None
+    return {"kv_bits": fmt.bits, "kv_group": fmt.group, "kv_residual": fmt.residual, "kv_format": named}
 
 
 @dataclass
@@ -157,9 +159,18 @@ def run_sample(
     prefill = engine.prefill(
         _as_tensor(sample.prompt(first) if AWARE in modes else sample.context_ids),
         [cell.policy for cell in cells],
-        cuts=tuple(n for n, mode in ((aware_len, AWARE), (context_len, AGNOSTIC)) if mode in modes),
-        decoding=[cell.policy for cell in cells if cell.decode_budget is not None],
+        cuts=tuple(n for n, mode in ((aware_len, AWARE), (context_len, AGNOSTIC)) if mode in modes)
+        + ((context_len,) if MULTI_TURN in modes else ()),
+        decoding=[
+            cell.policy for cell in cells if cell.decode_budget is not None or cell.turn_compression == EVERY_TURN
+        ],
     )
+    conversations = [cell for cell in cells if cell.query_mode == MULTI_TURN]
+    cells = [cell for cell in cells if cell.query_mode != MULTI_TURN]
+    if conversations:
+        yield from _Conversations(engine, task, sample, settings, prefill, conversations).rows(texts)
+    if not cells:
+        return
     batch = _Batch(engine, task, settings)
     for cell in cells:
         started = time.perf_counter()
@@ -225,9 +236,162 @@ class _Batch:
             yield _row(self.engine, self.task, sample, job, decoded[job.request], self.settings, texts)
 
 
+@dataclass
+class _Line:
+    """One conversation of a sample and the cells it answers for. Cells whose conversations are the same so far share
+    one line: a policy at a budget compressed once and every turn, until the first cut; every cache that keeps
+    everything and is never cut."""
+
+    cells: list[Cell]
+    conversation: Conversation
+    plan: budgets.LayerPlan
+    selection_s: float
+    pending: list[int]  # what the next turn feeds before its answer: its question (after the last answer, if held)
+    cut_s: float = 0.0  # seconds of this turn's cut back to the budget (every turn)
+
+    @property
+    def cutting(self) -> list[Cell]:
+        return [cell for cell in self.cells if cell.turn_compression == EVERY_TURN]
+
+
+class _Conversations:
+    """A sample's questions asked in turn, one conversation per configuration (``--query-mode multi-turn``).
+
+    The context is compressed once per policy and budget from the shared prefill; each turn's question extends each
+    conversation's own cache (``engine/turns.py``; nothing of the context is computed again), the answers of all
+    conversations decode together as the grid's do, and the answer — the model's own, or the reference
+    (``turn_answers``) — becomes part of the conversation before the next question. Compressed every turn, a cache
+    is cut back to its budget after each answer. One row per cell and turn."""
+
+    def __init__(
+        self, engine: Engine, task: TaskSpec, sample: Sample, settings: RunSettings, prefill: Prefill, cells: list[Cell]
+    ):
+        if not sample.conversable:
+            raise PkvError(
+                f"{task.name} {sample.sample_id}: its questions cannot be asked in turn (--query-mode {MULTI_TURN} "
+                "needs a task whose questions follow one another: scbench_*, needle-multi, niah_multiquery_each)"
+            )
+        self.engine, self.task, self.sample, self.settings, self.prefill = engine, task, sample, settings, prefill
+        context_len = len(sample.context_ids)
+        lines: dict[tuple, _Line] = {}
+        for cell in cells:
+            same = (cell.policy.label, cell.budget.recorded, cell.kv)
+            if same in lines:
+                lines[same].cells.append(cell)
+                continue
+            started = time.perf_counter()
+            cache = engine.compress(prefill, cell.policy, cell.budget, context_len, cell.kv)
+            conversation = Conversation.of(cache.kept, context_len)
+            first = list(sample.questions[0].ids)
+            lines[same] = _Line([cell], conversation, cache.plan, time.perf_counter() - started, first)
+        self.lines: list[_Line] = []
+        whole: _Line | None = None  # every cache that keeps everything and is never cut: one conversation
+        for line in lines.values():
+            line.conversation = self._recording(line)
+            if line.conversation.schedule is None and not line.plan.compressed:
+                if whole is not None:
+                    whole.cells += line.cells
+                    continue
+                whole = line
+            self.lines.append(line)
+
+    def _recording(self, line: _Line) -> Conversation:
+        """The line's conversation, recording from its start what a cut after a turn scores from where one of its
+        cells is cut every turn (a budget that keeps everything never is)."""
+        cell = line.cutting[0] if line.cutting else None
+        if cell is None or cell.budget.keeps_all:
+            return line.conversation
+        target = max(line.plan.requested, cell.policy.min_budget)
+        schedule = self.engine.schedule(cell.policy, target, interval=1, buffer=0)
+        if schedule is None:  # a policy that keeps everything
+            return line.conversation
+        conversation = line.conversation
+        start = start_from(self.prefill.stats_at[line.plan.context_len], conversation.kept.positions, schedule.needs)
+        return dataclasses.replace(conversation, schedule=schedule, start=start)
+
+    def rows(self, texts: dict[str, dict]) -> Iterator[dict]:
+        engine, settings, task = self.engine, self.settings, self.task
+        questions = self.sample.questions
+        for turn, question in enumerate(questions, start=1):
+            lines = self.lines
+            conversations = [line.conversation for line in lines]
+            extended = extend(engine, conversations, [line.pending for line in lines], False, settings.decode_batch)
+            for line, done in zip(lines, extended):
+                line.conversation = done.conversation
+            max_new_tokens = settings.max_new_tokens or task.max_new_tokens
+            requests = [
+                answer_request(done, max_new_tokens, task.stop_strings, task.min_new_tokens) for done in extended
+            ]
+            answers = engine.decode_many(requests, settings.decode_batch)
+            asked = len(question.ids if turn == 1 else question.follow_ids)
+            for line, answer in zip(lines, answers):
+                for cell in line.cells:
+                    yield self._row(cell, line, question, turn, asked, answer, texts)
+            if turn < len(questions):
+                self._close_turn(question, questions[turn], answers)
+
+    def _close_turn(self, question: Question, following: Question, answers: list) -> None:
+        """Each conversation takes the turn's answer (the model's, or the reference). The cells of a line that are cut
+        every turn go on as a line of their own, extended by the answer and cut back to their budget now; the others
+        take the answer with the next question."""
+        follow = following.follow_ids
+        lines, cutting, spoken_by = [], [], []
+        for line, answer in zip(self.lines, answers):
+            spoken = list(answer.tokens if self.settings.turn_answers == MODEL_ANSWERS else question.reply_ids)
+            # an answer that ended its own turn (with the end-of-turn token the next question starts with)
+            rest = follow[1:] if spoken and follow and spoken[-1] == follow[0] else list(follow)
+            line.cut_s = 0.0
+            cut_cells = line.cutting if line.conversation.schedule is not None and spoken else []
+            kept_cells = [cell for cell in line.cells if cell not in cut_cells]
+            if cut_cells:
+                cut = dataclasses.replace(line, cells=cut_cells, pending=rest)
+                cutting.append(cut)
+                spoken_by.append(spoken)
+                lines.append(cut)
+            if kept_cells:
+                conversation = line.conversation
+                if cut_cells:  # no cell of it is cut any more: nothing more to record
+                    conversation = dataclasses.replace(conversation, schedule=None, start=None)
+                lines.append(
+                    dataclasses.replace(line, cells=kept_cells, conversation=conversation, pending=spoken + rest)
+                )
+        if cutting:
+            started = time.perf_counter()
+            conversations = [line.conversation for line in cutting]
+            done = extend(self.engine, conversations, spoken_by, True, self.settings.decode_batch)
+            seconds = (time.perf_counter() - started) / len(cutting)
+            for line, extended in zip(cutting, done):
+                line.conversation, line.cut_s = extended.conversation, seconds
+        self.lines = lines
+
+    def _row(self, cell: Cell, line: _Line, question: Question, turn: int, asked: int, answer, texts) -> dict:
+        """The turn's row: the grid's, of the cache the answer was written from (the conversation so far)."""
+        engine, conversation = self.engine, line.conversation
+        held = CompressedCache(conversation.kept, line.plan)
+        job = _Job(cell, question, held, line.selection_s, 0, self.prefill, engine.native_format)
+        turn_fields = {
+            "question_tokens": asked,
+            "turn": turn,
+            "turn_answers": self.settings.turn_answers,
+            "conversation_tokens": conversation.position,
+            "kept_fingerprint": fingerprint(conversation.kept_positions()),
+            "memory_fraction": round(held.nbytes / engine.geometry.full_bytes(conversation.position), 6),
+            "selection_s": round(line.selection_s if turn == 1 else line.cut_s, 4),
+        }
+        return _row(engine, self.task, self.sample, job, answer, self.settings, texts, turn_fields)
+
+
 def _row(
-    engine: Engine, task: TaskSpec, sample: Sample, job: _Job, answer, settings: RunSettings, texts: dict[str, dict]
+    engine: Engine,
+    task: TaskSpec,
+    sample: Sample,
+    job: _Job,
+    answer,
+    settings: RunSettings,
+    texts: dict[str, dict],
+    turn: dict | None = None,
 ) -> dict:
+    """A row of the grid; ``turn``: a conversation's turn, its own fields (``_Conversations._row``)."""
     cache, question = job.cache, job.question
     metric = METRICS[task.metric]
     full_bytes = engine.geometry.full_bytes(cache.plan.context_len)
@@ -268,6 +432,7 @@ def _row(
         "decode_s": round(answer.seconds, 4),
         "decode_batch": answer.batch,
         **texts[question.question_id],
+        **(turn or {}),
     }
     # the schema (pkvbench/cell/schema.py) orders the fields and refuses one it does not declare; the task's own columns
     # (length, depth, ...) come after them
@@ -428,15 +593,21 @@ def run_grid(
 
 
 def check_formats(shape: ModelShape, cells: list[Cell]) -> None:
-    """Refuse a KIVI group that does not fit the model's heads: values are quantized per token in groups of G
-    channels, so G must divide the head size. ``shape`` is read from the model's config: this runs before the model
-    loads (and before ``--overwrite`` deletes anything)."""
+    """Refuse a format that does not fit the model's heads: a KIVI group must divide the head size (values are
+    quantized per token in groups of G channels), and TurboQuant's codes must fill whole bytes of a head. ``shape``
+    is read from the model's config: this runs before the model loads (and before ``--overwrite`` deletes
+    anything)."""
     head_dim = shape.head_dim
     for fmt in {cell.kv for cell in cells if cell.kv is not None and cell.kv.quantized}:
-        if head_dim % fmt.group or head_dim * fmt.bits % 8:
+        if fmt.kivi and (head_dim % fmt.group or head_dim * fmt.bits % 8):
             raise PkvError(
                 f"--kv-group {fmt.group} does not divide the model's head size ({head_dim}): values are quantized "
                 f"per token in groups of G channels; try {', '.join(str(g) for g in (16, 32, 64) if head_dim % g == 0)}"
+            )
+        if fmt.codec == kv_formats.TURBOQUANT and head_dim % 8:
+            raise PkvError(
+                f"--kv-bits {fmt}: the model's head size ({head_dim}) is not a multiple of 8, so a head's "
+                f"{fmt.bits}-bit codes do not fill whole bytes"
             )
 
 
@@ -466,7 +637,11 @@ def check_memory(shape: ModelShape, pending: list[tuple[TaskSpec, Sample, list[C
         for cell in cells:
             if not cell.budget.memory:
                 continue
-            prompts = [sample.context_ids] if cell.query_mode == AGNOSTIC else map(sample.prompt, sample.questions)
+            prompts = (
+                [sample.context_ids]
+                if cell.query_mode in (AGNOSTIC, MULTI_TURN)
+                else map(sample.prompt, sample.questions)
+            )
             fmt = cell.kv or shape.native_format
             for length in {len(ids) for ids in prompts}:
                 stats = LayerStats(length, shape.kv_heads, shape.query_heads)

@@ -8,8 +8,8 @@ A store touches nothing it did not write. ``claim`` checks the folder before any
 writer (``pkvbench.store.lock``); the folder changes only when the run's first row is written (or the run ends with
 nothing left to compute): a folder being replaced (``--overwrite``) loses its previous pkvbench files then, never a
 file of anyone else's, and a run refused or failed before its first row leaves the folder as it was (a folder it
-made is removed again). ``run.json`` and
-``summary.csv`` are replaced atomically (``io.atomic_write``).
+made is removed again). A store may own folders too (``pkvbench lm-eval``'s ``lm_eval/``): they go with its files.
+``run.json`` and ``summary.csv`` are replaced atomically (``io.atomic_write``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import pandas as pd
 
 from pkvbench.cell.budgets import ALL, MEMORY_PREFIX, REMOVED_PREFIX, Budget, budget_label
-from pkvbench.cell.kv_formats import KVFormat
-from pkvbench.cell.schema import DEFAULT_QUERY_MODE, QUERY_MODES
+from pkvbench.cell.kv_formats import format_of_row
+from pkvbench.cell.schema import DEFAULT_QUERY_MODE, NO_TURNS, QUERY_MODES, TURN_COMPRESSIONS
 from pkvbench.errors import PkvError
 from pkvbench.io import (
     atomic_write,
@@ -36,6 +36,7 @@ from pkvbench.io import (
     read_json,
     read_json_lines,
     remove_file,
+    remove_tree,
 )
 from pkvbench.store.lock import LOCK_NAME, FolderLock
 
@@ -59,6 +60,7 @@ def row_key(row: Row) -> tuple[str, ...]:
     as the model's own, how it was stored (rows written before the query mode was recorded are query-aware; rows
     without a decode budget never cut their cache while decoding; before storage formats, the model's own cache)."""
     stored, decode = stored_as(row), decode_budget_label(row.get("decode_budget"))
+    turns = row.get("turn_compression")
     return (
         row["task"],
         str(row["sample_id"]),
@@ -68,6 +70,7 @@ def row_key(row: Row) -> tuple[str, ...]:
         # only where the row has them: the keys of rows of earlier versions keep their shape
         *((f"decode {decode}",) if decode != "none" else ()),
         *((stored,) if stored else ()),
+        *((f"turns {turns}",) if turns and turns != NO_TURNS else ()),
     )
 
 
@@ -84,13 +87,13 @@ def _given(value: Any) -> bool:
 
 def stored_as(row: Row) -> str:
     """How a row's cache was stored, as keys name it: "" for the model's own cache, else its ``KVFormat``: ``16``,
-    ``4``, ``4 g64 r32``."""
+    ``4``, ``4 g64 r32``, ``fp8``, ``tq3:qjl=true``."""
     if "kv_stored" in row:  # a row as report.load_runs reads it: already said
         return row["kv_stored"] or ""
     native = row.get("kv_native")
     if not _given(row.get("kv_bits")) or not _given(native) or native:
         return ""
-    return str(KVFormat(int(row["kv_bits"]), int(row["kv_group"]), int(row["kv_residual"])))
+    return str(format_of_row(row["kv_bits"], row.get("kv_group"), row.get("kv_residual"), row.get("kv_format")))
 
 
 def bits_label(row: Row) -> str:
@@ -139,6 +142,10 @@ def check_result_row(row: Row, where: str) -> None:
         raise PkvError(f"{where}: budget must be a number, got {budget!r}")
     if "query_mode" in row and row["query_mode"] not in QUERY_MODES:
         raise PkvError(f"{where}: query_mode must be {' or '.join(QUERY_MODES)}, got {row['query_mode']!r}")
+    if row.get("turn_compression") is not None and row["turn_compression"] not in TURN_COMPRESSIONS:
+        raise PkvError(
+            f"{where}: turn_compression must be {' or '.join(TURN_COMPRESSIONS)}, got {row['turn_compression']!r}"
+        )
     try:
         Budget.parse(str(budget))
     except PkvError as exc:
@@ -227,11 +234,13 @@ class ResultStore:
         outputs: Sequence[str] = (SUMMARY,),
         key: Callable[[Row], tuple] = row_key,
         check: Callable[[Row, str], None] | None = check_result_row,
+        folders: Sequence[str] = (),
     ):
         self.dir = Path(out_dir)
         self.rows_path = self.dir / rows_name
         self.info_path = self.dir / info_name
         self.own_paths = [self.info_path, self.rows_path, *(self.dir / name for name in outputs)]
+        self.own_folders = [self.dir / name for name in folders]  # the run's own folders (lm-eval's files)
         self.key = key
         self.check = check
         self.lock = FolderLock(self.dir)
@@ -276,8 +285,11 @@ class ResultStore:
         for path in self.own_paths:
             if path.is_dir():
                 raise PkvError(f"{path} is a folder where pkvbench keeps a file; use another --out")
+        for path in self.own_folders:
+            if path.exists() and not path.is_dir():
+                raise PkvError(f"{path} is a file where pkvbench keeps a folder; use another --out")
         if not self.info_path.exists():
-            strangers = [path.name for path in self.own_paths if path.exists()]
+            strangers = [path.name for path in (*self.own_paths, *self.own_folders) if path.exists()]
             if strangers:
                 raise PkvError(
                     f"{self.dir} holds {', '.join(strangers)} but no {self.info_path.name}: not a pkvbench run "
@@ -326,10 +338,12 @@ class ResultStore:
     def _foreign_files(self) -> list[str]:
         """Names in the folder that are neither pkvbench's files nor what a killed write of one leaves."""
         own = [path.name for path in self.own_paths]
+        folders = [path.name for path in self.own_folders]
         return [
             entry.name
             for entry in self.dir.iterdir()
-            if entry.name not in (*own, LOCK_NAME) and not any(is_staging_file(entry.name, name) for name in own)
+            if entry.name not in (*own, *folders, LOCK_NAME)
+            and not any(is_staging_file(entry.name, name) for name in own)
         ]
 
     def record_with_first_row(self, run_info: dict[str, Any]) -> None:
@@ -338,7 +352,9 @@ class ResultStore:
         first prefill out of memory) deletes nothing of a folder being replaced and leaves no record behind."""
         self._record = run_info
 
-    def _write_record(self) -> None:
+    def begin(self) -> None:
+        """The run's first output is about to be written (a row, a file of the run's own folders): record the run now,
+        if it is not yet (``record_with_first_row``)."""
         if self._record is not None:
             self.record(self._record)
 
@@ -349,6 +365,8 @@ class ResultStore:
         if self._replacing:
             for path in self.own_paths:
                 remove_file(path)
+            for path in self.own_folders:
+                remove_tree(path)
             self._replacing = False
         elif self.info_path.exists():  # a resume: the record keeps the first session's provenance, lists this one's
             previous = read_run_record(self.info_path)
@@ -421,7 +439,7 @@ class ResultStore:
 
     def extend(self, rows: list[Row]) -> None:
         """Append ``rows`` in one write and one fsync (a merge of thousands of rows should not pay a sync each)."""
-        self._write_record()
+        self.begin()
         data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
         try:
             fd = os.open(self.rows_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -440,7 +458,7 @@ class ResultStore:
     def write_summary(self, table: pd.DataFrame) -> pd.DataFrame:
         """Write ``table`` (``reports.summary.summarize`` of the rows) as ``summary.csv``, recording the run first
         where nothing has yet."""
-        self._write_record()
+        self.begin()
         atomic_write(self.dir / SUMMARY, table.to_csv(index=False))
         return table
 

@@ -18,6 +18,12 @@ class Question:
     answers: list[str]
     question_id: str = ""  # "" for a sample's only question; otherwise part of its rows' sample_id
     extras: dict[str, Any] = field(default_factory=dict)  # result columns of this question (e.g. its needle's depth)
+    # As a later turn of a conversation (``--query-mode multi-turn``): the tokens that ask it right after an answer
+    # (the end of the assistant's turn, the question's own user turn, the template's closing tokens, an answer
+    # prefix: ``follow_up_ids``), and what a teacher-forced conversation puts in the model's mouth as its answer
+    # (the reference answer's tokens). None: the question cannot follow another.
+    follow_ids: list[int] | None = None
+    reply_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,13 @@ class Sample:
     def answers(self) -> list[str]:
         return self.questions[0].answers
 
+    @property
+    def conversable(self) -> bool:
+        """Whether its questions can be asked in turn, as one conversation: every question after the first knows how
+        it follows an answer, and every question but the last what its reference answer says."""
+        later, earlier = self.questions[1:], self.questions[:-1]
+        return all(q.follow_ids is not None for q in later) and all(q.reply_ids is not None for q in earlier)
+
     def row_id(self, question: Question) -> str:
         """A row's ``sample_id``: the sample's own, or ``<sample>/<question>`` when it asks several."""
         return f"{self.sample_id}/{question.question_id}" if question.question_id else self.sample_id
@@ -86,6 +99,7 @@ class TaskOptions:
     max_length: int | None = None  # prompt tokens, for tasks that truncate long inputs
     sample_ids: tuple[str, ...] | None = None  # select samples by id
     context_window: int | None = None  # model positions for default truncation (else read from the model config)
+    turns: int | None = None  # questions asked in turn per context (conversations: SCBench's tasks)
 
     def __post_init__(self) -> None:
         for depth in self.depths or ():
@@ -93,6 +107,8 @@ class TaskOptions:
                 raise PkvError(f"depth {depth:g} is outside 0..100 (percent)")
         if self.limit is not None and self.limit < 1:
             raise PkvError("--limit must be at least 1")
+        if self.turns is not None and self.turns < 1:
+            raise PkvError("--turns must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -182,6 +198,34 @@ def chat_messages(system: str | None, turns: list[str]) -> list[dict[str, str]]:
     return ([{"role": "system", "content": system}] if system else []) + [
         {"role": roles[i % 2], "content": turn} for i, turn in enumerate(turns)
     ]
+
+
+# Stands for an answer's text in a rendered conversation: what follows it is how the template goes on after an answer.
+_ANSWER_MARK = "\u2063answer\u2063"
+
+
+def follow_up_ids(tokenizer, chat_template: bool, text: str, answer_prefix: str = "") -> list[int]:
+    """The tokens that ask ``text`` as a later turn of a conversation, right after the assistant's answer: with a
+    chat template, the end of the assistant's turn and a user turn of ``text`` ready for the next answer (as the
+    template renders them after an answer); without one, a blank line and ``text`` (SCBench's follow-up). An answer
+    prefix starts the next answer, as in the first turn."""
+    if chat_template:
+        messages = [
+            {"role": "user", "content": "?"},
+            {"role": "assistant", "content": _ANSWER_MARK},
+            {"role": "user", "content": text},
+        ]
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        after = rendered[rendered.index(_ANSWER_MARK) + len(_ANSWER_MARK) :]
+        return reply_tokens(tokenizer, after) + (
+            reply_tokens(tokenizer, answer_prefix.lstrip(" ")) if answer_prefix else []
+        )
+    return reply_tokens(tokenizer, "\n\n" + text + answer_prefix)
+
+
+def reply_tokens(tokenizer, text: str) -> list[int]:
+    """``text``'s tokens inside a prompt (no special tokens added): a reference answer, a follow-up turn."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -22,7 +22,9 @@ from pkvbench.tasks.base import (
     chat_ids,
     chat_messages,
     context_length,
+    follow_up_ids,
     format_at_context,
+    reply_tokens,
 )
 
 
@@ -77,6 +79,11 @@ class NeedlePrompts:
             text = insert_at_sentence_end(text, needle.text, position)
         return text
 
+    def follow_up(self, question: str) -> list[int]:
+        """The tokens that ask ``question`` after an earlier answer: the prompt's text after the context."""
+        user, context_end = format_at_context(self.spec.config["prompt"], context="", question=question)
+        return follow_up_ids(self.tokenizer, self.spec.chat_template, user[context_end:].lstrip())
+
     def prompt(self, context: str, question: str) -> tuple[list[int], int]:
         """The prompt's ids and how many of them are the context."""
         config = self.spec.config
@@ -125,7 +132,14 @@ class NeedlePrompts:
         if len(placed) == 1:
             return Sample.one_question(sample_id, prompts[0][0], context_len, [placed[0][0].answer], extras)
         questions = tuple(
-            Question(ids[context_len:], [needle.answer], f"q{index}", {"needle": index, "depth": depth})
+            Question(
+                ids[context_len:],
+                [needle.answer],
+                f"q{index}",
+                {"needle": index, "depth": depth},
+                self.follow_up(needle.question),
+                reply_tokens(self.tokenizer, needle.answer),
+            )
             for index, ((ids, _), (needle, depth)) in enumerate(zip(prompts, placed))
         )
         return Sample(sample_id, context_ids, questions, extras)

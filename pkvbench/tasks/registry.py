@@ -47,6 +47,11 @@ BUILTIN_GENERATORS: dict[str, str] = {
     "passage_copy": "pkvbench.tasks.longout:PASSAGE_COPY_GENERATOR",
     "reasoning": "pkvbench.tasks.reasoning:REASONING_GENERATOR",
     "trec_fewshot": "pkvbench.tasks.trec:TREC_FEWSHOT_GENERATOR",
+    "scbench_kv": "pkvbench.tasks.scbench:SCBENCH_KV_GENERATOR",
+    "scbench_prefix_suffix": "pkvbench.tasks.scbench:SCBENCH_PREFIX_SUFFIX_GENERATOR",
+    "scbench_vt": "pkvbench.tasks.scbench:SCBENCH_VT_GENERATOR",
+    "scbench_needles": "pkvbench.tasks.scbench:SCBENCH_NEEDLES_GENERATOR",
+    "scbench_data": "pkvbench.tasks.scbench:SCBENCH_DATA_GENERATOR",
 }
 
 
@@ -58,7 +63,7 @@ def _check_generator(name: str, generator: Any, where: str) -> None:
 GENERATORS = Registry("task generator", GENERATOR_ENTRY_POINT_GROUP, BUILTIN_GENERATORS, _check_generator)
 
 # The sample options (``TaskOptions``, ``SampleConfig``) a generator can be shaped by.
-SHAPING_OPTIONS = ("lengths", "depths", "max_length", "data_dir")
+SHAPING_OPTIONS = ("lengths", "depths", "max_length", "data_dir", "turns")
 # A task's name becomes part of a folder name (``results/runs/<model>/<task+task>``): letters, digits, ``_ . -``.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -189,6 +194,9 @@ def _check_defaults(raw: dict[str, Any], generator: Generator, where: str) -> No
     lengths = defaults.get("lengths")
     if not isinstance(lengths, list) or not lengths or not all(type(n) is int and n > 0 for n in lengths):
         raise PkvError(f"task file {where}: defaults.lengths must be a list of positive integers (prompt tokens)")
+    turns = defaults.get("turns")
+    if "turns" in generator.shaped_by and (type(turns) is not int or turns < 1):
+        raise PkvError(f"task file {where}: defaults.turns must be a positive integer (the turns of a conversation)")
     if "depths" in generator.shaped_by:
         # One needle: the default depths; several: one depth (slot) per needle.
         name, depths = ("slots", raw.get("slots")) if "needles" in raw else ("defaults.depths", defaults.get("depths"))

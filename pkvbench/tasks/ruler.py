@@ -23,7 +23,7 @@ import re
 import string
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import TypeVar
 
@@ -37,7 +37,9 @@ from pkvbench.tasks.base import (
     chat_ids,
     chat_messages,
     context_length,
+    follow_up_ids,
     format_at_context,
+    reply_tokens,
 )
 
 TOLERANCE = 0.02  # a prompt is within ±2% of its requested length
@@ -96,6 +98,14 @@ class Asked:
     text: str
     answer_prefix: str
     answers: tuple[str, ...]
+    extras: dict = field(default_factory=dict)  # result columns of the question
+
+    @property
+    def reply(self) -> str:
+        """The reference answer as the model would say it after the answer prefix: a conversation's teacher-forced
+        turn (the answers joined, a space after a prefix that ends without one)."""
+        text = ", ".join(self.answers)
+        return " " + text if self.answer_prefix and not self.answer_prefix[-1].isspace() else text
 
 
 @dataclass(frozen=True)
@@ -134,7 +144,14 @@ def built_sample(tokenizer, spec: TaskSpec, sample_id: str, built: Built, extras
     if len(prompts) == 1:
         return Sample.one_question(sample_id, prompts[0][0], context_len, list(built.asked[0].answers), extras)
     questions = tuple(
-        Question(ids[context_len:], list(asked.answers), f"q{i}")
+        Question(
+            ids[context_len:],
+            list(asked.answers),
+            f"q{i}",
+            asked.extras,
+            follow_up_ids(tokenizer, spec.chat_template, asked.text.lstrip(), asked.answer_prefix),
+            reply_tokens(tokenizer, asked.reply),
+        )
         for i, ((ids, _), asked) in enumerate(zip(prompts, built.asked))
     )
     return Sample(sample_id, prompts[0][0][:context_len], questions, extras)

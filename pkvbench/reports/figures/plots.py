@@ -25,6 +25,7 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import LinearSegmentedColormap, Normalize
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
+from pkvbench.cell.schema import EVERY_TURN
 from pkvbench.errors import PkvError
 from pkvbench.io import atomic_write
 from pkvbench.reports.axes import (
@@ -36,11 +37,13 @@ from pkvbench.reports.axes import (
     budget_kind,
     is_full,
     of_kind,
+    policy_name,
     present,
     with_query_modes,
 )
 from pkvbench.reports.figures import figure_data  # the numbers both renderers draw: these PNGs and the HTML page
 from pkvbench.reports.report import Runs, model_display_name
+from pkvbench.reports.stats import mean_interval
 from pkvbench.store.outputs import Outputs
 
 NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", figure_data.NEEDLE_COLOURS)
@@ -296,6 +299,53 @@ def _budget_axis(ax, kind: str, ticks: list[float]) -> None:
     ax.set_ylabel("score (× 100)")
 
 
+def plot_turn_curves(rows: pd.DataFrame, out_dir: str | Path, outputs: Outputs | None = None) -> list[Path]:
+    """Per model and task one figure of its conversations: a panel per budget, score over the turns, a line per
+    policy (compressed every turn: a line of its own, dotted), its 95% interval as a band; the full cache dashed."""
+    with _under_rule(outputs, "--out") as outputs:
+        return _turn_curves(rows[rows["turn"].notna()], Path(out_dir), outputs)
+
+
+def _turn_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[Path]:
+    paths = []
+    for (model, task), cell in rows.groupby(["model", "task"], sort=True, observed=True):
+        name = model_display_name(model)
+        budgets = present(cell["budget"])
+        lines = [p for p in present(cell["policy"]) if not is_full(p)]
+        colours = {p: figure_data.policy_colour(i) for i, p in enumerate(dict.fromkeys(map(policy_name, lines)))}
+        fig, axes = plt.subplots(1, len(budgets), figsize=(4.6 * len(budgets) + 1.8, 3.4), squeeze=False)
+        handles = {}
+        for budget, ax in zip(budgets, axes.flat):
+            for policy in present(cell["policy"]):
+                line = cell[(cell["policy"] == policy) & (cell["budget"] == budget)]
+                if line.empty:
+                    continue
+                by_turn = line.groupby("turn")["score"]
+                turns = sorted(by_turn.groups)
+                means = [100 * by_turn.get_group(t).mean() for t in turns]
+                bounds = [mean_interval(by_turn.get_group(t)) for t in turns]
+                full = is_full(policy)
+                colour = "black" if full else colours[policy_name(policy)]
+                style = "--" if full else (":" if EVERY_TURN in policy else "-")
+                label = "full cache" if full else policy
+                (handle,) = ax.plot(turns, means, marker="o", color=colour, ls=style, lw=1.8, label=label)
+                ax.fill_between(
+                    turns, [100 * lo for lo, _ in bounds], [100 * hi for _, hi in bounds], color=colour, alpha=0.1, lw=0
+                )
+                handles.setdefault(label, handle)
+            ax.set_xticks(sorted(cell["turn"].dropna().astype(int).unique()))
+            ax.set_ylim(0, 105)
+            ax.grid(True, alpha=0.3)
+            ax.set_xlabel("turn")
+            ax.set_ylabel("score (× 100)")
+            ax.set_title(f"{budget_title(str(budget))} · {name}", fontsize=10)
+        fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), title="policy")
+        fig.suptitle(f"{task}: score turn by turn, one line per policy (full cache dashed)", fontsize=12)
+        fig.tight_layout(rect=(0, 0, 1, 0.96))
+        paths.append(_save(fig, out_dir / f"{slug(task)}_turns_{slug(name)}.png", outputs))
+    return paths
+
+
 def plot_runs(runs: Runs, out_dir: str | Path, outputs: Outputs | None = None) -> list[Path]:
     """Every figure of ``runs`` into ``out_dir``: all checked before the first is written."""
     rows = runs.rows[runs.rows["score"].notna()]
@@ -309,7 +359,8 @@ def plot_runs(runs: Runs, out_dir: str | Path, outputs: Outputs | None = None) -
     numbered = rows[of_kind(rows["budget"], *NUMBER_LINE)]
     with _under_rule(outputs, "--out") as outputs:
         curves = plot_budget_curves(numbered, out_dir, outputs) if len(numbered) else []
-        return plot_needle_heatmaps(rows, out_dir, outputs) + curves
+        turns = plot_turn_curves(rows, out_dir, outputs) if "turn" in rows.columns else []
+        return plot_needle_heatmaps(rows, out_dir, outputs) + curves + turns
 
 
 # --- per-layer budgets -----------------------------------------------------------------------------------------------

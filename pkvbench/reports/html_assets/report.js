@@ -107,6 +107,19 @@
     }
     document.getElementById("summary-table").append(renderTable(data.tables.summary, "summary-data"));
     document.getElementById("report-table").append(renderTable(data.tables.report, "report-data"));
+    if (data.tables.turns) {
+      append(
+        document.getElementById("turns"),
+        el("h2", {}, "Accuracy by turn"),
+        el(
+          "p",
+          { class: "hint" },
+          "The conversations' rows (--query-mode multi-turn), as pkvbench report prints them: each cell's score at " +
+            "each turn with its 95% interval, the curve of the means from the first turn on, n conversations.",
+        ),
+        renderTable(data.tables.turns, "turns-data"),
+      );
+    }
     if (data.tables.frontier) {
       append(
         document.getElementById("frontier"),
