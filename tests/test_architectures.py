@@ -55,6 +55,15 @@ class Row:
     norms: float = 0.0  # the spread of random norm weights (a random model's are all ones, so prove nothing)
     grids: tuple[str, ...] = ("memory-bits", "decode-budget")  # the CLI grids it runs (``GRIDS``)
 
+    @property
+    def batch(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Its batch test's policies: those whose caches are compressed at the prefill, and those also cut while the
+        answer is written. A row whose attention another row proves batches the full cache, one compressed and one
+        cut (rows of three lengths, one shrinking): the costliest check of a row proves nothing new on its attention."""
+        if self.grids == DECODING_GRID:
+            return ("full", "snapkv"), ("snapkv",)
+        return ("full", "streamingllm", "snapkv", "h2o"), ("snapkv", "h2o")
+
 
 # A family whose attention another row proves already (its "how handled" says "as" that family) runs the CLI's
 # decode-time grid only: every policy at a memory budget in two widths proves nothing new on it, and costs the most.
@@ -608,11 +617,12 @@ def test_past_an_all_sliding_window_the_policies_that_score_without_attention_ru
 
 
 def test_a_batch_of_policies_decodes_as_each_alone(family):
-    """Caches of several policies, two of them cut again while the answer is written (``--decode-budget``)."""
+    """Caches of several policies, some of them cut again while the answer is written (``--decode-budget``;
+    ``Row.batch``)."""
     row, engine, _ = family
     ids = prompt(row)
-    policies = [parse_policy(name) for name in ("full", "streamingllm", "snapkv", "h2o")]
-    prefill = engine.prefill(ids, policies, decoding=policies[2:])
+    policies, cut = ([parse_policy(name) for name in names] for names in row.batch)
+    prefill = engine.prefill(ids, policies, decoding=cut)
     requests = [
         engine.request(prefill, engine.compress(prefill, policy, Budget(row.budget)), row.new_tokens)
         for policy in policies
@@ -624,7 +634,7 @@ def test_a_batch_of_policies_decodes_as_each_alone(family):
             row.new_tokens,
             schedule=engine.schedule(policy, row.budget, 4, 4),
         )
-        for policy in policies[2:]
+        for policy in cut
     ]
     alone = engine.decode_many(requests, 1)
     together = engine.decode_many(requests)
