@@ -16,6 +16,7 @@ _LAZY = {
     "Needs": "pkvbench.policies.base",
     "Policy": "pkvbench.policies.base",
     "ScoringPolicy": "pkvbench.policies.base",
+    "WindowedPolicy": "pkvbench.policies.base",
     "StatisticNotRecorded": "pkvbench.policies.base",
     "parse_policy": "pkvbench.policies.spec",
     "parse_option_pairs": "pkvbench.policies.spec",

@@ -213,6 +213,8 @@ class Policy:
     choices: ClassVar[dict[str, tuple[str, ...]]] = {}
     # Integer options that must be at least 1 (a window of 0 queries has no attention to sum).
     positive: ClassVar[tuple[str, ...]] = ()
+    # Integer options that must be odd: pooling kernels (stride 1, same padding), so that pooling keeps every position.
+    odd: ClassVar[tuple[str, ...]] = ()
     # Part of ``pkvbench run``'s default --policy list (the paper's five).
     in_default_grid: ClassVar[bool] = False
     # The options that make this rule select as the PyramidKV paper's code does (``--protocol reference``); an
@@ -223,9 +225,10 @@ class Policy:
     kvpress_options: ClassVar[dict[str, object]] = {}
 
     def __post_init__(self) -> None:
-        # A subclass's choices and positive options add to its bases'.
+        # A subclass's choices, positive and odd options add to its bases'.
         choices = {k: v for cls in reversed(type(self).__mro__) for k, v in vars(cls).get("choices", {}).items()}
         positive = {name for cls in type(self).__mro__ for name in vars(cls).get("positive", ())}
+        odd = {name for cls in type(self).__mro__ for name in vars(cls).get("odd", ())}
         for option, allowed in choices.items():
             if getattr(self, option) not in allowed:
                 raise ValueError(f"{self.name}: {option} must be one of {', '.join(allowed)}")
@@ -237,6 +240,8 @@ class Policy:
                 floor = 1 if f.name in positive else 0
                 if value < floor:
                     raise ValueError(f"{self.name}: {f.name} must be at least {floor}")
+                if f.name in odd and value % 2 == 0:
+                    raise ValueError(f"{self.name}: {f.name} must be odd so that pooling keeps every position")
 
     @property
     def needs(self) -> Needs:
@@ -355,3 +360,16 @@ class ScoringPolicy(Policy):
         chosen = best_positions(scores[:, : length - recent], k - recent, self.ties)
         window = torch.arange(length - recent, length, device=chosen.device).expand(chosen.shape[0], recent)
         return torch.cat([chosen, window], dim=1).sort(dim=-1).values
+
+
+@dataclass(frozen=True)
+class WindowedPolicy(ScoringPolicy):
+    """A scoring policy with an observation window: its last ``window`` positions (at least 1) are always kept, and
+    the rule reads what they attend to (SnapKV, H2O's ``scores=window``, R-KV)."""
+
+    positive: ClassVar[tuple[str, ...]] = ("window",)
+    window: int = 8
+
+    @property
+    def keeps_recent(self) -> int:
+        return self.window

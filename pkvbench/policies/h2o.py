@@ -26,18 +26,16 @@ from typing import ClassVar
 
 import torch
 
-from pkvbench.policies.base import GQA_MODES, LayerStats, Needs, ScoringPolicy, group_by_kv_head
+from pkvbench.policies.base import GQA_MODES, LayerStats, Needs, WindowedPolicy, group_by_kv_head
 
 
 @dataclass(frozen=True)
-class H2O(ScoringPolicy):
+class H2O(WindowedPolicy):
     name = "h2o"
     summary = "accumulated attention of all prompt queries; top k-window + window"
     in_default_grid = True
     choices: ClassVar[dict[str, tuple[str, ...]]] = {"scores": ("all", "all-bidirectional", "window"), "gqa": GQA_MODES}
-    positive = ("window",)
     reference_options: ClassVar[dict[str, object]] = {"gqa": "query", "ties": "topk"}
-    window: int = 8
     scores: str = "all"
     normalize: bool = False
     gqa: str = "mean"
@@ -49,10 +47,6 @@ class H2O(ScoringPolicy):
         if self.scores == "all-bidirectional":
             return Needs(bidirectional=frozenset({self.window}))
         return Needs(accumulated=True)
-
-    @property
-    def keeps_recent(self) -> int:
-        return self.window
 
     def decoding_refusal(self) -> str | None:
         if self.scores == "all-bidirectional":

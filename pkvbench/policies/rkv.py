@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from pkvbench.policies.base import LayerStats, Needs, ScoringPolicy
+from pkvbench.policies.base import LayerStats, Needs, WindowedPolicy
 from pkvbench.policies.snapkv import pool_scores
 
 
@@ -76,11 +76,11 @@ def _similarity_rows(normed: torch.Tensor, start: int, end: int, threshold: floa
 
 
 @dataclass(frozen=True)
-class RKV(ScoringPolicy):
+class RKV(WindowedPolicy):
     name = "rkv"
     summary = "R-KV: λ·last window's attention (max-pooled) − (1−λ)·key redundancy (cosine); top k-window + window"
-    positive: ClassVar[tuple[str, ...]] = ("window", "kernel")
-    window: int = 8
+    positive: ClassVar[tuple[str, ...]] = ("kernel",)
+    odd: ClassVar[tuple[str, ...]] = ("kernel",)
     kernel: int = 7
     mix_lambda: float = 0.07
     threshold: float = 0.5
@@ -89,16 +89,10 @@ class RKV(ScoringPolicy):
         super().__post_init__()
         if not 0 <= self.mix_lambda <= 1:
             raise ValueError(f"{self.name}: mix_lambda is a fraction (0..1)")
-        if self.kernel % 2 == 0:
-            raise ValueError(f"{self.name}: kernel must be odd so that pooling keeps every position")
 
     @property
     def needs(self) -> Needs:
         return Needs(queries=frozenset({self.window}))
-
-    @property
-    def keeps_recent(self) -> int:
-        return self.window
 
     def score(self, stats: LayerStats) -> torch.Tensor:
         keys = stats.keys.float()

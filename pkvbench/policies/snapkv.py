@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from pkvbench.policies.base import GQA_MODES, LayerStats, Needs, ScoringPolicy, group_by_kv_head
+from pkvbench.policies.base import GQA_MODES, LayerStats, Needs, WindowedPolicy, group_by_kv_head
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
@@ -34,7 +34,7 @@ def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor
 
 
 @dataclass(frozen=True)
-class SnapKV(ScoringPolicy):
+class SnapKV(WindowedPolicy):
     name = "snapkv"
     summary = "last `window` queries' attention, max-pooled (kernel 7); top k-window + window"
     in_default_grid = True
@@ -42,27 +42,18 @@ class SnapKV(ScoringPolicy):
         "pooling": ("max", "avg", "none"),
         "gqa": (*GQA_MODES, "kv-mean-first"),
     }
-    positive = ("window", "kernel")
+    positive = ("kernel",)
+    odd = ("kernel",)
     reference_options: ClassVar[dict[str, object]] = {"gqa": "query", "ties": "topk"}
     # kvpress's SnapKVPress: window 64, average pooling of kernel 5 (its group mean after pooling is gqa=mean).
     kvpress_options: ClassVar[dict[str, object]] = {"window": 64, "kernel": 5, "pooling": "avg"}
-    window: int = 8
     kernel: int = 7
     pooling: str = "max"
     gqa: str = "mean"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.kernel % 2 == 0:
-            raise ValueError(f"{self.name}: kernel must be odd so that pooling keeps every position")
-
     @property
     def needs(self) -> Needs:
         return Needs(windows=frozenset({self.window}))
-
-    @property
-    def keeps_recent(self) -> int:
-        return self.window
 
     @property
     def score_scale(self) -> float:

@@ -192,6 +192,22 @@ def chat_prompt_ids(tokenizer, system: str | None, user: str) -> list[int]:
     return chat_ids(tokenizer, chat_messages(system, [user]))
 
 
+def split_chat_prompt(tokenizer, system: str | None, user: str, context_end: int) -> tuple[list[int], int]:
+    """A one-turn chat prompt's ids and how many of them are its context: ``user`` up to ``context_end``."""
+    messages = chat_messages(system, [user])
+    ids = chat_ids(tokenizer, messages)
+    return ids, context_length(tokenizer, ids, messages, None, context_end)
+
+
+def split_prompt(tokenizer, spec: TaskSpec, user: str, context_end: int) -> tuple[list[int], int]:
+    """``split_chat_prompt`` with the task's system prompt, or, for a task without a chat template, ``user`` as
+    plain text."""
+    if spec.chat_template:
+        return split_chat_prompt(tokenizer, spec.config.get("system"), user, context_end)
+    ids = list(tokenizer(user)["input_ids"])
+    return ids, context_length(tokenizer, ids, None, user, context_end)
+
+
 def chat_messages(system: str | None, turns: list[str]) -> list[dict[str, str]]:
     """Chat messages: an optional system prompt, then turns alternating user, assistant, …, user."""
     roles = ("user", "assistant")
@@ -221,6 +237,35 @@ def follow_up_ids(tokenizer, chat_template: bool, text: str, answer_prefix: str 
             reply_tokens(tokenizer, answer_prefix.lstrip(" ")) if answer_prefix else []
         )
     return reply_tokens(tokenizer, "\n\n" + text + answer_prefix)
+
+
+def turn_question(
+    tokenizer,
+    spec: TaskSpec,
+    ids: list[int],
+    answers: list[str],
+    question_id: str,
+    extras: dict[str, Any],
+    follow_up: str,
+    reply: str,
+    answer_prefix: str = "",
+) -> Question:
+    """A question that can also be asked as a later turn of a conversation: ``follow_up`` is its text after an
+    answer (``follow_up_ids``), ``reply`` the text of its reference answer (what a teacher-forced conversation puts in
+    the model's mouth)."""
+    follow_ids = follow_up_ids(tokenizer, spec.chat_template, follow_up, answer_prefix)
+    return Question(ids, answers, question_id, extras, follow_ids, reply_tokens(tokenizer, reply))
+
+
+def shared_context(prompts: list[tuple[list[int], int]], where: str, asked: str = "questions") -> tuple[list[int], int]:
+    """The context that the prompts of one sample's questions (each prompt's ids and how many of them are its
+    context) share, and its length: the shortest context, refused (naming ``where`` and what ``asked`` them) unless
+    every prompt starts with its tokens."""
+    context_len = min(split for _, split in prompts)
+    context_ids = prompts[0][0][:context_len]
+    if any(ids[:context_len] != context_ids for ids, _ in prompts):
+        raise PkvError(f"{where}: the {asked} do not share the context's tokens")
+    return context_ids, context_len
 
 
 def reply_tokens(tokenizer, text: str) -> list[int]:

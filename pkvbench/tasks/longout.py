@@ -24,7 +24,7 @@ import itertools
 import random
 import re
 
-from pkvbench.tasks.base import Generator, Sample, TaskOptions, TaskSpec, chat_ids, chat_messages, context_length
+from pkvbench.tasks.base import Generator, Sample, TaskOptions, TaskSpec, split_chat_prompt
 from pkvbench.tasks.ruler import _wonderwords
 
 
@@ -41,9 +41,7 @@ def _sample(tokenizer, spec: TaskSpec, sample_id: str, context: str, answer: str
     template = config["prompt"]
     head = template[: template.index("{context}")].format(**fields)
     user = head + context + template[template.index("{context}") + len("{context}") :].format(**fields)
-    messages = chat_messages(config.get("system"), [user])
-    ids = chat_ids(tokenizer, messages)
-    context_len = context_length(tokenizer, ids, messages, None, len(head) + len(context))
+    ids, context_len = split_chat_prompt(tokenizer, config.get("system"), user, len(head) + len(context))
     ids += tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
     return Sample.one_question(sample_id, ids, context_len, [answer], extras={"answer_lines": answer.count("\n") + 1})
 
@@ -116,30 +114,20 @@ def _selected(samples: list[Sample], options: TaskOptions) -> list[Sample]:
     return [s for s in samples if s.sample_id in wanted]
 
 
-LIST_RECALL_GENERATOR = Generator(
-    list_recall_samples,
-    ("items", "prompt", "defaults"),
-    (),
-    "n<number>",
-    optional=("system",),
-    template="prompt",
-    fields=frozenset({"context", "items"}),
-)
-CHAIN_TRACE_GENERATOR = Generator(
-    chain_trace_samples,
-    ("steps", "prompt", "defaults"),
-    (),
-    "n<number>",
-    optional=("system",),
-    template="prompt",
-    fields=frozenset({"context", "start", "steps"}),
-)
-PASSAGE_COPY_GENERATOR = Generator(
-    passage_copy_samples,
-    ("haystack", "answer_tokens", "prompt", "defaults"),
-    (),
-    "n<number>",
-    optional=("system",),
-    template="prompt",
-    fields=frozenset({"context"}),
-)
+def _long_output_generator(build, keys: tuple[str, ...], fields: set[str]) -> Generator:
+    """A long-output task's generator: its own ``keys`` besides the prompt and its defaults, and the ``fields`` its
+    prompt may name; an optional system prompt, sample ids ``n<number>``, nothing shaped by the sample options."""
+    return Generator(
+        build,
+        (*keys, "prompt", "defaults"),
+        (),
+        "n<number>",
+        optional=("system",),
+        template="prompt",
+        fields=frozenset(fields),
+    )
+
+
+LIST_RECALL_GENERATOR = _long_output_generator(list_recall_samples, ("items",), {"context", "items"})
+CHAIN_TRACE_GENERATOR = _long_output_generator(chain_trace_samples, ("steps",), {"context", "start", "steps"})
+PASSAGE_COPY_GENERATOR = _long_output_generator(passage_copy_samples, ("haystack", "answer_tokens"), {"context"})

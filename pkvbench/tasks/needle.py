@@ -15,16 +15,13 @@ from pathlib import Path
 from pkvbench.errors import PkvError
 from pkvbench.tasks.base import (
     Generator,
-    Question,
     Sample,
     TaskOptions,
     TaskSpec,
-    chat_ids,
-    chat_messages,
-    context_length,
-    follow_up_ids,
     format_at_context,
-    reply_tokens,
+    shared_context,
+    split_prompt,
+    turn_question,
 )
 
 
@@ -79,21 +76,16 @@ class NeedlePrompts:
             text = insert_at_sentence_end(text, needle.text, position)
         return text
 
-    def follow_up(self, question: str) -> list[int]:
-        """The tokens that ask ``question`` after an earlier answer: the prompt's text after the context."""
+    def follow_up(self, question: str) -> str:
+        """What asks ``question`` after an earlier answer: the prompt's text after the context."""
         user, context_end = format_at_context(self.spec.config["prompt"], context="", question=question)
-        return follow_up_ids(self.tokenizer, self.spec.chat_template, user[context_end:].lstrip())
+        return user[context_end:].lstrip()
 
     def prompt(self, context: str, question: str) -> tuple[list[int], int]:
         """The prompt's ids and how many of them are the context."""
         config = self.spec.config
         user, context_end = format_at_context(config["prompt"], context=context, question=question)
-        if self.spec.chat_template:
-            messages = chat_messages(config.get("system"), [user])
-            ids = chat_ids(self.tokenizer, messages)
-            return ids, context_length(self.tokenizer, ids, messages, None, context_end)
-        ids = list(self.tokenizer(user)["input_ids"])
-        return ids, context_length(self.tokenizer, ids, None, user, context_end)
+        return split_prompt(self.tokenizer, self.spec, user, context_end)
 
     def context_size(self, length: int, placed: list[tuple[Needle, float]]) -> int:
         """Haystack tokens that make the first question's prompt ``length`` tokens long (or the reference needle
@@ -125,20 +117,19 @@ class NeedlePrompts:
     def sample(self, sample_id: str, length: int, placed: list[tuple[Needle, float]], extras: dict) -> Sample:
         context = self.context(self.context_size(length, placed), placed)
         prompts = [self.prompt(context, needle.question) for needle, _ in placed]
-        context_len = min(split for _, split in prompts)
-        context_ids = prompts[0][0][:context_len]
-        if any(ids[:context_len] != context_ids for ids, _ in prompts):
-            raise PkvError(f"{self.spec.name} {sample_id}: the questions do not share the context's tokens")
+        context_ids, context_len = shared_context(prompts, f"{self.spec.name} {sample_id}")
         if len(placed) == 1:
             return Sample.one_question(sample_id, prompts[0][0], context_len, [placed[0][0].answer], extras)
         questions = tuple(
-            Question(
+            turn_question(
+                self.tokenizer,
+                self.spec,
                 ids[context_len:],
                 [needle.answer],
                 f"q{index}",
                 {"needle": index, "depth": depth},
                 self.follow_up(needle.question),
-                reply_tokens(self.tokenizer, needle.answer),
+                needle.answer,
             )
             for index, ((ids, _), (needle, depth)) in enumerate(zip(prompts, placed))
         )

@@ -26,9 +26,7 @@ from pkvbench.tasks.base import (
     Sample,
     TaskOptions,
     TaskSpec,
-    chat_ids,
-    chat_messages,
-    context_length,
+    split_chat_prompt,
     with_unique_ids,
 )
 
@@ -122,14 +120,14 @@ def reasoning_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[S
         question = next(row[name] for name in config["question_fields"] if isinstance(row.get(name), str))
         template = config["prompt"]
         head = template[: template.index("{question}")] + question
-        messages = chat_messages(config.get("system"), [head + template[template.index("{question}") + 10 :]])
-        ids = chat_ids(tokenizer, messages)
+        user = head + template[template.index("{question}") + 10 :]
+        ids, context_len = split_chat_prompt(tokenizer, config.get("system"), user, len(head))
         extras = {name: row[name] for name in config.get("extra_fields") or () if name in row}
         samples.append(
             Sample.one_question(
                 identity,
                 ids,
-                context_length(tokenizer, ids, messages, None, len(head)),
+                context_len,
                 [reference_answer(spec, row)],
                 extras=extras,
             )

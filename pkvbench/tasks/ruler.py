@@ -30,16 +30,14 @@ from typing import TypeVar
 from pkvbench.errors import PkvError
 from pkvbench.tasks.base import (
     Generator,
-    Question,
     Sample,
     TaskOptions,
     TaskSpec,
     chat_ids,
     chat_messages,
     context_length,
-    follow_up_ids,
     format_at_context,
-    reply_tokens,
+    turn_question,
 )
 
 TOLERANCE = 0.02  # a prompt is within ±2% of its requested length
@@ -144,13 +142,16 @@ def built_sample(tokenizer, spec: TaskSpec, sample_id: str, built: Built, extras
     if len(prompts) == 1:
         return Sample.one_question(sample_id, prompts[0][0], context_len, list(built.asked[0].answers), extras)
     questions = tuple(
-        Question(
+        turn_question(
+            tokenizer,
+            spec,
             ids[context_len:],
             list(asked.answers),
             f"q{i}",
             asked.extras,
-            follow_up_ids(tokenizer, spec.chat_template, asked.text.lstrip(), asked.answer_prefix),
-            reply_tokens(tokenizer, asked.reply),
+            asked.text.lstrip(),
+            asked.reply,
+            asked.answer_prefix,
         )
         for i, ((ids, _), asked) in enumerate(zip(prompts, built.asked))
     )

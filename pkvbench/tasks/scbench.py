@@ -33,16 +33,14 @@ from pkvbench.errors import PkvError
 from pkvbench.io import read_json_lines
 from pkvbench.tasks.base import (
     Generator,
-    Question,
     Sample,
     TaskOptions,
     TaskSpec,
-    chat_ids,
-    chat_messages,
-    context_length,
-    follow_up_ids,
     format_at_context,
     reply_tokens,
+    shared_context,
+    split_prompt,
+    turn_question,
     with_unique_ids,
 )
 from pkvbench.tasks.ruler import (
@@ -207,35 +205,23 @@ def needles_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sam
     return generate(tokenizer, spec, options, draw)
 
 
-_GENERATED = ("template", "question", "defaults")
-_SHAPED = ("lengths", "turns")
-SCBENCH_KV_GENERATOR = Generator(
-    kv_samples, _GENERATED, _SHAPED, NUMBERED_IDS, optional=("system", "answer_prefix"), fields=frozenset({"context"})
-)
-SCBENCH_PREFIX_SUFFIX_GENERATOR = Generator(
-    prefix_suffix_samples,
-    (*_GENERATED, "string_length", "affix_length"),
-    _SHAPED,
-    NUMBERED_IDS,
-    optional=("system", "answer_prefix"),
-    fields=frozenset({"context"}),
-)
-SCBENCH_VT_GENERATOR = Generator(
-    vt_samples,
-    (*_GENERATED, "noise", "num_hops"),
-    _SHAPED,
-    NUMBERED_IDS,
-    optional=("system", "answer_prefix"),
-    fields=frozenset({"context"}),
-)
-SCBENCH_NEEDLES_GENERATOR = Generator(
-    needles_samples,
-    (*_GENERATED, "noise", "needle"),
-    _SHAPED,
-    NUMBERED_IDS,
-    optional=("system", "answer_prefix"),
-    fields=frozenset({"context"}),
-)
+def _generated(build, *keys: str) -> Generator:
+    """A generated SCBench task's generator: its template, question and defaults plus its own ``keys``; its prompts
+    shaped by ``--lengths`` and ``--turns``."""
+    return Generator(
+        build,
+        ("template", "question", "defaults", *keys),
+        ("lengths", "turns"),
+        NUMBERED_IDS,
+        optional=("system", "answer_prefix"),
+        fields=frozenset({"context"}),
+    )
+
+
+SCBENCH_KV_GENERATOR = _generated(kv_samples)
+SCBENCH_PREFIX_SUFFIX_GENERATOR = _generated(prefix_suffix_samples, "string_length", "affix_length")
+SCBENCH_VT_GENERATOR = _generated(vt_samples, "noise", "num_hops")
+SCBENCH_NEEDLES_GENERATOR = _generated(needles_samples, "noise", "needle")
 
 
 # --- SCBench's released files ----------------------------------------------------------------------------------------
@@ -289,12 +275,7 @@ def data_rows(spec: TaskSpec, options: TaskOptions) -> list[dict[str, Any]]:
 def _first_prompt(tokenizer, spec: TaskSpec, context: str, first: str) -> tuple[list[int], int]:
     """The first turn's prompt (the template with the context and the first question) and its context's tokens."""
     user, context_end = format_at_context(spec.config["template"], context=context, input=first)
-    if spec.chat_template:
-        messages = chat_messages(spec.config.get("system"), [user])
-        ids = chat_ids(tokenizer, messages)
-        return ids, context_length(tokenizer, ids, messages, None, context_end)
-    ids = list(tokenizer(user)["input_ids"])
-    return ids, context_length(tokenizer, ids, None, user, context_end)
+    return split_prompt(tokenizer, spec, user, context_end)
 
 
 def _fitted_context(tokenizer, spec: TaskSpec, context: str, first: str, max_length: int | None) -> tuple[str, int]:
@@ -327,22 +308,14 @@ def data_samples(tokenizer, spec: TaskSpec, options: TaskOptions) -> list[Sample
         )
         # Each turn asked alone (the other query modes) is the first turn's prompt with its own question.
         prompts = [_first_prompt(tokenizer, spec, context, turn["input"]) for turn in turns]
-        context_len = min(split for _, split in prompts)
-        context_ids = prompts[0][0][:context_len]
-        if any(ids[:context_len] != context_ids for ids, _ in prompts):
-            raise PkvError(f"{spec.name} {row['id']}: the turns' prompts do not share the context's tokens")
+        context_ids, context_len = shared_context(prompts, f"{spec.name} {row['id']}", "turns' prompts")
         questions = []
         for number, (turn, (ids, _)) in enumerate(zip(turns, prompts)):
             answers = _answers(turn["answer"])
             follow_up = _filled(spec, "follow_up", {"input": turn["input"]})
             questions.append(
-                Question(
-                    ids[context_len:],
-                    answers,
-                    f"t{number + 1}",
-                    {},
-                    follow_up_ids(tokenizer, spec.chat_template, follow_up),
-                    reply_tokens(tokenizer, ", ".join(answers)),
+                turn_question(
+                    tokenizer, spec, ids[context_len:], answers, f"t{number + 1}", {}, follow_up, ", ".join(answers)
                 )
             )
         truncated = options.max_length is not None and untruncated > options.max_length

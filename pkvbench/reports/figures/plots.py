@@ -80,6 +80,15 @@ def _save(fig, path: Path, outputs: Outputs) -> Path:
     return outputs.add(path, _drawn(fig, path))
 
 
+def _save_lines(fig, handles: dict, title: str, top: float, path: Path, outputs: Outputs) -> Path:
+    """``_save`` for a figure of one line per policy: its legend (``handles``, label → line) right of the panels and
+    its ``title`` above them, the panels laid out below ``top`` (a fraction of the height)."""
+    fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), title="policy")
+    fig.suptitle(title, fontsize=12)
+    fig.tight_layout(rect=(0, 0, 1, top))
+    return _save(fig, path, outputs)
+
+
 @contextmanager
 def _under_rule(outputs: Outputs | None, option: str) -> Iterator[Outputs]:
     """The caller's ``outputs`` (the caller commits them with its other files), or this figure's own, committed
@@ -252,10 +261,8 @@ def _budget_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[
             _budget_axis(ax, kind, sorted({float(b) for b in panel["budget"]}))
             title = "average over tasks" if task == "avg" else task
             ax.set_title(f"{title} · {name}", fontsize=10)
-        fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), title="policy")
-        fig.suptitle(f"{name}: score vs KV budget, one line per policy (full cache dashed)", fontsize=12)
-        fig.tight_layout(rect=(0, 0, 1, 0.98))
-        paths.append(_save(fig, out_dir / f"curves_{slug(name)}.png", outputs))
+        title = f"{name}: score vs KV budget, one line per policy (full cache dashed)"
+        paths.append(_save_lines(fig, handles, title, 0.98, out_dir / f"curves_{slug(name)}.png", outputs))
     return paths
 
 
@@ -339,10 +346,8 @@ def _turn_curves(rows: pd.DataFrame, out_dir: Path, outputs: Outputs) -> list[Pa
             ax.set_xlabel("turn")
             ax.set_ylabel("score (× 100)")
             ax.set_title(f"{budget_title(str(budget))} · {name}", fontsize=10)
-        fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), title="policy")
-        fig.suptitle(f"{task}: score turn by turn, one line per policy (full cache dashed)", fontsize=12)
-        fig.tight_layout(rect=(0, 0, 1, 0.96))
-        paths.append(_save(fig, out_dir / f"{slug(task)}_turns_{slug(name)}.png", outputs))
+        title = f"{task}: score turn by turn, one line per policy (full cache dashed)"
+        paths.append(_save_lines(fig, handles, title, 0.96, out_dir / f"{slug(task)}_turns_{slug(name)}.png", outputs))
     return paths
 
 

@@ -101,50 +101,48 @@
 
   // --- summary tab -------------------------------------------------------------------------------------------------
 
+  // The tables a report has only for some runs: [its key in data.tables, the section it goes in, a heading (null:
+  // none, it follows the section's table above), what it shows].
+  const OPTIONAL_TABLES = [
+    [
+      "turns",
+      "turns",
+      "Accuracy by turn",
+      "The conversations' rows (--query-mode multi-turn), as pkvbench report prints them: each cell's score at " +
+        "each turn with its 95% interval, the curve of the means from the first turn on, n conversations.",
+    ],
+    [
+      "frontier",
+      "frontier",
+      "Accuracy per byte",
+      "Each cell's mean bytes (kv_bytes; memory: % of the full cache at 16 bits per value), its scores with " +
+        "95% intervals, and * on the Pareto front (no cell smaller and at least as good). The figure is in the " +
+        "Figures tab.",
+    ],
+    [
+      "memory_diff",
+      "frontier",
+      null,
+      "Per memory target, its best cell against each other cell that fits it, paired on the same samples " +
+        "(diff in points, 95% interval, Holm over every comparison); the full cache counts where all its caches fit.",
+    ],
+  ];
+
   function renderSummary() {
     if (data.notes.length) {
       document.getElementById("notes").append(el("ul", { class: "notes" }, data.notes.map((note) => el("li", {}, note))));
     }
     document.getElementById("summary-table").append(renderTable(data.tables.summary, "summary-data"));
     document.getElementById("report-table").append(renderTable(data.tables.report, "report-data"));
-    if (data.tables.turns) {
-      append(
-        document.getElementById("turns"),
-        el("h2", {}, "Accuracy by turn"),
-        el(
-          "p",
-          { class: "hint" },
-          "The conversations' rows (--query-mode multi-turn), as pkvbench report prints them: each cell's score at " +
-            "each turn with its 95% interval, the curve of the means from the first turn on, n conversations.",
-        ),
-        renderTable(data.tables.turns, "turns-data"),
-      );
-    }
-    if (data.tables.frontier) {
-      append(
-        document.getElementById("frontier"),
-        el("h2", {}, "Accuracy per byte"),
-        el(
-          "p",
-          { class: "hint" },
-          "Each cell's mean bytes (kv_bytes; memory: % of the full cache at 16 bits per value), its scores with " +
-            "95% intervals, and * on the Pareto front (no cell smaller and at least as good). The figure is in the " +
-            "Figures tab.",
-        ),
-        renderTable(data.tables.frontier, "frontier-data"),
-      );
-    }
-    if (data.tables.memory_diff) {
-      append(
-        document.getElementById("frontier"),
-        el(
-          "p",
-          { class: "hint" },
-          "Per memory target, its best cell against each other cell that fits it, paired on the same samples " +
-            "(diff in points, 95% interval, Holm over every comparison); the full cache counts where all its caches fit.",
-        ),
-        renderTable(data.tables.memory_diff, "memory-diff-data"),
-      );
+    for (const [key, section, heading, hint] of OPTIONAL_TABLES) {
+      if (data.tables[key]) {
+        append(
+          document.getElementById(section),
+          heading && el("h2", {}, heading),
+          el("p", { class: "hint" }, hint),
+          renderTable(data.tables[key], `${key.replaceAll("_", "-")}-data`),
+        );
+      }
     }
     const comparison = data.comparison;
     if (!comparison) return;
