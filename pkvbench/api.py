@@ -28,6 +28,7 @@ from pkvbench.cell.budgets import (
     rounding_for,
 )
 from pkvbench.cell.kv_formats import KVFormat
+from pkvbench.cell.models import placement_of
 from pkvbench.cell.schema import DEFAULT_PROTOCOL, EVERY_TURN, MULTI_TURN
 from pkvbench.config import (
     MAX_LAYERS,
@@ -300,6 +301,7 @@ def _resolve_grid(config: RunConfig) -> ResolvedRun:
     if decode_budgets != [None] and formats != [None]:
         raise PkvError("--decode-budget with --kv-bits: a cache stored in fewer bits is not cut while decoding yet")
     check_model_name(config.model)
+    placement_of(config.device_map, config.max_memory, config.offload_folder)
     return ResolvedRun(
         config, [], policies, budgets, TaskOptions(), None, None, modes, formats, decode_budgets, turn_compressions
     )
@@ -593,6 +595,7 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
     if len(overlay) != 1:
         raise PkvError("--budget takes one budget here (the one drawn over the curves)")
     check_model_name(config.model)
+    placement_of(config.device_map, config.max_memory, config.offload_folder)
     options = fit_to_model(config.model, tasks, options, None, decodes=False)
     out = Path(config.out) if config.out is not None else default_out("funnel", config.model, tasks)
     store = funnel.funnel_store(out)

@@ -727,6 +727,11 @@ def list_(include_paths) -> None:
     for name, family in FAMILIES.items():
         click.echo(f"  {name:14} {family.special}\n  {'':14} layers: {family.layers}")
         click.echo(f"  {'':14} {family.handled or 'refused: ' + family.refused}")
+    click.echo(
+        "Placed over devices (--device-map, docs/big-models.md): the families above that are not refused, by "
+        "accelerate\n  (GPUs, the CPU, the disk; each layer's cache where the layer runs); tested placed: llama, "
+        "gpt_oss, phi3, qwen2,\n  gemma2, gemma3_text, cohere; tensor parallelism (tp_plan): not yet"
+    )
 
 
 @cli.command()
@@ -773,7 +778,10 @@ LM_EVAL_AXES = (
     *("model", "policies", "policy_args", "budgets", "memory", "kv_bits", "kv_group", "kv_residual"),
     *("decode_budgets", "decode_interval", "decode_buffer", "query_modes"),
 )
-LM_EVAL_HOW = ("protocol", "decode_batch", "device", "dtype", "attn_implementation")
+LM_EVAL_HOW = (
+    *("protocol", "decode_batch", "device", "dtype", "attn_implementation"),
+    *("device_map", "max_memory", "offload_folder"),
+)
 
 
 def run_option(name: str):

@@ -19,7 +19,15 @@ from typing import Any
 
 from pkvbench.cell import kv_formats
 from pkvbench.cell.budgets import DEFAULT_BUDGET, DEFAULT_DECODING_BUDGET
-from pkvbench.cell.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES
+from pkvbench.cell.models import (
+    ALIASES,
+    DEFAULT_MODEL,
+    DEVICE_MAP_STRATEGIES,
+    DEVICES,
+    DTYPES,
+    device_map_value,
+    max_memory_value,
+)
 from pkvbench.cell.schema import (
     DEFAULT_PROTOCOL,
     DEFAULT_QUERY_MODE,
@@ -155,6 +163,28 @@ class SampleConfig:
         check=name_value,
         roles=(RECORDED, MODEL, MODEL_ARG),
         help="transformers attention kernel (sdpa, eager, flash_attention_2, ...).",
+    )
+    device_map: str | Path | Mapping[str, Any] | None = option(
+        None,
+        check=device_map_value,
+        roles=(MODEL, MODEL_ARG),
+        help=f"Place the model over several devices with accelerate: {', '.join(DEVICE_MAP_STRATEGIES)} (from each "
+        "device's free memory), or a JSON/YAML file mapping module names to devices (0, cuda:1, cpu, disk). Each "
+        "layer's cache lives where the layer runs; the tokens are those of one device (docs/big-models.md).",
+    )
+    max_memory: Mapping[int | str, int | str] | Sequence[str] = option(
+        (),
+        kind=PAIR,
+        check=max_memory_value,
+        roles=(MODEL, MODEL_ARG),
+        help="With --device-map auto (or another strategy): the memory a device may take, DEVICE=SIZE (0=20GiB, "
+        "cpu=60GiB; repeatable or comma-separated), as accelerate's max_memory.",
+    )
+    offload_folder: str | Path | None = option(
+        None,
+        check=path_value,
+        roles=(MODEL, MODEL_ARG),
+        help="With --device-map: where weights placed on the disk go (default: a temporary folder).",
     )
     # where the results go
     out: str | Path | None = option(
@@ -357,7 +387,7 @@ class RunConfig(SampleConfig):
         None,
         check=number(minimum=0),
         help="With --executor ray: GPUs each worker reserves (default: 1 if the cluster has GPUs, else 0; 0.5 puts two "
-        "workers on a GPU).",
+        "workers on a GPU; 2 or more: each worker's model placed over its GPUs, --device-map auto unless given).",
     )
 
     @classmethod

@@ -107,12 +107,12 @@ def read_config(config_file: Path) -> dict:
     return {k: v for k, v in json.loads(config_file.read_text()).items() if not k.startswith("_")}
 
 
-def random_model(config_file: Path, device: str, dtype: torch.dtype):
+def random_model(config_file: Path, device: str, dtype: torch.dtype, **settings):
     """The configuration's transformers model with random weights (seeded: the same weights in every process),
-    created on ``device`` with sdpa attention, and the seconds that took."""
+    created on ``device`` with sdpa attention, and the seconds that took; ``settings`` change the configuration's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(**read_config(config_file))
+    config = AutoConfig.for_model(**{**read_config(config_file), **settings})
     started = time.perf_counter()
     torch.manual_seed(0)
     with torch.device(device):
@@ -124,16 +124,21 @@ def random_model(config_file: Path, device: str, dtype: torch.dtype):
 
 def build_model(config_file: Path, device: str, dtype: torch.dtype) -> LoadedModel:
     """``random_model``, ready for the engine."""
+    model, seconds = random_model(config_file, device, dtype)
+    return ready(model, config_file, device, seconds)
+
+
+def ready(model, config_file: Path, device: str, seconds: float = 0.0) -> LoadedModel:
+    """A random model (on ``device``, or placed by accelerate with its inputs on ``device``), ready for the engine."""
     from pkvbench.engine.attention import install_recording_attention
 
-    model, seconds = random_model(config_file, device, dtype)
     install_recording_attention(model)
     return LoadedModel(
         model=model,
         tokenizer=synthetic_tokenizer(),
         name=config_file.stem,
         device=device,
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=str(model.dtype).removeprefix("torch."),
         attn_implementation="sdpa",
         load_s=seconds,
         source=f"random weights: {config_file.name}",
@@ -450,6 +455,119 @@ def exactness(device: str, length: int, new_tokens: int) -> list[dict]:
     return rows
 
 
+def placed_cells() -> list[tuple[str, object, KVFormat | None, int | None]]:
+    """The cross-device check's cells: (label, policy, storage format, decode budget) — every registered policy at
+    budget 64 (a wrapper around SnapKV; CriticalKV too, the policy that reads a weight: the output projection), a
+    KIVI cell (SnapKV in 4 bits), and caches cut while the answer is written (H2O's running sums, Expected
+    Attention's rotated moments)."""
+    from pkvbench.policies.registry import registry
+
+    names = [f"{name}(snapkv)" if getattr(cls, "wraps", False) else name for name, cls in registry().items()]
+    cells = [(name, parse_policy(name), None, None) for name in [*names, "adakv(snapkv):critical=true"]]
+    cells.append(("snapkv, KIVI 4 bits", parse_policy("snapkv"), KVFormat(4, 16, 32), None))
+    cells += [
+        (f"{name}, cut to 48 while decoding", parse_policy(name), None, 48) for name in ("h2o", "expected_attention")
+    ]
+    return cells
+
+
+def placed_run(engine: Engine, ids: torch.Tensor, new_tokens: int, device: str) -> tuple[dict, float, list[str]]:
+    """Every ``placed_cells`` cell from one prefill, decoded as one batch: label → (tokens, kept entries) or the
+    error that stopped it, the seconds it all took and the devices the prefill's caches are on."""
+    cells = placed_cells()
+    started = time.perf_counter()
+    outcome, requests = {}, {}
+    try:
+        policies = [policy for _, policy, _, _ in cells]
+        prefill = engine.prefill(ids, policies, decoding=[policy for _, policy, _, cut in cells if cut])
+    except Exception as exc:  # the prefill on this placement: every cell's error
+        return {label: f"{type(exc).__name__}: {exc}".splitlines()[0][:160] for label, *_ in cells}, 0.0, []
+    for label, policy, fmt, cut in cells:
+        try:
+            budget = Budget(64 if cut is None else 96)
+            cache = engine.compress(prefill, policy, budget, fmt=fmt)
+            schedule = engine.schedule(policy, cut, 4, 8)
+            requests[label] = (engine.request(prefill, cache, new_tokens, schedule=schedule), cache)
+        except Exception as exc:
+            outcome[label] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+    try:
+        decoded = engine.decode_many([request for request, _ in requests.values()])
+        for (label, (_, cache)), answer in zip(requests.items(), decoded):
+            outcome[label] = (answer.tokens, [[row.tolist() for row in layer] for layer in cache.kept_positions()])
+    except Exception as exc:
+        outcome.update(dict.fromkeys(requests, f"batched decoding: {type(exc).__name__}: {exc}".splitlines()[0][:160]))
+    sync(device)
+    return outcome, time.perf_counter() - started, sorted({str(keys.device) for keys in prefill.keys})
+
+
+def device_map_check(device: str, length: int, new_tokens: int) -> list[dict]:
+    """The engine on a model placed by accelerate over two devices against the model on one, on the tiny model in
+    float32 (a spread of weights that keeps greedy tokens clear of float rounding), every ``placed_cells`` cell:
+
+    - CUDA: half the layers on cuda:0, half on the CPU, as ``--device-map`` places them (accelerate offloads the
+      CPU's layers: their weights wait on the meta device and run on cuda:0), vs all on cuda:0; then the same map with
+      the CPU's layers run on the CPU (accelerate's ``main_device="cpu"``): each layer's cache, statistics and kept
+      entries where its layer runs, two devices in one model;
+    - CPU (``--tiny``): half the layers on the CPU, half offloaded to the disk (weights on the meta device, loaded by
+      accelerate's hooks for each forward), vs all on the CPU.
+
+    A row per placement: pass when every cell's tokens and kept entries equal those on one device, else FAIL naming
+    the cells (an error, or what differs); its cost is the placed run's seconds over the one-device run's."""
+    import tempfile
+
+    from accelerate import dispatch_model
+
+    config = CONFIGS / "tiny.json"
+    spread = {"initializer_range": 0.2}
+    ids = random_prompt(length, read_config(config)["vocab_size"], seed=2).to(device)
+    reference = Engine(ready(random_model(config, "cpu", torch.float32, **spread)[0].to(device), config, device))
+    if device == "cuda":
+        placed_run(reference, ids, new_tokens, device)  # warm-up: kernel choices are not measured
+    expected, baseline, _ = placed_run(reference, ids, new_tokens, device)
+    layers = read_config(config)["num_hidden_layers"]
+    half = {f"model.layers.{i}": i < layers // 2 for i in range(layers)}
+    if device == "cuda":
+        placements = {
+            "half the layers on cuda:0, half on the CPU (offloaded: run on cuda:0) vs all on cuda:0": (0, "cpu", None),
+            "half the layers on cuda:0, half on the CPU (run there: two devices) vs all on cuda:0": (0, "cpu", "cpu"),
+        }
+    else:
+        placements = {"half the layers on the CPU, half offloaded to the disk vs all on the CPU": ("cpu", "disk", None)}
+    rows = []
+    for what, (first, second, main_device) in placements.items():
+        with tempfile.TemporaryDirectory(prefix="pkvbench-offload-") as folder:
+            model = random_model(config, "cpu", torch.float32, **spread)[0]
+            device_map = {"model.embed_tokens": first, **{k: first if v else second for k, v in half.items()}}
+            device_map |= {"model.norm": first, "model.rotary_emb": first, "lm_head": first}
+            model = dispatch_model(model, device_map, main_device=main_device, offload_dir=folder)
+            inputs = str(model._hf_hook.execution_device)  # accelerate's main device: inputs in, logits out
+            engine = Engine(ready(model, config, inputs))
+            if device == "cuda":
+                placed_run(engine, ids, new_tokens, device)  # warm-up
+            outcome, seconds, devices = placed_run(engine, ids, new_tokens, device)
+        wrong = []
+        for label, result in outcome.items():
+            if isinstance(expected[label], str):
+                wrong.append(f"{label}: on one device too: {expected[label]}")
+            elif isinstance(result, str):
+                wrong.append(f"{label}: {result}")
+            elif result[0] != expected[label][0]:
+                wrong.append(f"{label}: tokens differ")
+            elif result[1] != expected[label][1]:
+                wrong.append(f"{label}: kept entries differ")
+        note = (
+            f"pass: {len(outcome)} cells' tokens and kept entries equal (every policy, KIVI 4 bits, cuts while "
+            f"decoding); the caches on {', '.join(devices)}"
+            if not wrong
+            else f"FAIL: {len(wrong)} of {len(outcome)} cells: {'; '.join(wrong)}"
+        )
+        cost = round(seconds / baseline, 2) if seconds and baseline else None
+        rows.append(
+            row("tiny (float32)", f"device map: {what}", length, baseline, seconds or None, note=note, ratio=cost)
+        )
+    return rows
+
+
 def statistics_exactness(engine: Engine, ids: torch.Tensor, dtype: torch.dtype) -> list[dict]:
     """The statistics' fused routes in ``dtype``: the prefill's output untouched by H2O's log-sum-exp route; H2O's
     sums against the chunked float32 ones; KVzip's fused pass against its unfused one (the entries kept at 32)."""
@@ -687,6 +805,7 @@ def main(
     rows: list[dict] = []
     runs: dict[str, GridRun] = {}
     guarded(rows, "tiny (float32)", "exactness", 256, lambda: exactness(device, 256, 16))
+    guarded(rows, "tiny (float32)", "device map", 256, lambda: device_map_check(device, 256, 8))
     write_tables(rows, out, tiny, device, dtype, started)
     for number, name in enumerate(models.split(",")):
         rows += measure_model(

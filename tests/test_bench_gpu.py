@@ -35,6 +35,9 @@ def test_tiny_gpu_benchmark_runs_every_measurement_and_the_exactness_checks_pass
     assert h2o["tiny (float32)"].startswith("fused")  # bfloat16 on a CPU takes the chunked route by design
     statistics = table[table.measure.str.startswith("prefill + statistics")]
     assert len(statistics) == 2 * len(bench_gpu.STATISTICS) and (statistics.ours_s > 0).all()
+    placed = table[table.measure.str.startswith("device map")]
+    assert len(placed) == 1 and placed.note.iloc[0].startswith("pass: 18 cells"), placed.note.tolist()
+    assert placed.ours_s.iloc[0] > 0 and placed.ratio.iloc[0] > 0  # the placement's cost
     grid = table[table.measure.str.startswith("grid of 20")].iloc[0]
     assert "0 rows differ" in grid.note
     sync = table[table.measure.str.contains("set_sync_debug_mode")].note
@@ -64,3 +67,18 @@ def test_the_full_size_configurations_have_the_published_parameter_counts():
             model = AutoModelForCausalLM.from_config(config)
         counts[name] = sum(p.numel() for p in model.parameters())
     assert counts == {"llama-3.1-8b": 8_030_261_248, "llama-3.2-1b": 1_235_814_400}
+
+
+def test_the_device_map_check_fails_where_a_weight_is_read_outside_its_forward(monkeypatch):
+    """The check against the engine as it was before issue 50: CriticalKV read each layer's output projection
+    straight off the module, which accelerate keeps on the meta device between forwards where it offloaded the
+    layer. The check names the cell and says FAIL (on a GPU, the layers run on the CPU fail more: each layer's cache
+    and indices on its own device)."""
+    from pkvbench.engine.architecture import Architecture
+
+    bench_gpu = load_script()
+    monkeypatch.setattr(
+        Architecture, "output_weight", lambda self, model, layer: self.attention_modules(model)[layer].o_proj.weight
+    )
+    (placed,) = bench_gpu.device_map_check("cpu", 128, 4)
+    assert placed["note"].startswith("FAIL: 1 of 18 cells: adakv(snapkv):critical=true: "), placed["note"]

@@ -29,7 +29,9 @@ def stats_for(policy, seed: int = 0) -> LayerStats:
         bidirectional={w: torch.rand(QUERY_HEADS, LENGTH, generator=gen) for w in needs.bidirectional},
         keys=torch.randn(KV_HEADS, LENGTH, HEAD_DIM, generator=gen),
         values=torch.randn(KV_HEADS, LENGTH, HEAD_DIM, generator=gen),
-        output_weight=torch.randn(QUERY_HEADS * HEAD_DIM, QUERY_HEADS * HEAD_DIM, generator=gen),
+        output_weight=(
+            torch.randn(QUERY_HEADS * HEAD_DIM, QUERY_HEADS * HEAD_DIM, generator=gen) if needs.output_weights else None
+        ),
         query_stats={key: future_queries(gen) for key in needs.query_stats},
         reconstruction={chunk: torch.rand(KV_HEADS, LENGTH, generator=gen) for chunk in needs.reconstruction},
         recent_queries=torch.randn(QUERY_HEADS, max(needs.queries), HEAD_DIM, generator=gen) if needs.queries else None,

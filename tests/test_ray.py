@@ -138,3 +138,48 @@ def test_ray_options_need_the_ray_executor(tmp_path, capsys, flag):
         main(["run", *flag, "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     assert "go with --executor ray" in capsys.readouterr().err
+
+
+def test_a_worker_of_several_gpus_places_its_model_over_them():
+    """``--gpus-per-worker 2`` on a cluster of 4 GPUs: two workers, each placing its model over its two GPUs
+    (``--device-map auto`` unless a map is given); a fraction of more than one GPU is refused."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from pkvbench.errors import PkvError
+    from pkvbench.run.ray_executor import ModelSpec, RaySettings, _placement
+
+    cluster = SimpleNamespace(cluster_resources=lambda: {"CPU": 8.0, "GPU": 4.0})
+    model = ModelSpec(model="smollm2-135m", device="auto", dtype="auto", attn_implementation="sdpa", seed=0)
+    placed, gpus, workers = _placement(cluster, RaySettings(gpus_per_worker=2), model, pending=10)
+    assert (placed.device, placed.device_map, gpus, workers) == ("cuda", "auto", 2, 2)
+    given = replace(model, device="cuda", device_map="map.json")
+    assert _placement(cluster, RaySettings(gpus_per_worker=2), given, pending=10)[0].device_map == "map.json"
+    assert _placement(cluster, RaySettings(gpus_per_worker=1), model, pending=10)[0].device_map is None
+    with pytest.raises(PkvError, match="--gpus-per-worker 1.5: a worker of more than one GPU takes whole GPUs"):
+        _placement(cluster, RaySettings(gpus_per_worker=1.5), model, pending=10)
+
+
+def test_a_ray_worker_of_two_gpus_writes_the_rows_of_the_local_run(tmp_path, tokenizer, monkeypatch, capsys):
+    """A local Ray cluster that says it has 2 GPUs (Ray's own accounting; this machine may have none): a worker
+    reserves both (``--gpus-per-worker 2``) and loads the model placed as ``--device-map`` says — on a CPU-only
+    machine layers on the CPU and offloaded to the disk — and writes the rows of the local run on one device."""
+    assert importlib.util.find_spec("ray"), "this test needs Ray: pip install -e '.[ray]' (scripts/setup.sh does)"
+    import ray
+
+    from tests.test_device_map import DEVICE_MAP, tiny_model
+
+    folder = tiny_model(tmp_path, tokenizer)
+    start = ray.init
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: start(*args, num_cpus=2, num_gpus=2, **kwargs))
+    args = ["run", "--model", str(folder / "model"), "--task", "needle", "--lengths", "100", "--depths", "0,100"]
+    args += ["--policy", "full,snapkv,adakv(snapkv):critical=true", "--budget", "32", "--max-new-tokens", "4"]
+    args += ["--device", "cpu", "--quiet"]
+    placed = ["--executor", "ray", "--gpus-per-worker", "2", "--device-map", str(folder / "map.json")]
+    for run, extra in (("local", []), ("ray", placed)):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, "--out", str(tmp_path / run), *extra])
+        assert exit_info.value.code == 0, capsys.readouterr().err
+    assert outcomes(tmp_path / "ray") == outcomes(tmp_path / "local") and len(outcomes(tmp_path / "local")) == 6
+    model = json.loads((tmp_path / "ray" / "run.json").read_text())["model"]
+    assert model["worker_gpus"] == 2 and model["device_map"] == DEVICE_MAP

@@ -436,9 +436,12 @@ class Architecture:
         .self_attn``, with ``layer_idx``, ``o_proj``)."""
         return [layer.self_attn for layer in model.model.layers]
 
-    def output_weights(self, model) -> list:
-        """Each layer's attention output projection's weight (VATP-style value scores)."""
-        return [module.o_proj.weight for module in self.attention_modules(model)]
+    def output_weight(self, model, layer: int):
+        """Layer ``layer``'s attention output projection's weight (VATP-style value scores), where accelerate keeps it
+        (``placement.onloaded``: an offloaded one is read on the CPU, not onto the layer's device)."""
+        from pkvbench.engine.placement import stored
+
+        return stored(self.attention_modules(model)[layer].o_proj, "weight")
 
     @staticmethod
     def rotary(model):
@@ -514,6 +517,7 @@ class Architecture:
         that do not turn lie beyond the rotary width."""
         import torch
 
+        from pkvbench.engine.placement import execution_device
         from pkvbench.engine.probe import scale_after_rotation
 
         modules = self.attention_modules(model)
@@ -529,7 +533,7 @@ class Architecture:
             )
         function, heads_axis = calls[first].rotary.function, calls[first].rotary.heads_axis
         rotation = Rotation(False, dim, dim, rotates, scales, function, heads_axis)
-        device = next(model.parameters()).device
+        device = execution_device(self.rotary(model))
         positions = torch.ones(1, dim, dtype=torch.long, device=device)
         embedding = self.rope(model, first, torch.zeros(1, device=device), positions)
         basis = torch.eye(dim, device=device)[None, None]  # [1, 1, d, d]: d "tokens", each a unit vector

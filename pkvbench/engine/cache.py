@@ -311,7 +311,11 @@ class RaggedCache(Cache):
         return self.seen[layer_idx]
 
     def select_rows(self, rows: Sequence[int]) -> None:
-        """Keep only these batch rows (host row numbers: no read back)."""
-        index = device_rows(rows, self.layers[0].lengths.device)
+        """Keep only these batch rows (host row numbers: no read back), each layer by an index on its own device
+        (a model placed over several devices keeps each layer's cache where the layer runs)."""
+        index: dict[torch.device, torch.Tensor] = {}
         for layer in self.layers:
-            layer.select_rows(index, host_rows=rows)
+            device = layer.lengths.device
+            if device not in index:
+                index[device] = device_rows(rows, device)
+            layer.select_rows(index[device], host_rows=rows)

@@ -21,6 +21,7 @@ from pkvbench.engine.architecture import Architecture, LayerSoftmax, Rotation
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries
 from pkvbench.engine.models import LoadedModel
+from pkvbench.engine.placement import cuda_devices, execution_device
 from pkvbench.engine.quantized import StoredEntries
 from pkvbench.engine.reconstruction import SINK, ReconstructionRecorder, repeat_inputs
 from pkvbench.engine.shrinking import DecodeSchedule, prefill_needs, start_from
@@ -149,7 +150,9 @@ class Engine:
         forward_params = inspect.signature(self.model.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_params else "past_key_values"
         self.stop_ids = self._stop_ids()
-        self.output_weights = self.architecture.output_weights(self.model)
+        # Where each layer's attention runs (accelerate's execution device where it placed the model): its cache,
+        # statistics and decode-time state live there.
+        self.layer_devices = [execution_device(m) for m in self.architecture.attention_modules(self.model)]
         self.decoder = BatchDecoder(
             self._forward, self.tokenizer, self.stop_ids, self.device, self._sync, self.architecture, self.rope
         )
@@ -187,7 +190,9 @@ class Engine:
         says."""
         positions = torch.arange(start, start + count, device=self.device)[None]
         embedding = self.architecture.rope(self.model, layer, torch.zeros(1, device=self.device), positions)
-        return self.rotation.tables(embedding, layer, count)
+        cos, sin = self.rotation.tables(embedding, layer, count)
+        device = self.layer_devices[layer]  # where the layer's queries are
+        return cos.to(device), sin.to(device)
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -249,7 +254,7 @@ class Engine:
                     layer=i,
                     keys=layer.keys[0, :, :cut],
                     values=layer.values[0, :, :cut],
-                    output_weight=self.output_weights[i],
+                    output_weight=self.architecture.output_weight(self.model, i) if needs.output_weights else None,
                     reconstruction={chunk: reconstruction[cut, chunk][i] for chunk in needs.reconstruction},
                 )
                 for i, layer in enumerate(layers)
@@ -280,7 +285,7 @@ class Engine:
         sliding = self.architecture.prompt_window
         if sliding:
             fused = fused and all(length + len(ids) <= sliding for _, _, ids in passes)
-        scores = [torch.zeros(self.loaded.num_kv_heads, length, device=self.device) for _ in layers]
+        scores = [torch.zeros(self.loaded.num_kv_heads, length, device=layer.keys.device) for layer in layers]
         for layer_scores in scores:  # the chat prefix and the sinks are always kept
             layer_scores[:, : max(prefix, min(SINK, length))] = float("inf")
         for start, end, ids in passes:
@@ -415,15 +420,16 @@ class Engine:
         lengths: list[torch.Tensor | None] = [None] * len(plan.per_layer)
         selected: list[torch.Tensor | None] = [None] * len(plan.per_layer)
         for layer, budget in enumerate(plan.per_layer):
+            device = full_keys[layer].device  # the layer's: its kept indices move there, never its entries
             if layer not in chosen and budget < length:  # a local layer: the last entries its window still sees
-                recent = torch.arange(length - budget, length, device=self.device)
+                recent = torch.arange(length - budget, length, device=device)
                 chosen[layer] = recent.expand(full_keys[layer].shape[0], -1)
             if layer not in chosen:
                 keys.append(full_keys[layer])
                 values.append(full_values[layer])
-                positions.append(torch.arange(length, device=self.device).expand(full_keys[layer].shape[0], -1))
+                positions.append(torch.arange(length, device=device).expand(full_keys[layer].shape[0], -1))
                 continue
-            kept = selected[layer] = chosen[layer].to(self.device)
+            kept = selected[layer] = chosen[layer].to(device)
             if kept.dtype == torch.bool:  # heads keep different numbers of entries: stored padded, counted apart
                 kept, lengths[layer] = ragged_positions(kept)
             index = kept[:, :, None].expand(-1, -1, full_keys[layer].shape[-1])
@@ -460,7 +466,7 @@ class Engine:
         if schedule is not None:
             length = cache.plan.context_len
             kept = cache.kept.positions or [
-                torch.arange(length, device=self.device).expand(k.shape[0], -1) for k in cache.kept.keys
+                torch.arange(length, device=k.device).expand(k.shape[0], -1) for k in cache.kept.keys
             ]
             common["schedule"] = schedule
             common["start"] = start_from(prefill.stats_at[length], kept, schedule.needs)
@@ -482,5 +488,5 @@ class Engine:
         return self.decoder.decode(requests, max_rows)
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        for device in cuda_devices([self.device, *self.layer_devices]):
+            torch.cuda.synchronize(device)

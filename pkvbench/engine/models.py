@@ -12,13 +12,14 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
 from pkvbench.cell.kv_formats import CacheGeometry, KVFormat
-from pkvbench.cell.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, GGUFAlias
+from pkvbench.cell.models import ALIASES, DEFAULT_MODEL, DEVICES, DTYPES, GGUFAlias, placement_of
 from pkvbench.engine.architecture import Architecture, check_family
 from pkvbench.errors import PkvError, first_line
 from pkvbench.io import read_json
@@ -82,6 +83,7 @@ class LoadedModel:
     source: str
     info: dict = field(default_factory=dict)
     architecture: Architecture | None = None  # read before the weights loaded (``Architecture.read``)
+    placement: dict | None = None  # where accelerate placed each module (``placement.describe``); None: on ``device``
 
     @property
     def config(self):
@@ -118,6 +120,7 @@ class LoadedModel:
             "kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "attention": self.attn_implementation,  # the kernel it ran on (eager for a soft-capped model)
+            **({"device_map": self.placement} if self.placement is not None else {}),
         }
 
 
@@ -386,15 +389,26 @@ def kernel_of_family(config, architecture: Architecture, requested: str) -> str:
 
 
 def load_model(
-    name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto", attn_implementation: str = "sdpa"
+    name: str = DEFAULT_MODEL,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    attn_implementation: str = "sdpa",
+    device_map: str | os.PathLike | Mapping | None = None,
+    max_memory: Mapping | Sequence[str] = (),
+    offload_folder: str | os.PathLike | None = None,
 ) -> LoadedModel:
-    """Load an alias, a Hugging Face hub id or a local folder, ready for the engine."""
+    """Load an alias, a Hugging Face hub id or a local folder, ready for the engine: on ``device``, or placed over
+    several devices (and the CPU or the disk) by accelerate as ``device_map``, ``max_memory`` and ``offload_folder``
+    say (``cell.models.placement_of``, ``engine/placement.py``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from pkvbench.engine import placement as placing
     from pkvbench.engine.attention import install_recording_attention
 
     check_model_name(name)
+    placement = placement_of(device_map, max_memory, offload_folder)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     started = time.perf_counter()
@@ -406,14 +420,21 @@ def load_model(
     check_architecture(config, name)
     architecture = read_architecture(config, name, path if os.path.isdir(path) else None)
     attn_implementation = kernel_of_family(config, architecture, attn_implementation)
+    dispatch = placing.dispatch_arguments(placement, device, config) if placement else {}
     try:
         tokenizer = _tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+            path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation, **dispatch
         )
     except (OSError, ValueError, ImportError) as exc:
+        placing.remove_with(None, dispatch, placement)
         raise PkvError(f"could not load model {name}: {first_line(exc)}") from None
-    model.to(device).eval()
+    if dispatch:
+        placing.remove_with(model, dispatch, placement)
+        device = str(placing.execution_device(model))  # where its inputs go and its logits come back
+    else:
+        model.to(device)
+    model.eval()
     install_recording_attention(model)
     return LoadedModel(
         model=model,
@@ -425,6 +446,7 @@ def load_model(
         load_s=time.perf_counter() - started,
         source=source,
         architecture=architecture,
+        placement=placing.describe(model),
     )
 
 

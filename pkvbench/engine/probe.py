@@ -125,13 +125,21 @@ def _attention_only(model, probe: Probe) -> Iterator[None]:
 
         return forward
 
-    for index, layer in enumerate(layers):
-        layer.forward = attention_only(index, layer)
+    # Where accelerate placed the model (``--device-map``), its hook wraps a layer's forward and calls the layer's own
+    # as ``_old_forward``: the probe takes that one's place, so the hook still moves the inputs to the layer's device,
+    # and each layer gets back exactly what it had.
+    slots = [(layer, "_old_forward" if hasattr(layer, "_hf_hook") else "forward") for layer in layers]
+    saved = [layer.__dict__.get(slot) for layer, slot in slots]
+    for index, (layer, slot) in enumerate(slots):
+        setattr(layer, slot, attention_only(index, layer))
     try:
         yield
     finally:
-        for layer in layers:
-            del layer.forward
+        for (layer, slot), own in zip(slots, saved):
+            if own is None:
+                delattr(layer, slot)
+            else:
+                setattr(layer, slot, own)
 
 
 @contextlib.contextmanager

@@ -233,6 +233,7 @@ class ShrinkingLayer(PositionedLayer):
 
     def keep(self, row: int, columns: torch.Tensor) -> None:
         """Cut row ``row`` to the entries in ``columns`` ``[heads, m]`` (sorted), moved to its first m columns."""
+        columns = columns.to(self._key_store.device)  # a policy may choose on another device (the host: random)
         kept = columns.shape[1]
         for store in (self._key_store, self._value_store):
             store[row, :, :kept] = store[row].gather(1, columns[:, :, None].expand(-1, -1, store.shape[-1]))

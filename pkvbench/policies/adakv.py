@@ -25,14 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
-from pkvbench.policies.base import LayerStats, keep_all, top_mask
+from pkvbench.policies.base import LayerStats, Needs, keep_all, top_mask
 from pkvbench.policies.wrapper import Wrapper, full_scores
 
 
 def value_output_norms(stats: LayerStats) -> torch.Tensor:
     """``[num_kv_heads, T]``: ‖v·W_o‖₁ per query head (its value head's entry through its slice of the output
     projection), averaged over each KV head's group."""
-    values, weight = stats.values.float(), stats.output_weight.float()
+    values = stats.values.float()
+    weight = stats.output_projection().to(values.device, torch.float32)  # an offloaded layer's is on the CPU
     query_heads, kv_heads = stats.query_heads, stats.num_kv_heads
     dim = values.shape[-1]
     per_head = weight.view(weight.shape[0], query_heads, dim).permute(1, 2, 0)  # [Hq, d, hidden]
@@ -49,6 +50,10 @@ class AdaKV(Wrapper):
     critical: bool = False
     epsilon: float = 1e-4
     first_stage_ratio: float = 0.5
+
+    @property
+    def needs(self) -> Needs:
+        return self.inner.needs | Needs(output_weights=self.critical)
 
     def __post_init__(self) -> None:
         super().__post_init__()

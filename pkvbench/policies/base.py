@@ -45,6 +45,9 @@ class Needs:
     # The mean and covariance of the pre-RoPE queries from position s on, not yet rotated, for each s (Expected
     # Attention while the answer is written: rotated to the positions after each cut).
     query_moments: frozenset[int] = frozenset()
+    # The layer's attention output projection's weight (CriticalKV weighs each value by what it adds to the output):
+    # read only for a policy that asks, since a model placed over devices may keep it offloaded, on the CPU or disk.
+    output_weights: bool = False
 
     def __or__(self, other: Needs) -> Needs:
         """Everything either needs (flags or'ed, sets joined)."""
@@ -154,6 +157,13 @@ class LayerStats:
     def next_position(self) -> int:
         """The position of the token to come: T after a prompt, later while the answer is written."""
         return self.context_len if self.end is None else self.end
+
+    def output_projection(self) -> torch.Tensor:
+        """``[hidden, num_query_heads * head_dim]``: the layer's attention output projection's weight, where the model
+        keeps it (another device than the entries' where the model is placed over several: move what is read)."""
+        if self.output_weight is None:
+            raise StatisticNotRecorded("the output projection's weight was not given; declare it in `needs`")
+        return self.output_weight
 
     def bidirectional_attention(self, w: int) -> torch.Tensor:
         if w not in self.bidirectional:

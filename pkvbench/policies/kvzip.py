@@ -51,6 +51,8 @@ class KVzip(Policy):
     def select_layers(self, stats: list[LayerStats], budgets: list[int]) -> list[torch.Tensor]:
         if self.layerwise or not stats:
             return super().select_layers(stats, budgets)
-        scores = torch.stack([s.reconstruction_scores(self.chunk).float() for s in stats])  # [L, H, T]
+        # [L, H, T], on the first layer's device (a model placed over several devices: the scores move, not the cache)
+        device = stats[0].reconstruction_scores(self.chunk).device
+        scores = torch.stack([s.reconstruction_scores(self.chunk).to(device, torch.float32) for s in stats])
         kept = top_mask(scores.flatten(0, 1), sum(s.num_kv_heads * k for s, k in zip(stats, budgets)))
         return list(kept.view_as(scores))

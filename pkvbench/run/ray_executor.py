@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from pkvbench.errors import PkvError, first_line
@@ -53,6 +53,10 @@ class ModelSpec:
     dtype: str
     attn_implementation: str
     seed: int
+    # Placed over the devices Ray gives the worker (``--device-map``; a worker of several GPUs: auto unless given).
+    device_map: str | Mapping | None = None
+    max_memory: Mapping | Sequence[str] = ()
+    offload_folder: str | None = None
 
 
 def check_ray() -> None:
@@ -76,7 +80,10 @@ class SampleWorker:
         self.engine = Engine(self.loaded)
 
     def describe(self) -> dict:
-        return self.loaded.describe()
+        """The model's run.json record, with the GPUs Ray gave this worker (its model is placed over them)."""
+        import ray
+
+        return {**self.loaded.describe(), "worker_gpus": len(ray.get_gpu_ids())}
 
     def pid(self) -> int:
         return os.getpid()
@@ -150,14 +157,20 @@ def _connect(settings: RaySettings):
 
 
 def _placement(ray, settings: RaySettings, model: ModelSpec, pending: int) -> tuple[ModelSpec, float, int]:
-    """The model as the workers load it, GPUs per worker, and how many workers, from the cluster's resources."""
+    """The model as the workers load it, GPUs per worker, and how many workers, from the cluster's resources. A
+    worker of several GPUs places its model over them (``--device-map auto``, unless a device map is given): Ray
+    shows it those GPUs alone."""
     resources = ray.cluster_resources()
     cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
     gpus_per_worker = settings.gpus_per_worker if settings.gpus_per_worker is not None else float(gpus >= 1)
+    if gpus_per_worker > 1 and gpus_per_worker != int(gpus_per_worker):
+        raise PkvError(f"--gpus-per-worker {gpus_per_worker:g}: a worker of more than one GPU takes whole GPUs")
     if model.device == "cuda" and not gpus_per_worker:
         raise PkvError("--device cuda: the Ray cluster has no GPUs")
     if model.device == "auto":  # a worker uses a GPU when Ray reserves it one, whatever its node has
         model = replace(model, device="cuda" if gpus_per_worker else "cpu")
+    if gpus_per_worker > 1 and model.device == "cuda" and model.device_map is None:
+        model = replace(model, device_map="auto")
     fits = int(cpus // CPUS_PER_WORKER)
     if gpus_per_worker:
         fits = min(fits, int(gpus / gpus_per_worker + 1e-9))
