@@ -189,9 +189,10 @@ class Engine:
         (``Architecture.rope``: Gemma 3's local and global layers rotate differently), paired as ``self.rotation``
         says."""
         positions = torch.arange(start, start + count, device=self.device)[None]
-        cos, sin = self.architecture.rope(self.model, layer, torch.zeros(1, device=self.device), positions)
-        device = self.layer_devices[layer]  # the rotary module's output, where the layer's queries are
-        return self.rotation.tables(cos[0].to(device, torch.float32), sin[0].to(device, torch.float32))
+        embedding = self.architecture.rope(self.model, layer, torch.zeros(1, device=self.device), positions)
+        cos, sin = self.rotation.tables(embedding, layer, count)
+        device = self.layer_devices[layer]  # where the layer's queries are
+        return cos.to(device), sin.to(device)
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -233,7 +234,7 @@ class Engine:
         input_ids = input_ids.to(self.device)
         cuts = tuple(sorted(set(cuts))) or (input_ids.shape[1],)
         needs = Needs.union([*(p.needs for p in policies), *(prefill_needs(p) for p in decoding)])
-        recorder = StatsRecorder(needs, self.softmaxes, cuts, self.rope, self.rotation.interleaved)
+        recorder = StatsRecorder(needs, self.softmaxes, cuts, self.rope, self.rotation)
         cache = DynamicCache()
         with too_big_for_memory("the prefill's statistics", input_ids.shape[1]):
             logits, seconds = self.recorded_forward(input_ids, recorder, cache)
@@ -279,7 +280,8 @@ class Engine:
 
         length = len(prompt)
         prefix, passes = repeat_inputs(self.tokenizer, prompt, chunk)
-        # The fused path attends to the whole prompt: not for a sliding window shorter than a pass's reach.
+        # The fused path attends to the whole prompt: not for a sliding window or chunk shorter than a
+        # pass's reach.
         sliding = self.architecture.prompt_window
         if sliding:
             fused = fused and all(length + len(ids) <= sliding for _, _, ids in passes)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pkvbench.engine.architecture import FULL, SLIDING, Architecture
+from pkvbench.engine.architecture import CHUNKED, FULL, SLIDING, Architecture
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
 from pkvbench.engine.quantized import QuantizedLayer
 from pkvbench.engine.shrinking import ShrinkingLayer, decoding_state
-from pkvbench.engine.sliding import SlidingLayer, WindowMask, row_positions
+from pkvbench.engine.sliding import ChunkedLayer, SlidingLayer, WindowMask, oldest_seen, row_positions
 
 
 class SlidingShrinkingLayer(WindowMask, ShrinkingLayer):
@@ -33,9 +33,15 @@ class SlidingShrinkingLayer(WindowMask, ShrinkingLayer):
         self.window = window
 
 
+class ChunkedShrinkingLayer(SlidingShrinkingLayer):
+    chunked = True
+
+
 class SlidingQuantizedLayer(QuantizedLayer):
     """A sliding-window layer of stored caches: the packed entries and the residual's both hidden once older than
     the window (the residual and new tokens in a ``SlidingLayer``)."""
+
+    residual_kind = SlidingLayer
 
     def __init__(self, rows, fmt, dtype, room: int, kv_heads: int, *, start: int, window: int):
         self.window, self._start = window, start
@@ -47,7 +53,7 @@ class SlidingQuantizedLayer(QuantizedLayer):
 
     def _residual_layer(self, rows, keys, values, lengths, room: int, kv_heads: int) -> RaggedLayer:
         positions = row_positions([row.residual_positions for row in rows], keys.shape[1], keys.shape[2], keys.device)
-        return SlidingLayer(keys, values, lengths, room, kv_heads, positions, self._start, window=self.window)
+        return self.residual_kind(keys, values, lengths, room, kv_heads, positions, self._start, window=self.window)
 
     def select_rows(self, rows: torch.Tensor, host_rows) -> None:
         super().select_rows(rows, host_rows)
@@ -58,16 +64,22 @@ class SlidingQuantizedLayer(QuantizedLayer):
         mask = super().attention_mask()
         residual = self.residual
         newest = residual.query_start + residual._new - 1
-        if not self.width or newest - self.window < 0:
+        chunked = self.residual_kind.chunked
+        if not self.width or oldest_seen(newest, self.window, chunked) <= 0:
             return mask
         queries = residual.query_start + torch.arange(residual._new, device=self.device)
-        inside = self.packed_positions[:, :, None, :] > (queries - self.window)[:, None]  # [batch, heads, new, width]
+        oldest = oldest_seen(queries, self.window, chunked)
+        inside = self.packed_positions[:, :, None, :] >= oldest[:, None]  # [batch, heads, new, width]
         if mask is None:
             columns = self.width + residual.keys.shape[2]
             mask = torch.ones((*inside.shape[:3], columns), dtype=torch.bool, device=self.device)
         mask = mask.expand(-1, inside.shape[1], -1, -1).clone()
         mask[..., : self.width] &= inside
         return mask
+
+
+class ChunkedQuantizedLayer(SlidingQuantizedLayer):
+    residual_kind = ChunkedLayer
 
 
 @dataclass(frozen=True)
@@ -153,6 +165,9 @@ LAYER_KINDS: dict[tuple[str, str], tuple[type, object]] = {
     (SLIDING, "shrinking"): (SlidingShrinkingLayer, _shrinking),
     (FULL, "stored"): (QuantizedLayer, _stored),
     (SLIDING, "stored"): (SlidingQuantizedLayer, _stored),
+    (CHUNKED, "ragged"): (ChunkedLayer, _positioned),
+    (CHUNKED, "shrinking"): (ChunkedShrinkingLayer, _shrinking),
+    (CHUNKED, "stored"): (ChunkedQuantizedLayer, _stored),
 }
 
 
@@ -174,4 +189,4 @@ def build_cache(requests: list, room: int, architecture: Architecture, storage: 
         cls, build = LAYER_KINDS[kind, storage]
         batch = LayerBatch(requests, layer, start, room, architecture.kv_heads, architecture.window(layer))
         layers.append(build(cls, batch))
-    return RaggedCache(layers, list(architecture.softmaxes))
+    return RaggedCache(layers, list(architecture.softmaxes), start)

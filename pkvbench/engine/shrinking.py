@@ -333,10 +333,9 @@ class MemoryTracker:
             )
             if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
                 moments = start.moments[index]
+                interleaved, scale = self.architecture.rotation.interleaved, self.architecture.rotation.scale(index)
                 rotated = {
-                    (sink, future): rotate_moments(
-                        *moments[sink], *self.rope(end, future, index), self.architecture.rotation.interleaved
-                    )
+                    (sink, future): rotate_moments(*moments[sink], *self.rope(end, future, index), interleaved, scale)
                     for sink, future in needs.query_stats
                 }
                 stats = dataclasses.replace(stats, query_stats=rotated)
