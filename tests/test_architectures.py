@@ -80,6 +80,22 @@ class Row:
     length: int = 40  # prompt tokens
     new_tokens: int = 24
     budget: int = 16  # StreamingLLM's entries per head
+    norms: float = 0.0  # the spread of random norm weights (a random model's are all ones, so prove nothing)
+    grids: tuple[str, ...] = ("memory-bits", "decode-budget")  # the CLI grids it runs (``GRIDS``)
+
+    @property
+    def batch(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Its batch test's policies: those whose caches are compressed at the prefill, and those also cut while the
+        answer is written. A row whose attention another row proves batches the full cache, one compressed and one
+        cut (rows of three lengths, one shrinking): the costliest check of a row proves nothing new on its attention."""
+        if self.grids == DECODING_GRID:
+            return ("full", "snapkv"), ("snapkv",)
+        return ("full", "streamingllm", "snapkv", "h2o"), ("snapkv", "h2o")
+
+
+# A family whose attention another row proves already (its "how handled" says "as" that family) runs the CLI's
+# decode-time grid only: every policy at a memory budget in two widths proves nothing new on it, and costs the most.
+DECODING_GRID = ("decode-budget",)
 
 
 ROWS = [
@@ -132,6 +148,118 @@ ROWS = [
             "layer_types": ["sliding_attention", "full_attention"],
             "initializer_range": 0.2,
         },
+    ),
+    Row("mixtral", "mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}, grids=DECODING_GRID),
+    Row(
+        "qwen2_moe",
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
+        grids=DECODING_GRID,
+    ),
+    Row(
+        "ministral",
+        "ministral",
+        {"sliding_window": 128, "layer_types": ["sliding_attention"] * 2},
+        length=120,
+        grids=DECODING_GRID,
+    ),
+    Row(
+        "olmo3",
+        "olmo3",
+        {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
+        length=60,
+        grids=DECODING_GRID,
+    ),
+    Row("seed_oss", "seed_oss", grids=DECODING_GRID),
+    Row("apertus", "apertus", grids=DECODING_GRID),
+    Row("arcee", "arcee", grids=DECODING_GRID),
+    Row(
+        "granitemoe",
+        "granitemoe",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "attention_multiplier": 0.3},
+        grids=DECODING_GRID,
+    ),
+    Row("phimoe", "phimoe", {"num_local_experts": 4, "num_experts_per_tok": 2}, grids=DECODING_GRID),
+    Row(
+        "vaultgemma",
+        "vaultgemma",
+        {
+            "sliding_window": 64,
+            "attn_logit_softcapping": 2.0,
+            "query_pre_attn_scalar": 1,
+            "initializer_range": 0.05,
+            "tie_word_embeddings": False,  # tied, its random model repeats its input token whatever the cache
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+        length=60,
+        grids=DECODING_GRID,
+    ),
+    Row("internlm3", "internlm3", grids=DECODING_GRID),
+    # NoPE layers (layer 1: no rotary embedding): un-rotation is the identity there.
+    Row("smollm3", "smollm3", {"no_rope_layers": [1, 0], "pad_token_id": 0, "tie_word_embeddings": False}),
+    Row(
+        "exaone4",
+        "exaone4",
+        {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},  # layer 1 global and NoPE
+        length=60,
+        norms=0.5,
+    ),
+    # RoPE tables laid out as rotate-half's, applied to interleaved pairs (the first half spread over the pairs).
+    Row("glm", "glm", {"pad_token_id": 0}),
+    Row("glm4", "glm4", {"pad_token_id": 0}, grids=DECODING_GRID),
+    Row(
+        "glm4_moe",
+        "glm4_moe",
+        {
+            "pad_token_id": 0,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "use_qk_norm": True,
+        },
+        norms=0.5,
+        grids=DECODING_GRID,
+    ),
+    Row("ernie4_5", "ernie4_5", {"tie_word_embeddings": False}),
+    Row(
+        "ernie4_5_moe",
+        "ernie4_5_moe",
+        {"tie_word_embeddings": False, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32},
+        grids=DECODING_GRID,
+    ),
+    Row("helium", "helium", grids=DECODING_GRID),
+    # q/k norms after RoPE, with weights that are not all ones.
+    Row("hunyuan_v1_dense", "hunyuan_v1_dense", norms=0.5),
+    Row("hunyuan_v1_moe", "hunyuan_v1_moe", {"num_experts": 4, "moe_topk": 2}, norms=0.5, grids=DECODING_GRID),
+    # Llama 4: layer 0 chunked (kept whole; chunk 24, the prompt of 40 longer, the answer crossing into the next
+    # chunk at 48) with RoPE as complex frequencies on interleaved pairs and an L2 norm after it; layer 1 global and
+    # NoPE, its queries scaled by position from position 8 on (attn_temperature_tuning, 8192 in the released models).
+    Row(
+        "llama4_text",
+        "llama4_text",
+        {
+            "layer_types": ["chunked_attention", "full_attention"],
+            "no_rope_layers": [1, 0],
+            "attention_chunk_size": 24,
+            "floor_scale": 8,
+            "attn_scale": 0.5,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 128,
+            "pad_token_id": 0,
+        },
+    ),
+    Row(
+        "dots1",
+        "dots1",
+        {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1},
+        norms=0.5,
+        grids=DECODING_GRID,
     ),
     # Hybrids: recurrent (gated delta rule) layers keep a state, kept whole; the attention layers between them are
     # compressed. Layer 0 recurrent: the attention layers are not the model's first.
@@ -233,7 +361,12 @@ def save(row: Row, folder, tokenizer) -> None:
     settings = {name: value for name, value in {**TINY, **row.settings}.items() if value is not UNSET}
     config = AutoConfig.for_model(row.model_type, **settings)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if row.norms and "norm" in name and weight.dim() == 1:
+                weight.add_(row.norms * torch.randn_like(weight))
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
@@ -311,46 +444,78 @@ def check_decoding(engine, row: Row) -> None:
     assert streamed != reference
 
 
-def check_statistics(engine, row: Row, monkeypatch) -> None:
+def check_statistics(engine, row: Row) -> None:
     """The recorded window sums and accumulated attention equal the stock eager kernel's attention weights (the
-    module's own scale, soft-cap and sinks, whatever the family); the queries Expected Attention un-rotates equal the
-    model's pre-RoPE queries (captured at its ``apply_rotary_pos_emb``), a partial RoPE's pass-through dimensions
-    included."""
-    import inspect
-
+    module's own scale, soft-cap and sinks, whatever the family) on every attention layer that computes the prompt
+    whole; the queries Expected Attention un-rotates equal the queries the model's own kernel gets when its rotary
+    embedding turns nothing (each attention module called again on its own input, cos 1 and sin 0): a partial RoPE's
+    pass-through dimensions, a NoPE layer or model (un-rotated by the identity) and a norm after RoPE (Hunyuan)
+    included. An MLA model's queries are not un-rotated (Expected Attention, their one reader, is refused there)."""
     from pkvbench.engine.attention import StatsRecorder, unrotate
     from pkvbench.engine.exactness import stock_attention
     from pkvbench.policies.base import Needs
 
     ids = prompt(row)
-    modeling = inspect.getmodule(type(engine.architecture.attention_modules(engine.model)[0]))
-    # Where pkvbench un-rotates queries (an MLA model's are not: Expected Attention, their one reader, is refused).
-    rotates = engine.rotation.width > 0
-    before_rope = []
-    if rotates:
-        rotate = modeling.apply_rotary_pos_emb
-
-        def spy(q, *args, **kwargs):
-            before_rope.append(q[0].float().clone())
-            return rotate(q, *args, **kwargs)
-
-        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", spy)
     needs = Needs(windows=frozenset({8}), accumulated=True, queries=frozenset({row.length}))
-    recorder = StatsRecorder(needs, engine.softmaxes, rope=engine.rope, interleaved=engine.rotation.interleaved)
+    recorder = StatsRecorder(needs, engine.softmaxes, rope=engine.rope, rotation=engine.rotation)
     engine.recorded_forward(ids, recorder)
-    with stock_attention(engine.model, "eager"), torch.inference_mode():
-        weights = engine.model(ids, output_attentions=True).attentions  # of the attention layers, in depth order
-    assert len(weights) == len(engine.architecture.attention_layers)
-    for index, (layer, attention) in enumerate(zip(engine.architecture.attention_layers, weights)):
+    modules = engine.architecture.attention_modules(engine.model)
+    inputs = {}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda module, args, kwargs: inputs.setdefault(module.layer_idx, (args, kwargs)), with_kwargs=True
+        )
+        for module in modules
+    ]
+    try:
+        with stock_attention(engine.model, "eager"), torch.inference_mode():
+            weights = engine.model(ids, output_attentions=True, use_cache=False).attentions
+    finally:
+        for hook in hooks:
+            hook.remove()
+    layers = engine.architecture.attention_layers
+    assert len(weights) == len(layers)  # of the attention layers, in depth order
+    unturned = {} if engine.latent else queries_unturned(modules, inputs, engine.softmaxes)
+    for layer, attention in zip(layers, weights):
         stats = recorder.layers[row.length, layer]
         window = engine.architecture.prompt_windows[layer]
-        if window is None or window >= row.length:  # a local layer past its window: never scored (kept as it sees)
+        if window is None or window >= row.length:  # a local or chunked layer past its reach: never scored
             torch.testing.assert_close(stats.window_scores[8], attention[0, :, -8:].sum(1), atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(stats.accumulated, attention[0].sum(1), atol=1e-4, rtol=1e-4)
-        if rotates:
+        if not engine.latent:
             cos, sin = engine.rope(0, row.length, layer)  # each layer's own (Gemma 3's local and global differ)
-            plain = unrotate(stats.recent_queries, cos, sin, engine.rotation.interleaved)
-            torch.testing.assert_close(plain, before_rope[index], atol=1e-5, rtol=1e-4)
+            plain = unrotate(stats.recent_queries, cos, sin, engine.rotation.interleaved, engine.rotation.scale(layer))
+            torch.testing.assert_close(plain, unturned[layer], atol=1e-5, rtol=1e-4)
+
+
+def queries_unturned(modules, inputs: dict, softmaxes) -> dict:
+    """Each attention module called again on its input (``inputs``: layer → its call's args and kwargs) with the
+    rotary embedding replaced by the identity (a module given none keeps none): the queries its kernel then gets,
+    per layer ``[Hq, T, d]``."""
+    from pkvbench.engine.attention import Recorder, recording
+
+    class Queries(Recorder):
+        def __init__(self):
+            self.softmaxes, self.seen = softmaxes, {}
+
+        def observe(self, layer_idx, query, key, logsumexp=None):
+            self.seen[layer_idx] = query[0].float().clone()
+
+    def identity(embedding):
+        if embedding is None:  # no RoPE (Jamba, Nemotron-H)
+            return None
+        if isinstance(embedding, tuple):  # cos, sin
+            return torch.ones_like(embedding[0]), torch.zeros_like(embedding[1])
+        return torch.ones_like(embedding)  # complex frequencies (Llama 4)
+
+    queries = Queries()
+    with recording(queries), torch.inference_mode():
+        for module in modules:
+            args, kwargs = inputs[module.layer_idx]
+            if "position_embeddings" in kwargs:
+                kwargs = {**kwargs, "position_embeddings": identity(kwargs["position_embeddings"])}
+            module(*args, **kwargs)
+    return queries.seen
 
 
 def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
@@ -358,9 +523,9 @@ def test_full_cache_and_streamingllm_decode_as_the_stock_model(family):
     check_decoding(engine, row)
 
 
-def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(family, monkeypatch):
+def test_statistics_are_the_models_attention_and_queries_unrotate_to_its_own(family):
     row, engine, _ = family
-    check_statistics(engine, row, monkeypatch)
+    check_statistics(engine, row)
 
 
 # --- variants: each row's model (its weights) under other configurations of its family -----------------------------
@@ -479,7 +644,7 @@ def variant_folder(folder, settings: dict, target):
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v.row}-{v.name}")
-def test_a_variant_is_read_from_the_model_and_decodes_as_it(variant, saved, tmp_path, monkeypatch):
+def test_a_variant_is_read_from_the_model_and_decodes_as_it(variant, saved, tmp_path):
     """Each layer's window as the model's own masks apply it (not as a stray key says), then the checks of the rows:
     the full cache as ``generate``, StreamingLLM as the masked stock model, the statistics as the eager kernel's
     weights — where the prompt is longer than an all-sliding model's window, the statistics are refused instead."""
@@ -491,7 +656,7 @@ def test_a_variant_is_read_from_the_model_and_decodes_as_it(variant, saved, tmp_
     assert engine.architecture.windows == variant.windows
     check_decoding(engine, row)
     if variant.statistics:
-        check_statistics(engine, row, monkeypatch)
+        check_statistics(engine, row)
         return
     from pkvbench.engine.attention import StatsRecorder
 
@@ -590,16 +755,20 @@ def test_past_an_all_sliding_window_the_policies_that_score_without_attention_ru
 
 
 def test_a_batch_of_policies_decodes_as_each_alone(family):
-    """Caches of several policies, two of them cut again while the answer is written (``--decode-budget``), and
-    two of another prompt's prefill (a hybrid's rows each carry their own prefill's states)."""
+    """Caches of several policies, some of them cut again while the answer is written (``--decode-budget``;
+    ``Row.batch``), and, where the model keeps states, two of another prompt's prefill (a hybrid's rows each carry
+    their own prefill's states)."""
     row, engine, _ = family
     ids = prompt(row)
-    policies = [parse_policy(name) for name in ("full", "streamingllm", "snapkv", "h2o")]
-    prefill = engine.prefill(ids, policies, decoding=policies[2:])
-    other = engine.prefill(torch.randint(0, VOCAB, ids.shape, generator=torch.Generator().manual_seed(2)), policies)
+    policies, cut = ([parse_policy(name) for name in names] for names in row.batch)
+    prefill = engine.prefill(ids, policies, decoding=cut)
+    sources = [(prefill, policy) for policy in policies]
+    if engine.architecture.state_layers:
+        other = engine.prefill(torch.randint(0, VOCAB, ids.shape, generator=torch.Generator().manual_seed(2)), policies)
+        sources += [(other, policies[0]), (other, policies[-1])]
     requests = [
         engine.request(source, engine.compress(source, policy, Budget(row.budget)), row.new_tokens)
-        for source, policy in [(prefill, policy) for policy in policies] + [(other, policies[0]), (other, policies[2])]
+        for source, policy in sources
     ]
     requests += [
         engine.request(
@@ -608,7 +777,7 @@ def test_a_batch_of_policies_decodes_as_each_alone(family):
             row.new_tokens,
             schedule=engine.schedule(policy, row.budget, 4, 4),
         )
-        for policy in policies[2:]
+        for policy in cut
     ]
     alone = engine.decode_many(requests, 1)
     together = engine.decode_many(requests)
@@ -649,13 +818,15 @@ def test_the_cache_is_measured_off_the_model_and_its_state_counted(family):
     assert cache.nbytes == entries + state_bytes(states)
 
 
+@pytest.mark.parametrize("kind", ["sliding_attention", "chunked_attention"], ids=["sliding", "chunked"])
 @pytest.mark.parametrize("storage", ["ragged", "stored"])
-def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage):
+def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage, kind):
     """Rows of kept entries at scattered original positions (each head its own), one new token at position 60 with a
     window of 32: every row and head sees its kept entries at positions 29 … 59 and the new token, nothing else —
-    kept in the model's dtype, or packed in 4 bits (then the window reaches into the packed part and the residual)."""
+    kept in the model's dtype, or packed in 4 bits (then the window reaches into the packed part and the residual).
+    A chunked layer of chunk 32: positions 32 … 59 (the new token's chunk) and the new token."""
     from pkvbench.cell.kv_formats import KVFormat
-    from pkvbench.engine.architecture import SLIDING, Architecture
+    from pkvbench.engine.architecture import Architecture
     from pkvbench.engine.decoding import DecodeRequest, KeptEntries
     from pkvbench.engine.layers import build_cache
     from pkvbench.engine.quantized import StoredEntries
@@ -672,7 +843,7 @@ def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage
             kept = StoredEntries.store(kept, KVFormat(4, group=16, residual=5), torch.float32)
         requests.append(DecodeRequest(kept=kept, position=start, max_new_tokens=4))
         kept_positions.append(positions)
-    architecture = Architecture("test", (SLIDING,), (window,), kv_heads=heads, query_heads=heads)
+    architecture = Architecture("test", (kind,), (window,), kv_heads=heads, query_heads=heads)
     layer = build_cache(requests, room=4, architecture=architecture).layers[0]
     layer.update(torch.randn(2, heads, 1, dim), torch.randn(2, heads, 1, dim))
     mask = layer.attention_mask()
@@ -683,7 +854,8 @@ def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage
     for row, positions in enumerate(kept_positions):
         for head in range(heads):
             seen = sorted(columns[row, head][mask[row, min(head, mask.shape[1] - 1), 0]].tolist())
-            expected = sorted(p for p in positions[head].tolist() if p > start - window) + [start]
+            oldest = start - start % window if kind == "chunked_attention" else start - window + 1
+            expected = sorted(p for p in positions[head].tolist() if p >= oldest) + [start]
             assert seen == expected
 
 
@@ -742,30 +914,31 @@ EVERY_POLICY = "full,streamingllm,h2o,snapkv,pyramidkv,random,knorm,keydiff,tova
 CUT_WHILE_DECODING = "streamingllm,h2o,snapkv,rkv,expected_attention"
 
 
-@pytest.mark.parametrize(
-    "grid",
-    [
-        # 0.6 of the full cache: above a mixed model's floor (its local layer, half of qwen2-mixed's, is kept whole)
-        ["--policy", EVERY_POLICY, "--memory", "0.6", "--kv-bits", "16,4", "--kv-group", "16"],
-        ["--policy", CUT_WHILE_DECODING, "--budget", "32", "--decode-budget", "24", "--decode-interval", "4"],
-    ],
-    ids=["memory-bits", "decode-budget"],
-)
-def test_the_cli_runs_a_grid_on_the_family(family, grid, tmp_path, capsys):
+GRIDS = {
+    # 0.6 of the full cache: above a mixed model's floor (its local layer, half of qwen2-mixed's, is kept whole)
+    "memory-bits": ["--policy", EVERY_POLICY, "--memory", "0.6", "--kv-bits", "16,4", "--kv-group", "16"],
+    "decode-budget": ["--policy", CUT_WHILE_DECODING, "--budget", "32", "--decode-budget", "24"]
+    + ["--decode-interval", "4"],
+}
+
+
+def test_the_cli_runs_its_grids_on_the_family(family, tmp_path, capsys):
     """The user's path: ``pkvbench run --model FOLDER`` over every policy, at a memory budget in 16 and 4 bits, and
-    cutting the cache while the answer is written."""
+    cutting the cache while the answer is written (the row's ``grids``)."""
     from pkvbench.cli import main
 
-    _, engine, folder = family
-    if engine.latent:  # an MLA model refuses the policies that read per-head keys or values (tested below)
-        policies = grid[grid.index("--policy") + 1].split(",")
-        runnable = ",".join(p for p in policies if not latent_refusal(parse_policy(p)))
-        grid = [runnable if item == grid[grid.index("--policy") + 1] else item for item in grid]
+    row, engine, folder = family
     args = ["run", "--model", str(folder), "--task", "needle", "--lengths", "100", "--depths", "50"]
-    with pytest.raises(SystemExit) as exit_info:
-        main([*args, "--max-new-tokens", "5", "--quiet", "--out", str(tmp_path / "run"), *grid])
-    assert exit_info.value.code == 0, capsys.readouterr().err
-    assert (tmp_path / "run" / "summary.csv").is_file()
+    for grid in row.grids:
+        options = GRIDS[grid]
+        if engine.latent:  # an MLA model refuses the policies that read per-head keys or values (tested below)
+            at = options.index("--policy") + 1
+            runnable = ",".join(p for p in options[at].split(",") if not latent_refusal(parse_policy(p)))
+            options = [*options[:at], runnable, *options[at + 1 :]]
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, "--max-new-tokens", "5", "--quiet", "--out", str(tmp_path / grid), *options])
+        assert exit_info.value.code == 0, f"{grid}: {capsys.readouterr().err}"
+        assert (tmp_path / grid / "summary.csv").is_file()
 
 
 def test_a_statistic_beyond_the_machines_memory_is_one_line_naming_the_length():
@@ -787,12 +960,13 @@ def test_a_statistic_beyond_the_machines_memory_is_one_line_naming_the_length():
         ({"model_type": "deepseek_v32"}, "'deepseek_v32' model, not supported: a learned indexer picks the keys"),
         ({"model_type": "zamba2"}, "'zamba2' model, not supported: one attention module serves several layers"),
         ({"model_type": "falcon"}, "'falcon' model; supported architectures: llama, mistral, qwen2, qwen3"),
+        ({"model_type": "gemma4_text"}, "not supported: layers of different cache shapes, and caches shared between"),
         (
             {"model_type": "llama", "num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"]},
             "has linear_attention layers",
         ),
     ],
-    ids=["indexed-attention", "shared-attention", "unknown-family", "linear-attention"],
+    ids=["indexed-attention", "shared-attention", "unknown-family", "per-layer-shapes", "linear-attention"],
 )
 def test_a_family_pkvbench_cannot_run_is_refused_in_one_line_before_the_model_loads(config, reason, tmp_path, capsys):
     """A folder holding only a config (no weights, no tokenizer): the refusal comes from the config alone."""
@@ -808,8 +982,11 @@ def test_a_family_pkvbench_cannot_run_is_refused_in_one_line_before_the_model_lo
 
 
 def test_pkvbench_list_shows_every_family_its_layer_kinds_and_what_is_refused(capsys):
-    """Every family of the seam's table, admitted or refused, with its layer kinds; each admitted family has its row
-    in this matrix (a family is admitted only with one)."""
+    """Every family of the seam's table, admitted or refused, with its layer kinds, in ``pkvbench list`` and in
+    docs/models.md's matrix; each admitted family has its row in this matrix (a family is admitted only with one)."""
+    import re
+    from pathlib import Path
+
     from pkvbench.cli import main
     from pkvbench.engine.architecture import FAMILIES
 
@@ -821,6 +998,10 @@ def test_pkvbench_list_shows_every_family_its_layer_kinds_and_what_is_refused(ca
         assert f"  {name} " in listed and f"layers: {family.layers}" in listed
         assert (family.handled if family.admitted else f"refused: {family.refused}") in listed
     assert {name for name, family in FAMILIES.items() if family.admitted} == {row.model_type for row in ROWS}
+    docs = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    matrix = docs[docs.index("## The matrix") :].split("\n## ")[0]
+    documented = {name for line in matrix.splitlines() for name in re.findall(r"`(\w+)`", line.split(" | ")[0])}
+    assert set(FAMILIES) <= documented, set(FAMILIES) - documented
 
 
 def test_an_mla_model_refuses_a_policy_that_reads_per_head_keys_in_one_line_before_it_loads(

@@ -332,4 +332,4 @@ def test_a_multi_turn_run_reports_by_turn_and_passes_its_gate(tmp_path, loaded, 
     assert "Accuracy by turn" in report and "turn 1" in report and "turn 2" in report
     baseline = tmp_path / "baseline.csv"
     run("check", "--baseline", str(baseline), "--results", str(folder), "--update")
-    assert "PASS" in run("check", "--baseline", str(baseline), "--results", str(folder))
+    assert "check passed" in run("check", "--baseline", str(baseline), "--results", str(folder))

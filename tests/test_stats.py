@@ -107,28 +107,39 @@ def test_bidirectional_sums_leave_only_the_window_block_causal():
     )
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-def test_future_query_statistics_rotate_the_mean_and_covariance(interleaved):
+@pytest.mark.parametrize(
+    "interleaved,normed", [(False, False), (True, False), (False, True)], ids=["half", "interleaved", "norm-after"]
+)
+def test_future_query_statistics_rotate_the_mean_and_covariance(interleaved, normed):
     """Against the definition: unrotated queries' mean and covariance, under the average of the future rotations;
-    RoPE pairing dimension i with i + d/2 (llama) or 2i with 2i + 1 (cohere, its cos and sin interleaved too)."""
+    RoPE pairing dimension i with i + d/2 (llama) or 2i with 2i + 1 (cohere, its cos and sin interleaved too). With
+    a norm after RoPE (Hunyuan: the kernel gets w ⊙ R_p x / rms(x)), the queries as the kernel gets them unturned are
+    w ⊙ x / rms(x), and those to come w ⊙ R_p x / rms(x)."""
     from pkvbench.engine.attention import future_query_statistics, rotate_half
 
     gen = torch.Generator().manual_seed(4)
     plain = torch.randn(2, 50, 8, generator=gen)
+    scale = 1 + 0.5 * torch.randn(8, generator=gen) if normed else None
     frequencies = torch.tensor([1.0, 0.1, 0.01, 0.001])
     frequencies = frequencies.repeat_interleave(2) if interleaved else frequencies.repeat(2)
     angles = torch.arange(60.0)[:, None] * frequencies[None]
     cos, sin = angles.cos(), angles.sin()
-    rotated = plain * cos[:50] + rotate_half(plain, interleaved) * sin[:50]
-    mean, covariance = future_query_statistics(rotated, cos[:50], sin[:50], 4, cos[50:], sin[50:], interleaved)
 
-    def turn(x, p):  # RoPE at position p
-        return x * cos[p] + rotate_half(x, interleaved) * sin[p]
+    def turn(x, p):  # RoPE at position p, then the norm's weights (the rms is the same turned or not)
+        turned = x * cos[p] + rotate_half(x, interleaved) * sin[p]
+        return turned if scale is None else scale * turned
 
-    expected_mean = torch.stack([turn(plain[:, 4:].mean(1), p) for p in range(50, 60)]).mean(0)
+    if scale is not None:
+        plain = plain / plain.square().mean(-1, keepdim=True).sqrt()
+    rotated = turn(plain, slice(0, 50))
+    mean, covariance = future_query_statistics(rotated, cos[:50], sin[:50], 4, cos[50:], sin[50:], interleaved, scale)
+    unturned = plain if scale is None else scale * plain  # what the kernel gets at position 0
+    future = [lambda x, p=p: turn(x if scale is None else x / scale, p) for p in range(50, 60)]
+
+    expected_mean = torch.stack([move(unturned[:, 4:].mean(1)) for move in future]).mean(0)
     torch.testing.assert_close(mean, expected_mean, rtol=1e-5, atol=1e-5)
-    matrix = torch.stack([turn(torch.eye(8), p).T for p in range(50, 60)]).mean(0)  # R̄ as a matrix
-    centred = plain[:, 4:] - plain[:, 4:].mean(1, keepdim=True)
+    matrix = torch.stack([move(torch.eye(8)).T for move in future]).mean(0)  # the average future map as a matrix
+    centred = unturned[:, 4:] - unturned[:, 4:].mean(1, keepdim=True)
     expected = matrix @ (centred.transpose(1, 2) @ centred / 46) @ matrix.T
     torch.testing.assert_close(covariance, expected, rtol=1e-4, atol=1e-5)
 

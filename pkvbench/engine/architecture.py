@@ -15,7 +15,13 @@ p − window + 1 … p). How the engine treats them:
   longer than the window is run only by policies that score without the prompt's attention (``check_prompt``);
 - in a model that mixes local (sliding) and global layers, a policy compresses the global layers; each local layer
   keeps what its window can still see — the prompt's last window − 1 entries, as transformers' sliding cache layer
-  keeps them — counted in the row's entries and bytes, and decodes under its window.
+  keeps them — counted in the row's entries and bytes, and decodes under its window;
+- ``chunked_attention`` (Llama 4): the token at position p sees its chunk only, positions p − p mod chunk … p, as
+  the model's mask says. A chunked layer is a local layer: never compressed by a policy, it keeps the prompt's last
+  chunk − 1 entries (all its chunk can still see; transformers' cache keeps as many) and decodes under its chunk.
+
+Which layers rotate is read the same way: a layer whose attention never calls the model's rotary function is NoPE
+(SmolLM3's ``no_rope_layers``, Exaone 4's global layers, Llama 4's every 4th), whatever its config says.
 """
 
 from __future__ import annotations
@@ -25,12 +31,13 @@ import inspect
 from dataclasses import dataclass
 
 from pkvbench.cell.kv_formats import LayerShape
-from pkvbench.engine.probe import LayerSoftmax
+from pkvbench.engine.probe import LayerSoftmax, Rotation
 from pkvbench.errors import PkvError, first_line
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-ATTENTION_KINDS = (FULL, SLIDING)
+CHUNKED = "chunked_attention"
+ATTENTION_KINDS = (FULL, SLIDING, CHUNKED)
 # Layer kinds of transformers' ``cache_utils`` that keep a fixed-size state per sequence, not per-token keys and
 # values (``engine/recurrent.py``): the state alone; the state beside an attention layer's entries (Falcon-H1's
 # layers run both), as which attention kind; nothing cached at all (Nemotron-H's MLP blocks).
@@ -90,7 +97,8 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(HALF_ROPE + "; Llama 3.1 and YaRN scaling", "the reference layout"),
     "mistral": Family(
         "a sliding window on every layer (Mistral-7B-v0.1)",
-        "compressed as any model; the window applied while decoding; prompts up to the window",
+        "compressed as any model; the window applied while decoding; past the window, only the policies that score "
+        "without the prompt's attention",
         layers=EVERY_LAYER_SLIDES,
     ),
     "qwen2": Family(
@@ -101,8 +109,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("q/k norms; an optional sliding window as qwen2", "as qwen2", layers=WINDOW_LAYERS),
     "qwen3_moe": Family("mixture-of-experts MLP; q/k norms", "attention as qwen3", layers=WINDOW_LAYERS),
     "phi3": Family(
-        "fused qkv projection; partial RoPE (partial_rotary_factor)",
-        "RoPE un-rotated over its width",
+        "fused qkv projection; partial RoPE (partial_rotary_factor); longrope's tables switch past "
+        "original_max_position_embeddings (Phi-3.5, Phi-4-mini)",
+        "RoPE un-rotated over its width; a prompt at or below the switch whose answer crosses it refused",
         layers=EVERY_LAYER_SLIDES,
     ),
     "olmo2": Family("q/k norms over all heads, after the projection", "attention as llama"),
@@ -131,6 +140,86 @@ FAMILIES: dict[str, Family] = {
     "cohere": Family(
         "interleaved RoPE (pairs 2i, 2i + 1); q/k layer norms; a logit scale; attention and MLP in parallel",
         "RoPE's pairing read from the model's own apply_rotary_pos_emb; un-rotated as it pairs",
+    ),
+    "mixtral": Family(
+        "mixture-of-experts MLP; an optional sliding window on every layer",
+        "attention as mistral",
+        layers=EVERY_LAYER_SLIDES,
+    ),
+    "qwen2_moe": Family(
+        "mixture-of-experts MLP with a shared expert; q/k/v biases; the optional window as qwen2",
+        "attention as qwen2",
+        layers=WINDOW_LAYERS,
+    ),
+    "ministral": Family(
+        "sliding layers per layer_types (every layer by default)",
+        "every layer sliding: as mistral; some: the local layers keep what their window sees",
+        layers="sliding on every layer, or " + LOCAL_AND_GLOBAL,
+    ),
+    "olmo3": Family(
+        "q/k norms over all heads; local and global layers, a RoPE per layer kind",
+        "each layer's own RoPE; local layers keep what their window sees",
+        layers=LOCAL_AND_GLOBAL,
+    ),
+    "seed_oss": Family("q/k/v biases", "attention as llama"),
+    "apertus": Family("q/k norms; Llama 3.1 RoPE scaling; xIELU MLP", "attention as llama"),
+    "arcee": Family("an ungated ReLU² MLP", "attention as llama"),
+    "granitemoe": Family("mixture-of-experts MLP; granite's multipliers", "the module's own scaling"),
+    "phimoe": Family(
+        "mixture-of-experts MLP; q/k/v biases; an optional sliding window on every layer",
+        "attention as mistral",
+        layers=EVERY_LAYER_SLIDES,
+    ),
+    "vaultgemma": Family(
+        "Gemma 2's attention (soft-capped logits, query_pre_attn_scalar) without its post-norms; local and global "
+        "layers",
+        "as gemma2",
+        layers=LOCAL_AND_GLOBAL,
+    ),
+    "internlm3": Family("optional projection biases; loaded as llama", "as llama"),
+    "smollm3": Family(
+        "NoPE layers (no_rope_layers: every 4th layer skips RoPE)",
+        "which layers rotate read from the model; un-rotation and decode-time rotation the identity on NoPE layers",
+        layers="full, NoPE where no_rope_layers says so",
+    ),
+    "exaone4": Family(
+        "q/k norms; local layers with RoPE, global layers NoPE (where sliding_window)",
+        "NoPE read from the model; local layers keep what their window sees",
+        layers="local (sliding: its window's entries kept; RoPE) and global (full; NoPE) per layer_types, or full "
+        "with RoPE on every layer (no sliding_window)",
+    ),
+    "glm": Family(
+        "partial RoPE with interleaved pairs, its tables laid out as rotate-half's (GLM-4)",
+        "RoPE's pairing, width and tables read from the model's own apply_rotary_pos_emb",
+    ),
+    "glm4": Family("GLM's partial interleaved RoPE; norms after attention and MLP", "as glm"),
+    "glm4_moe": Family("GLM's partial interleaved RoPE; optional q/k norms; mixture-of-experts MLP", "as glm"),
+    "ernie4_5": Family(
+        "interleaved RoPE over the whole head, its tables laid out as rotate-half's",
+        "RoPE's pairing and tables read from the model's own apply_rotary_pos_emb",
+    ),
+    "ernie4_5_moe": Family("Ernie 4.5's RoPE; mixture-of-experts MLP", "as ernie4_5"),
+    "helium": Family("interleaved RoPE, its tables laid out as rotate-half's", "as ernie4_5"),
+    "hunyuan_v1_dense": Family(
+        "q/k norms after RoPE",
+        "the norm's weights read from the model; un-rotation divides them out, Expected Attention's moments turn "
+        "through them",
+    ),
+    "hunyuan_v1_moe": Family("Hunyuan's norms after RoPE; mixture-of-experts MLP", "as hunyuan_v1_dense"),
+    "dots1": Family("q/k norms; mixture-of-experts MLP with shared experts", "attention as qwen3"),
+    "llama4_text": Family(
+        "chunked layers (attention_chunk_size) with RoPE as complex frequencies and an L2 norm after it; global layers "
+        "NoPE (every 4th), their queries scaled by position (attn_temperature_tuning); mixture-of-experts MLP",
+        "chunked layers keep the prompt's last chunk − 1 entries, decoding under their chunk; NoPE, the pairing and "
+        "the norm read from the model; the temperature's position from the sequence's length as transformers counts it",
+        layers="chunked (its last chunk − 1 entries kept; RoPE) and global (full; NoPE) per layer_types",
+    ),
+    "gemma4_text": Family(
+        "global layers of another head size and KV heads than the local ones (global_head_dim, "
+        "num_global_key_value_heads); the last layers reuse earlier layers' caches (num_kv_shared_layers)",
+        "",
+        refused="layers of different cache shapes, and caches shared between layers",
+        layers="local and global per layer_types, of different shapes",
     ),
     "qwen3_next": Family(
         "hybrid: gated delta rule (linear attention) layers between attention layers; gated attention output; "
@@ -292,12 +381,13 @@ def check_config(config, name: str) -> None:
     window = given("sliding_window")
     if window is not None and not _whole_number(window):
         refuse(f"sliding_window is {window!r}; it must be a whole number of tokens (or null: no window)")
-    if window is not None and window < 1:
-        refuse(f"sliding_window is {window}: a window of {window} tokens hides every token (null: no window)")
     kinds = given("layer_types")
+    if kinds is not None and (not isinstance(kinds, (list, tuple)) or not all(isinstance(k, str) for k in kinds)):
+        refuse(f"layer_types must be a list with one layer kind per layer, not {kinds!r}"[:300])
+    # A window no layer declares is no window (Qwen2-MoE writes 0 where use_sliding_window is off, every layer full).
+    if window is not None and window < 1 and (kinds is None or SLIDING in kinds):
+        refuse(f"sliding_window is {window}: a window of {window} tokens hides every token (null: no window)")
     if kinds is not None:
-        if not isinstance(kinds, (list, tuple)) or not all(isinstance(kind, str) for kind in kinds):
-            refuse(f"layer_types must be a list with one layer kind per layer, not {kinds!r}"[:300])
         if _whole_number(layers) and len(kinds) != layers:
             refuse(f"layer_types names {len(kinds)} layers, num_hidden_layers {layers}")
         if SLIDING in kinds and window is None:
@@ -321,12 +411,12 @@ class Architecture:
     read from what the model's code does (``engine/probe.py``)."""
 
     family: str  # config.model_type
-    # Per model layer: FULL or SLIDING, as its attention's mask says; a layer that keeps a state, the kind its config
-    # declares (STATE_KINDS; HYBRID_KINDS beside its attention) or nothing (NO_CACHE_KINDS).
+    # Per model layer: FULL, SLIDING or CHUNKED, as its attention's mask says; a layer that keeps a state, the kind
+    # its config declares (STATE_KINDS; HYBRID_KINDS beside its attention) or nothing (NO_CACHE_KINDS).
     layer_kinds: tuple[str, ...]
     # Per model layer: the window a new token sees while the answer is written (None: everything, or no attention):
     # its mask's, or the window of the model's own cache where that keeps fewer (a stray sliding_window on Llama:
-    # ``generate``'s cache slides, its masks do not).
+    # ``generate``'s cache slides, its masks do not); a chunked layer's: its chunk.
     windows: tuple[int | None, ...]
     # Per model layer: the window of the mask it computes the prompt with (``prompt_limit``: the statistics' reach).
     prompt_windows: tuple[int | None, ...] = ()
@@ -360,16 +450,17 @@ class Architecture:
             raise PkvError(f"model {name}: its config cannot build the model: {first_line(exc)}") from None
         if weights is not None:
             check_weights(model, weights, name)
-        return cls._probed(model, name)
+        return cls._probed(model, name)[0]
 
     @classmethod
     def of_model(cls, model, name: str = "the model") -> Architecture:
-        """From a loaded model: what its modules do, its sinks' values and RoPE's pairing included."""
-        architecture = cls._probed(model, name)
-        return dataclasses.replace(architecture, rotation=architecture._rotation(model))
+        """From a loaded model: what its modules do, its sinks' values and RoPE's pairing, per layer, included."""
+        architecture, calls = cls._probed(model, name)
+        return dataclasses.replace(architecture, rotation=architecture._rotation(model, calls))
 
     @classmethod
-    def _probed(cls, model, name: str) -> Architecture:
+    def _probed(cls, model, name: str) -> tuple[Architecture, dict]:
+        """The architecture read from ``model``'s attention calls (``probe.layer_calls``), and those calls."""
         from pkvbench.engine.attention import install_recording_attention
         from pkvbench.engine.probe import cache_windows, layer_calls, mask_reach, rope_switch
 
@@ -412,7 +503,9 @@ class Architecture:
                     "use_bidirectional_attention); pkvbench runs causal attention only"
                 )
             if not reach.pattern:
-                raise PkvError(f"model {name}: layer {layer}'s attention mask is neither causal nor a sliding window")
+                raise PkvError(
+                    f"model {name}: layer {layer}'s attention mask is neither causal, a sliding window nor chunked"
+                )
             if reach.window == 0:
                 raise PkvError(f"model {name}: layer {layer}'s window hides every token (sliding_window 0?)")
             unknown = sorted(set(call.kwargs) - KNOWN_ATTENTION_ARGUMENTS)
@@ -430,11 +523,12 @@ class Architecture:
                     f"model {name}: layer {layer} soft-caps its logits at {softcap!r}; a cap must be above 0"
                 )
             scaling = call.kwargs.get("scaling")
-            window = min((w for w in (reach.window, cached[layer]) if w is not None), default=None)
-            kind = FULL if window is None else SLIDING
+            seen = reach.chunk or reach.window  # how far back its tokens see over the prompt
+            window = min((w for w in (seen, cached[layer]) if w is not None), default=None)
+            kind = CHUNKED if reach.chunk else FULL if window is None else SLIDING
             kinds.append(HYBRID_OF[kind] if declared[layer] in HYBRID_KINDS else kind)  # a state beside it
             windows.append(window)
-            prompt_windows.append(reach.window)
+            prompt_windows.append(seen)
             softmaxes.append(
                 LayerSoftmax(
                     float(scaling) if scaling is not None else call.head_dim**-0.5, softcap, call.kwargs.get("s_aux")
@@ -466,14 +560,14 @@ class Architecture:
             LayerShape(entries.keys.shape[1], entries.keys.shape[-1], entries.values.shape[-1], reach)
             for entries, reach in zip(written, architecture.local)
         )
-        return dataclasses.replace(architecture, cache_shapes=shapes)
+        return dataclasses.replace(architecture, cache_shapes=shapes), calls
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
 
     def attention_kind(self, layer: int) -> str | None:
-        """The kind of the layer's attention (FULL or SLIDING; a hybrid layer's beside its state), None for a layer
+        """The kind of the layer's attention (FULL, SLIDING or CHUNKED; a hybrid layer's beside its state), None for a layer
         that keeps no per-token entries."""
         kind = HYBRID_KINDS.get(self.layer_kinds[layer], self.layer_kinds[layer])
         return kind if kind in ATTENTION_KINDS else None
@@ -497,7 +591,8 @@ class Architecture:
         return any(self.expanders)
 
     def window(self, layer: int) -> int | None:
-        """The layer's sliding window, None for full attention."""
+        """How far back the layer's tokens see: its sliding window, or its chunk (a chunked layer); None for full
+        attention."""
         return self.windows[layer]
 
     @property
@@ -512,12 +607,16 @@ class Architecture:
     @property
     def mixed(self) -> bool:
         """Local (sliding) and global layers both."""
-        return any(self.window(layer) for layer in self.attention_layers) and not self.every_layer_slides
+        return (
+            any(self.attention_kind(layer) == SLIDING for layer in self.attention_layers)
+            and not self.every_layer_slides
+        )
 
     def compressible(self, layer: int) -> bool:
-        """Whether a policy may compress the layer: every attention layer but a mixed model's local ones."""
+        """Whether a policy may compress the layer: every attention layer but a mixed model's local ones and chunked
+        ones."""
         kind = self.attention_kind(layer)
-        return kind is not None and not (self.mixed and kind == SLIDING)
+        return kind is not None and not (self.mixed and kind == SLIDING) and kind != CHUNKED
 
     @property
     def local(self) -> tuple[int | None, ...]:
@@ -629,35 +728,53 @@ class Architecture:
             return rotary(like, positions, layer_type=self.attention_kind(layer))
         return rotary(like, positions)
 
-    # --- RoPE's pairing, read from the loaded model ------------------------------------------------------------
+    # --- how each layer rotates, read from the loaded model ----------------------------------------------------
 
-    def _rotation(self, model) -> Rotation:
-        """How the model's RoPE turns a head, read by turning each unit vector of a head with the model's own
-        ``apply_rotary_pos_emb`` by a quarter turn: dimension i turns towards its partner, and the dimensions that do
-        not turn lie beyond the rotary width."""
+    def _rotation(self, model, calls: dict) -> Rotation:
+        """How each layer's RoPE turns a head, read from the probe's calls (``probe.layer_calls``): a layer whose
+        attention never called the model's rotary function is NoPE (SmolLM3's ``no_rope_layers``, Exaone 4's global
+        layers, Llama 4's every 4th, every layer of Jamba or Nemotron-H), whatever its config says; a layer whose
+        kernel got other queries than the function gave has a norm after RoPE (Hunyuan:
+        ``probe.scale_after_rotation``). Then the function turns each unit vector of a head by a quarter turn:
+        dimension i turns towards its partner (the pairing), and the dimensions that do not turn lie beyond the
+        rotary width. A latent (MLA) layer's queries are never un-rotated (Expected Attention, their one reader, is
+        refused there): it counts as not rotating."""
         import torch
 
         from pkvbench.engine.placement import execution_device
+        from pkvbench.engine.probe import scale_after_rotation
 
-        module = self.attention_modules(model)[0]
-        if latent(module) or self.rotary(model) is None:
-            # A latent cache's queries are not un-rotated (Expected Attention, their one reader, is refused there);
-            # a model without RoPE has nothing to un-rotate.
-            return Rotation(interleaved=False, width=0)
-        apply = inspect.getmodule(type(module)).apply_rotary_pos_emb
-        dim = module.head_dim
+        dim = self.head_dim
+        rotates = tuple(
+            layer in calls and calls[layer].rotary is not None and not self.latent for layer in range(self.num_layers)
+        )
+        if not any(rotates):
+            return Rotation(interleaved=False, width=0, dim=dim, rotates=rotates)
+        modules = dict(zip(self.attention_layers, self.attention_modules(model)))
+        first = rotates.index(True)
+        with torch.inference_mode():
+            scales = tuple(
+                scale_after_rotation(modules[layer], calls[layer]) if rotates[layer] else None
+                for layer in range(self.num_layers)
+            )
+        function, heads_axis = calls[first].rotary.function, calls[first].rotary.heads_axis
+        rotation = Rotation(False, dim, dim, rotates, scales, function, heads_axis)
         device = execution_device(self.rotary(model))
         positions = torch.ones(1, dim, dtype=torch.long, device=device)
-        cos, sin = self.rope(model, self.attention_layers[0], torch.zeros(1, device=device), positions)
-        # Tables of the model's shape that turn every pair a quarter: a pair whose frequency is 0 (LFM3's
-        # proportional RoPE) still lies inside the rotary width, as the tables cover it.
-        cos, sin = torch.zeros_like(cos, dtype=torch.float), torch.ones_like(sin, dtype=torch.float)
+        embedding = self.rope(model, first, torch.zeros(1, device=device), positions)
+        # Tables of the model's layout that turn every pair a quarter (cos 0, sin 1; complex frequencies: i): a pair
+        # whose frequency is 0 (LFM3's proportional RoPE) still lies inside the rotary width, as the tables cover it.
+        if isinstance(embedding, tuple):
+            quarter = (torch.zeros_like(embedding[0]), torch.ones_like(embedding[1]))
+        else:
+            quarter = torch.full_like(embedding, 1j)
         basis = torch.eye(dim, device=device)[None, None]  # [1, 1, d, d]: d "tokens", each a unit vector
-        turned = apply(basis, basis, cos, sin)[0][0, 0].clone()  # row i: where e_i turns
+        turned = rotation.turn(basis, quarter)[0, 0].clone()  # row i: where e_i turns
         turned.fill_diagonal_(0.0)
         moving = turned.abs().sum(dim=-1) > 0
         width = int(moving.nonzero().max()) + 1 if bool(moving.any()) else 0
-        return Rotation(interleaved=width > 2 and int(turned[0].abs().argmax()) == 1, width=width)
+        interleaved = width > 2 and int(turned[0].abs().argmax()) == 1
+        return dataclasses.replace(rotation, interleaved=interleaved, width=width)
 
 
 def check_weights(model, folder, name: str) -> None:
@@ -689,22 +806,3 @@ def attention_statistics(needs) -> bool:
     """Whether a policy's ``Needs`` include statistics of the prompt's attention (window sums, accumulated or
     bidirectional attention, KVzip's reconstruction), which assume every query sees the whole prompt."""
     return bool(needs.windows or needs.accumulated or needs.bidirectional or needs.reconstruction)
-
-
-@dataclass(frozen=True)
-class Rotation:
-    """How a model's RoPE turns a head: the first ``width`` dimensions in pairs, dimension i with i + width/2
-    (transformers' ``rotate_half``: llama and most) or, ``interleaved``, 2i with 2i + 1 (Cohere); the dimensions
-    beyond pass as they are (Phi-3's partial RoPE)."""
-
-    interleaved: bool
-    width: int
-
-    def tables(self, cos, sin):
-        """The rotary module's cos and sin ``[n, c]`` over the whole rotated width: a module that gives one per pair
-        (gpt-oss: c = width / 2) spread to both dimensions of each pair."""
-        if cos.shape[-1] == self.width:
-            return cos, sin
-        if self.interleaved:
-            return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
-        return cos.repeat(1, 2), sin.repeat(1, 2)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 
 from pkvbench.engine.cache import FLEX_BLOCK
-from pkvbench.engine.probe import LayerSoftmax, active_probe
+from pkvbench.engine.probe import LayerSoftmax, Rotation, active_probe, rotate_half
 from pkvbench.errors import PkvError
 from pkvbench.policies.base import LayerStats, Needs
 
@@ -195,24 +195,18 @@ def bidirectional_attention_sums(
     return totals
 
 
-def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """RoPE's pairing of dimension i with i + d/2 (transformers' convention): (x1, x2) → (−x2, x1); ``interleaved``
-    (Cohere's): of dimension 2i with 2i + 1, (x₂ᵢ, x₂ᵢ₊₁) → (−x₂ᵢ₊₁, x₂ᵢ)."""
-    if interleaved:
-        return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-def unrotate(rotated: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def unrotate(
+    rotated: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False, scale=None
+) -> torch.Tensor:
     """The vectors before RoPE: RoPE maps x to x·cos + rotate_half(x)·sin (cos, sin per position, halves equal), so
     x = (y·cos − rotate_half(y)·sin) / (cos² + sin²) (cos² + sin² is the rope's attention scaling squared, 1 mostly).
     Where RoPE is narrower than the head (Phi-3's ``partial_rotary_factor``) the dimensions beyond it pass as they
-    are, as the model's ``apply_rotary_pos_emb`` passes them. ``interleaved``: the pairing of ``rotate_half``. No
-    RoPE (a model without a rotary embedding: tables of width 0): as they are."""
+    are, as the model's ``apply_rotary_pos_emb`` passes them. ``interleaved``: the pairing of ``rotate_half``.
+    ``scale`` ``[d]``: the weights of a norm the layer applies after RoPE (Hunyuan), y = w ⊙ R x / rms(x): the
+    queries as its kernel would get them unturned are w ⊙ R⁻¹(y / w)."""
+    if scale is not None:
+        return scale * unrotate(rotated / scale, cos, sin, interleaved)
     width = cos.shape[-1]
-    if width == 0:
-        return rotated
     if width < rotated.shape[-1]:
         return torch.cat([unrotate(rotated[..., :width], cos, sin, interleaved), rotated[..., width:]], dim=-1)
     return (rotated * cos - rotate_half(rotated, interleaved) * sin) / (cos * cos + sin * sin)
@@ -226,22 +220,23 @@ def future_query_statistics(
     future_cos: torch.Tensor,
     future_sin: torch.Tensor,
     interleaved: bool = False,
+    scale=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expected Attention's statistics of the queries to come (kvpress ``ExpectedAttentionPress``): the mean μ and
     (biased) covariance Σ of the pre-RoPE queries of positions ``sink`` onwards, per query head, rotated by the average
     of the RoPE rotations R_p of the next positions: (R̄μ, R̄ΣR̄ᵀ). ``queries`` is ``[Hq, c, d]`` after RoPE, with
     ``cos``/``sin`` ``[c, d]`` of its positions and ``future_cos``/``future_sin`` ``[f, d]`` of the positions to come
-    (``interleaved``: RoPE's pairing, ``rotate_half``)."""
-    moments = query_moments(queries, cos, sin, sink, interleaved)
-    return rotate_moments(*moments, future_cos, future_sin, interleaved)
+    (``interleaved``: RoPE's pairing, ``rotate_half``; ``scale``: a norm's weights after RoPE, ``unrotate``)."""
+    moments = query_moments(queries, cos, sin, sink, interleaved, scale)
+    return rotate_moments(*moments, future_cos, future_sin, interleaved, scale)
 
 
 def query_moments(
-    queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sink: int, interleaved: bool = False
+    queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sink: int, interleaved: bool = False, scale=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean ``[Hq, d]`` and (biased) covariance ``[Hq, d, d]`` of the pre-RoPE queries from position ``sink`` on
     (``queries`` after RoPE, ``cos``/``sin`` of their positions)."""
-    plain = unrotate(queries.float(), cos, sin, interleaved)[:, sink:]
+    plain = unrotate(queries.float(), cos, sin, interleaved, scale)[:, sink:]
     mean = plain.mean(dim=1)
     centred = plain - mean[:, None]
     return mean, centred.transpose(1, 2) @ centred / plain.shape[1]
@@ -253,14 +248,16 @@ def rotate_moments(
     future_cos: torch.Tensor,
     future_sin: torch.Tensor,
     interleaved: bool = False,
+    scale=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(R̄μ, R̄ΣR̄ᵀ), R̄ the average RoPE rotation of the positions whose ``future_cos``/``future_sin`` are given."""
+    """(R̄μ, R̄ΣR̄ᵀ), R̄ the average RoPE rotation of the positions whose ``future_cos``/``future_sin`` are given
+    (with a norm's weights w after RoPE, ``unrotate``: R̄ conjugated, diag(w) R̄ diag(w)⁻¹)."""
     dim, width = mean.shape[-1], future_cos.shape[-1]  # a partial RoPE turns the first `width` dimensions only
-    if width == 0:  # no RoPE: nothing turns
-        return mean, covariance
     half_turn = rotate_half(torch.eye(width, device=mean.device), interleaved).T  # P with rotate_half(x) = P @ x
     rotation = torch.eye(dim, device=mean.device)
     rotation[:width, :width] = torch.diag(future_cos.mean(dim=0)) + torch.diag(future_sin.mean(dim=0)) @ half_turn
+    if scale is not None:
+        rotation = scale[:, None] * rotation / scale[None, :]
     return mean @ rotation.T, rotation @ covariance @ rotation.T
 
 
@@ -269,7 +266,8 @@ class StatsRecorder(Recorder):
     each c in ``cuts`` (the prompt is causal: the first c queries and keys are those of a prefill of c tokens).
     ``softmaxes``: each layer's ``LayerSoftmax`` (required: statistics without the model's scale, soft-cap or sinks
     would be another model's); ``rope(start, count, layer)`` gives the layer's RoPE cos and sin ``[count, d]`` of
-    positions start… (query statistics), ``interleaved`` how it pairs dimensions (``rotate_half``)."""
+    positions start… (query statistics), ``rotation`` how it pairs dimensions (``rotate_half``) and what each layer
+    does after RoPE (``architecture.Rotation``)."""
 
     def __init__(
         self,
@@ -277,7 +275,7 @@ class StatsRecorder(Recorder):
         softmaxes: list[LayerSoftmax],
         cuts: tuple[int, ...] = (),
         rope=None,
-        interleaved: bool = False,
+        rotation: Rotation | None = None,
     ):
         self.windows = set(needs.windows)
         self.accumulated = needs.accumulated
@@ -287,7 +285,7 @@ class StatsRecorder(Recorder):
         self.query_moments = set(needs.query_moments)
         self.cuts = cuts
         self.rope = rope
-        self.interleaved = interleaved
+        self.rotation = rotation or Rotation(interleaved=False, width=0)
         self.softmaxes = softmaxes
         self.layers: dict[tuple[int, int], LayerStats] = {}  # (cut, layer) → statistics
 
@@ -320,7 +318,14 @@ class StatsRecorder(Recorder):
         for sink, future in self.query_stats:
             future_cos, future_sin = self.rope(cut, future, layer)
             out[sink, future] = future_query_statistics(
-                q, cos, sin, min(sink, cut - 1), future_cos, future_sin, self.interleaved
+                q,
+                cos,
+                sin,
+                min(sink, cut - 1),
+                future_cos,
+                future_sin,
+                self.rotation.interleaved,
+                self.rotation.scale(layer),
             )
         return out
 
@@ -328,8 +333,10 @@ class StatsRecorder(Recorder):
         if not self.query_moments:
             return {}
         cos, sin = self.rope(0, q.shape[1], layer)
+        interleaved, scale = self.rotation.interleaved, self.rotation.scale(layer)
         return {
-            sink: query_moments(q, cos, sin, min(sink, q.shape[1] - 1), self.interleaved) for sink in self.query_moments
+            sink: query_moments(q, cos, sin, min(sink, q.shape[1] - 1), interleaved, scale)
+            for sink in self.query_moments
         }
 
     @property

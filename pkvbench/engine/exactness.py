@@ -87,9 +87,13 @@ def _masks_by_kind(
     architecture, config, visible: torch.Tensor, position: int, kept_whole: tuple[str, ...], dtype: torch.dtype
 ) -> dict:
     """The one query's 4-D masks ``[1, 1, 1, position + 1]`` per layer kind: what it may see of the cache's entries
-    (at positions 0 … position), a sliding kind within its window (``architecture``'s, read from the model);
-    boolean, or added to the logits in ``dtype`` where the model runs the eager kernel (Gemma 2). A kind without
-    attention takes none (a recurrent layer's padding mask: one new token is never padding)."""
+    (at positions 0 … position), a sliding kind within its window, a chunked kind within its chunk
+    (``architecture``'s, read from the model); boolean, or added to the logits in ``dtype`` where the model runs the
+    eager kernel (Gemma 2). A kind without attention takes none (a recurrent layer's padding mask: one new token is
+    never padding)."""
+    from pkvbench.engine.architecture import CHUNKED
+    from pkvbench.engine.sliding import oldest_seen
+
     entries = torch.arange(position + 1, device=visible.device)
     masks = {}
     for layer, (kind, window) in enumerate(zip(architecture.layer_kinds, architecture.windows)):
@@ -98,7 +102,7 @@ def _masks_by_kind(
             continue
         seen = torch.ones_like(visible) if kind in kept_whole else visible
         if window is not None:
-            seen = seen & (entries > position - window)
+            seen = seen & (entries >= oldest_seen(position, window, kind == CHUNKED))
         masks[kind] = seen[None, None, None]
     if config._attn_implementation == "eager":  # the eager kernel adds its masks to the logits
         return {

@@ -224,10 +224,11 @@ class Engine:
         (``Architecture.rope``: Gemma 3's local and global layers rotate differently), paired as ``self.rotation``
         says."""
         positions = torch.arange(start, start + count, device=self.device)[None]
-        cos, sin = self.architecture.rope(self.model, layer, torch.zeros(1, device=self.device), positions)
-        # the rotary module's output, where the layer's queries are (``layer_devices``: per attention layer)
+        embedding = self.architecture.rope(self.model, layer, torch.zeros(1, device=self.device), positions)
+        cos, sin = self.rotation.tables(embedding, layer, count)
+        # where the layer's queries are (``layer_devices``: per attention layer)
         device = self.layer_devices[self.architecture.attention_layers.index(layer)]
-        return self.rotation.tables(cos[0].to(device, torch.float32), sin[0].to(device, torch.float32))
+        return cos.to(device), sin.to(device)
 
     def _stop_ids(self) -> set[int]:
         ids = set()
@@ -267,7 +268,7 @@ class Engine:
         input_ids = input_ids.to(self.device)
         cuts = tuple(sorted(set(cuts))) or (input_ids.shape[1],)
         needs = Needs.union([*(p.needs for p in policies), *(prefill_needs(p) for p in decoding)])
-        recorder = StatsRecorder(needs, self.softmaxes, cuts, self.rope, self.rotation.interleaved)
+        recorder = StatsRecorder(needs, self.softmaxes, cuts, self.rope, self.rotation)
         cache = self.prefill_cache()
         with too_big_for_memory("the prefill's statistics", input_ids.shape[1]):
             logits, seconds = self.recorded_forward(input_ids, recorder, cache)
@@ -335,7 +336,8 @@ class Engine:
         recorder's own softmax; the fused path's reference)."""
         length = len(prompt)
         prefix, passes = repeat_inputs(self.tokenizer, prompt, chunk)
-        # The fused path attends to the whole prompt: not for a sliding window shorter than a pass's reach.
+        # The fused path attends to the whole prompt: not for a sliding window or chunk shorter than a
+        # pass's reach.
         sliding = self.architecture.prompt_window
         if sliding:
             fused = fused and all(length + len(ids) <= sliding for _, _, ids in passes)

@@ -18,12 +18,20 @@ from dataclasses import dataclass
 
 import torch
 
-from pkvbench.engine.architecture import FULL, HYBRID_KINDS, NO_CACHE_KINDS, SLIDING, STATE_KINDS, Architecture
+from pkvbench.engine.architecture import (
+    CHUNKED,
+    FULL,
+    HYBRID_KINDS,
+    NO_CACHE_KINDS,
+    SLIDING,
+    STATE_KINDS,
+    Architecture,
+)
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
 from pkvbench.engine.quantized import QuantizedLayer
 from pkvbench.engine.recurrent import HybridLayer, NoCacheLayer, StateLayer
 from pkvbench.engine.shrinking import ShrinkingLayer, decoding_state
-from pkvbench.engine.sliding import SlidingLayer, WindowMask, row_positions
+from pkvbench.engine.sliding import ChunkedLayer, SlidingLayer, WindowMask, oldest_seen, row_positions
 
 
 class SlidingShrinkingLayer(WindowMask, ShrinkingLayer):
@@ -34,9 +42,15 @@ class SlidingShrinkingLayer(WindowMask, ShrinkingLayer):
         self.window = window
 
 
+class ChunkedShrinkingLayer(SlidingShrinkingLayer):
+    chunked = True
+
+
 class SlidingQuantizedLayer(QuantizedLayer):
     """A sliding-window layer of stored caches: the packed entries and the residual's both hidden once older than
     the window (the residual and new tokens in a ``SlidingLayer``)."""
+
+    residual_kind = SlidingLayer
 
     def __init__(self, rows, fmt, dtype, room: int, kv_heads: int, *, start: int, window: int):
         self.window, self._start = window, start
@@ -48,7 +62,7 @@ class SlidingQuantizedLayer(QuantizedLayer):
 
     def _residual_layer(self, rows, keys, values, lengths, room: int, kv_heads: int) -> RaggedLayer:
         positions = row_positions([row.residual_positions for row in rows], keys.shape[1], keys.shape[2], keys.device)
-        return SlidingLayer(keys, values, lengths, room, kv_heads, positions, self._start, window=self.window)
+        return self.residual_kind(keys, values, lengths, room, kv_heads, positions, self._start, window=self.window)
 
     def select_rows(self, rows: torch.Tensor, host_rows) -> None:
         super().select_rows(rows, host_rows)
@@ -59,16 +73,22 @@ class SlidingQuantizedLayer(QuantizedLayer):
         mask = super().attention_mask()
         residual = self.residual
         newest = residual.query_start + residual._new - 1
-        if not self.width or newest - self.window < 0:
+        chunked = self.residual_kind.chunked
+        if not self.width or oldest_seen(newest, self.window, chunked) <= 0:
             return mask
         queries = residual.query_start + torch.arange(residual._new, device=self.device)
-        inside = self.packed_positions[:, :, None, :] > (queries - self.window)[:, None]  # [batch, heads, new, width]
+        oldest = oldest_seen(queries, self.window, chunked)
+        inside = self.packed_positions[:, :, None, :] >= oldest[:, None]  # [batch, heads, new, width]
         if mask is None:
             columns = self.width + residual.keys.shape[2]
             mask = torch.ones((*inside.shape[:3], columns), dtype=torch.bool, device=self.device)
         mask = mask.expand(-1, inside.shape[1], -1, -1).clone()
         mask[..., : self.width] &= inside
         return mask
+
+
+class ChunkedQuantizedLayer(SlidingQuantizedLayer):
+    residual_kind = ChunkedLayer
 
 
 @dataclass(frozen=True)
@@ -157,6 +177,9 @@ LAYER_KINDS: dict[tuple[str, str], tuple[type, object]] = {
     (SLIDING, "shrinking"): (SlidingShrinkingLayer, _shrinking),
     (FULL, "stored"): (QuantizedLayer, _stored),
     (SLIDING, "stored"): (SlidingQuantizedLayer, _stored),
+    (CHUNKED, "ragged"): (ChunkedLayer, _positioned),
+    (CHUNKED, "shrinking"): (ChunkedShrinkingLayer, _shrinking),
+    (CHUNKED, "stored"): (ChunkedQuantizedLayer, _stored),
 }
 
 
@@ -193,4 +216,4 @@ def build_cache(requests: list, room: int, architecture: Architecture, storage: 
             built = HybridLayer(built, [r.kept.states[layer] for r in requests], start)
         layers.append(built)
         attention.append(layer)
-    return RaggedCache(layers, list(architecture.softmaxes), attention)
+    return RaggedCache(layers, list(architecture.softmaxes), attention, start)

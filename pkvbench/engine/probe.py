@@ -1,13 +1,17 @@
 """What each layer's attention does, read by running the model's own code rather than by interpreting config keys.
 
-A forward of two tokens in which every decoder layer runs its attention module alone (no MLP, so a model without
-weights — on the ``meta`` device, before loading — runs it as well as a loaded one) while the model builds its masks
-as it always does. Two hooks see it: the mask interface (``attention.install_recording_attention`` registers it)
+A forward of a few tokens in which every decoder layer runs its attention module alone (no MLP, so a model without
+weights — on the ``meta`` device, before loading — runs it as well as a loaded one; a hybrid's recurrent layers pass
+their input on) while the model builds its masks as it always does. Two hooks see it: the mask interface (``attention.install_recording_attention`` registers it)
 receives the *mask function* the model built each mask from (transformers' ``masking_utils``: causal, sliding
 window, bidirectional overlays…), and the attention function receives each layer's call — its module, its query and
 key heads, the keyword arguments the module passes (``scaling``, ``softcap``, ``s_aux`` sinks, …) and which mask the
 model handed that layer. A mask function is then read at any position: whether a query sees later tokens (not
 causal), and how far back it sees (its window).
+
+Which layers rotate is read in the same forward: the model's rotary function (its modeling module's
+``apply_rotary*``) is watched, and a layer whose attention never calls it is NoPE; what the function gave against the
+queries the kernel got shows a norm applied after RoPE (Hunyuan).
 
 RoPE's switches are read from the model's rotary embedding the same way: the rotation of a position in a forward of
 L tokens, for L up to 2²², tells whether and where the tables change with the sequence's length (Phi-3's
@@ -42,6 +46,18 @@ class LayerCall:
     is_causal: bool  # the module's own flag (what sdpa applies where no mask is given)
     kwargs: dict  # the keyword arguments the module passes its attention function
     mask: Callable | None  # the function the model built the layer's mask from; None: it gave no mask
+    query: torch.Tensor | None = None  # the queries its kernel got [batch, Hq, n, d]
+    rotary: RotaryCall | None = None  # its call of the model's rotary function; None: a NoPE layer
+
+
+@dataclass(frozen=True)
+class RotaryCall:
+    """A layer's call of its model's rotary function: the function, the axis its queries' heads lie on (1, or 2 for
+    Llama 4's), and the queries it gave ``[batch, heads, n, d]``."""
+
+    function: Callable
+    heads_axis: int
+    turned: torch.Tensor
 
 
 @dataclass
@@ -50,6 +66,8 @@ class Probe:
 
     masks: dict[int, tuple[torch.Tensor, Callable]] = field(default_factory=dict)  # id(marker) → (marker, function)
     calls: dict[int, LayerCall] = field(default_factory=dict)
+    rotary: dict[int, RotaryCall] = field(default_factory=dict)  # per layer, its first rotary call
+    layer: int | None = None  # the layer whose attention runs
 
     def mask(self, mask_function: Callable, device) -> torch.Tensor:
         """A marker the model hands on to the layers this mask is for (kept alive: its id is the key)."""
@@ -70,6 +88,8 @@ class Probe:
             is_causal=bool(getattr(module, "is_causal", True)),
             kwargs=dict(kwargs),
             mask=None if mask is None else mask[1],
+            query=query,
+            rotary=self.rotary.get(module.layer_idx),
         )
         # [batch, new, Hq, d], as the kernels return (d the values' size: an MLA module's differs from its queries')
         return query.new_zeros((*query.shape[:-1], value.shape[-1])).transpose(1, 2), None
@@ -94,7 +114,7 @@ def active_probe() -> Probe | None:
 
 
 @contextlib.contextmanager
-def _attention_only(model, modules: dict) -> Iterator[None]:
+def _attention_only(model, probe: Probe, modules: dict) -> Iterator[None]:
     """Every decoder layer runs its attention module (``modules``: by layer) alone, with what the model hands the
     layer; a layer without one (a hybrid's recurrent layers) passes its input on."""
     layers = list(model.model.layers)
@@ -103,10 +123,11 @@ def _attention_only(model, modules: dict) -> Iterator[None]:
     source = inspect.getsource(type(model.model).forward)
     tupled = re.search(r"(layer_outputs|hidden_states, \w+) = decoder_layer\(", source) is not None
 
-    def attention_only(module):
+    def attention_only(index, module):
 
         def forward(hidden_states, *args, **kwargs):
             if module is not None:
+                probe.layer = index
                 module(hidden_states=hidden_states, **kwargs)
             return (hidden_states, None) if tupled else hidden_states
 
@@ -118,7 +139,7 @@ def _attention_only(model, modules: dict) -> Iterator[None]:
     slots = [(layer, "_old_forward" if hasattr(layer, "_hf_hook") else "forward") for layer in layers]
     saved = [layer.__dict__.get(slot) for layer, slot in slots]
     for index, (layer, slot) in enumerate(slots):
-        setattr(layer, slot, attention_only(modules.get(index)))
+        setattr(layer, slot, attention_only(index, modules.get(index)))
     try:
         yield
     finally:
@@ -129,23 +150,56 @@ def _attention_only(model, modules: dict) -> Iterator[None]:
                 setattr(layer, slot, own)
 
 
+@contextlib.contextmanager
+def _watching_rotary(modules: dict, probe: Probe, heads: int) -> Iterator[None]:
+    """The rotary functions of the attention modules' modeling module (``apply_rotary*``) record, per layer, their
+    first call (``heads``: the query heads, to tell the axis they lie on)."""
+    modeling = inspect.getmodule(type(next(iter(modules.values()), None)))
+    originals = {
+        name: value for name, value in vars(modeling).items() if name.startswith("apply_rotary") and callable(value)
+    }
+
+    def watched(function):
+        def spy(query, *args, **kwargs):
+            turned = function(query, *args, **kwargs)
+            if probe.layer is not None and probe.layer not in probe.rotary:
+                axis = 1 if query.shape[1] == heads else 2
+                out = turned[0] if axis == 1 else turned[0].transpose(1, 2)
+                probe.rotary[probe.layer] = RotaryCall(function, axis, out)
+            return turned
+
+        return spy
+
+    for name, function in originals.items():
+        setattr(modeling, name, watched(function))
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(modeling, name, function)
+
+
 def layer_calls(model, modules: dict) -> tuple[dict[int, LayerCall], object]:
-    """Each attention layer's call in a forward of two tokens (``model`` on the recording wrapper,
-    ``attention.install_recording_attention``; on any device, ``meta`` included; ``modules``: the attention module of
-    each layer that has one), and the model's own cache (``DynamicCache`` built from its config) after it: what each
-    attention layer writes there, the shapes of its cache."""
+    """Each attention layer's call in a forward of a few tokens (``model`` on the recording wrapper,
+    ``attention.install_recording_attention``; on any device, ``meta`` included; the queries' values mean something
+    only on a loaded model; ``modules``: the attention module of each layer that has one), and the model's own cache
+    (``DynamicCache`` built from its config) after it: what each attention layer writes there, the shapes of its
+    cache. The tokens are 1, 2, …, never the padding token whose embedding may be zero, three more than the model
+    has heads, so that no axis of a query is ambiguous."""
     import torch
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
     forward_params = inspect.signature(model.model.forward).parameters
     cache_arg = "cache" if "cache" in forward_params else "past_key_values"  # transformers renamed it
+    heads = getattr(model.config, "num_attention_heads", 1)
+    count = heads + 3
     probe = Probe()
     cache = DynamicCache(config=model.config)
     token = _ACTIVE_PROBE.set(probe)
     try:
-        with _attention_only(model, modules), torch.inference_mode():
-            ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+        with _attention_only(model, probe, modules), _watching_rotary(modules, probe, heads), torch.inference_mode():
+            ids = (torch.arange(1, count + 1, device=device) % model.config.vocab_size)[None]
             model.model(input_ids=ids, use_cache=True, **{cache_arg: cache})
     finally:
         _ACTIVE_PROBE.reset(token)
@@ -155,33 +209,35 @@ def layer_calls(model, modules: dict) -> tuple[dict[int, LayerCall], object]:
 @dataclass(frozen=True)
 class Reach:
     """What a mask lets a query at a position see: nothing later (``causal``), and the last ``window`` positions up
-    to its own (None: all of them); ``pattern`` False where the visible positions are no such run (chunks, gaps)."""
+    to its own (None: all of them), or, ``chunk``, the positions of its chunk up to its own (p − p mod chunk … p,
+    transformers' ``chunked_overlay``: Llama 4); ``pattern`` False where the visible positions are none of these."""
 
     causal: bool
     window: int | None
     pattern: bool = True
+    chunk: int | None = None
 
 
 def mask_reach(mask_function: Callable | None, is_causal: bool) -> Reach:
     """Read a layer's mask function (``LayerCall.mask``) at far positions — ``FAR`` and a prime distance before it,
     so that a chunked mask shows its chunks: whether the query sees the next position, where the run of positions
     it sees up to its own begins (found by halving, then checked densely near the query and at spaced positions
-    back to the start). No function: the kernel's own causal flag, no window."""
+    back to the start). Runs of different lengths are a chunked mask where the run before a run's start is one chunk
+    long and every query's run begins at its chunk's start. No function: the kernel's own causal flag, no window."""
     import torch
 
     if mask_function is None:
         return Reach(causal=is_causal, window=None)
+    mask_function = _readable(mask_function)
 
     def seen(query: int, columns: torch.Tensor) -> torch.Tensor:
         out = mask_function(torch.tensor(0), torch.tensor(0), torch.tensor(query), columns)
         return torch.as_tensor(out).expand(columns.shape).bool()
 
-    reaches, causal = set(), True
-    for query in (FAR, FAR - 104_729):
-        causal = causal and not bool(seen(query, torch.tensor([query + 1]))[0])
+    def first_seen(query: int) -> int | None:
+        """The first position of the contiguous run the query sees up to its own; None where it sees no such run."""
         if not bool(seen(query, torch.tensor([query]))[0]):
-            reaches.add((0, True))  # it does not even see itself
-            continue
+            return None  # it does not even see itself
         before, first = -1, query  # the first position seen: after ``before``, at most ``first``
         while first - before > 1:
             middle = (before + first) // 2
@@ -191,12 +247,49 @@ def mask_reach(mask_function: Callable | None, is_causal: bool) -> Reach:
                 before = middle
         near = torch.arange(max(0, query - 8192), query + 1)
         spaced = torch.unique(torch.cat([near, (query * torch.linspace(0, 1, 4097)).long(), torch.tensor([first])]))
-        contiguous = bool(torch.equal(seen(query, spaced), spaced >= first))
-        reaches.add((None if first == 0 else query - first + 1, contiguous))
-    if len(reaches) != 1:
+        return first if torch.equal(seen(query, spaced), spaced >= first) else None
+
+    queries = (FAR, FAR - 104_729)
+    causal = all(not bool(seen(query, torch.tensor([query + 1]))[0]) for query in queries)
+    if not any(bool(seen(query, torch.tensor([query]))[0]) for query in queries):
+        return Reach(causal=causal, window=0)  # a query does not even see itself
+    firsts = [first_seen(query) for query in queries]
+    if None in firsts:
         return Reach(causal=causal, window=None, pattern=False)
-    (window, contiguous), *_ = reaches
-    return Reach(causal=causal, window=window, pattern=contiguous)
+    reaches = {None if first == 0 else query - first + 1 for query, first in zip(queries, firsts)}
+    if len(reaches) == 1:
+        return Reach(causal=causal, window=reaches.pop())
+    start = firsts[0]  # a chunk's start, if the mask is chunked; the one before it begins a chunk earlier
+    previous = first_seen(start - 1) if start > 0 else None
+    chunk = None if previous is None else start - previous
+    checks = (*queries, start - 1, start + (chunk or 1) - 1, start + (chunk or 1))
+    if chunk and all(first_seen(query) == query - query % chunk for query in checks):
+        return Reach(causal=causal, window=None, chunk=chunk)
+    return Reach(causal=causal, window=None, pattern=False)
+
+
+def _readable(function: Callable) -> Callable:
+    """A mask function built on the ``meta`` device (``Architecture.read``) made readable: the tensors it holds
+    (through the functions it combines, ``and_masks``…) are ``meta`` ones, which have no values. They are what the
+    model derived from the probe's input, one sequence without padding (a chunked mask's ``left_padding``: no
+    tokens), so they are zeros of their shape. A function holding no such tensor is returned as it is."""
+    import types
+
+    import torch
+
+    def rebuilt(value):
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            return torch.zeros(value.shape, dtype=value.dtype)
+        if isinstance(value, (tuple, list)):
+            return type(value)(rebuilt(item) for item in value)
+        if isinstance(value, types.FunctionType) and value.__closure__:
+            cells = tuple(types.CellType(rebuilt(cell.cell_contents)) for cell in value.__closure__)
+            if all(new.cell_contents is old.cell_contents for new, old in zip(cells, value.__closure__)):
+                return value
+            return types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, cells)
+        return value
+
+    return rebuilt(function)
 
 
 def cache_windows(config, layers) -> dict[int, int | None]:
@@ -228,14 +321,17 @@ def rope_switch(rotary_type: type, config, layer_types: tuple[str, ...]) -> int 
     kinds = sorted(set(layer_types)) if "layer_type" in inspect.signature(rotary_type.forward).parameters else [None]
 
     def turn(length: int) -> list[torch.Tensor]:
-        """Position 1's cos in a forward whose furthest position is length − 1, per layer kind."""
+        """Position 1's cos (or complex frequencies: Llama 4) in a forward whose furthest position is length − 1,
+        per layer kind."""
         positions = torch.tensor([[1, length - 1]])
         out = []
         for kind in kinds:
             rotary = rotary_type(config)
             extra = {} if kind is None else {"layer_type": kind}
             with torch.inference_mode():
-                out.append(rotary(torch.zeros(1), positions, **extra)[0][0, 0].float())
+                embedding = rotary(torch.zeros(1), positions, **extra)
+            table = (embedding[0] if isinstance(embedding, tuple) else embedding)[0, 0]
+            out.append(torch.view_as_real(table).float() if table.is_complex() else table.float())
         return out
 
     def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -252,3 +348,104 @@ def rope_switch(rotary_type: type, config, layer_types: tuple[str, ...]) -> int 
         else:
             high = middle
     return low if same(turn(4 * high), turn(high)) else None
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """How a model's RoPE turns a head: the first ``width`` dimensions in pairs, dimension i with i + width/2
+    (transformers' ``rotate_half``: llama and most) or, ``interleaved``, 2i with 2i + 1 (Cohere, GLM); the dimensions
+    beyond pass as they are (Phi-3's partial RoPE). ``rotates``: per layer, whether it rotates at all (a NoPE layer
+    does not); ``scales``: per layer, a norm's weights after RoPE; ``function``: the model's own rotary function,
+    taking queries with their heads on ``heads_axis``."""
+
+    interleaved: bool
+    width: int
+    dim: int = 0  # the head size
+    rotates: tuple[bool, ...] = ()
+    scales: tuple = field(default=(), compare=False)  # per layer: a norm's weights [d] after RoPE, or None
+    function: Callable | None = field(default=None, compare=False)
+    heads_axis: int = 1
+
+    def scale(self, layer: int):
+        """Layer ``layer``'s weights of a norm after RoPE ``[d]``, or None."""
+        return self.scales[layer] if self.scales else None
+
+    def turn(self, x, embedding):
+        """``x`` ``[1, k, n, d]`` turned by the model's own rotary function with ``embedding`` (what its rotary module
+        gives for the n positions: cos and sin, or Llama 4's complex frequencies)."""
+        arguments = embedding if isinstance(embedding, tuple) else (embedding,)
+        laid = x if self.heads_axis == 1 else x.transpose(1, 2)
+        turned = self.function(laid, laid, *arguments)[0]
+        return turned if self.heads_axis == 1 else turned.transpose(1, 2)
+
+    def tables(self, embedding, layer: int, count: int):
+        """Layer ``layer``'s cos and sin ``[count, width]`` (float32) at the ``count`` positions ``embedding`` is of,
+        as the model's own function applies them, whatever layout its rotary module gives them in (one entry per
+        pair: gpt-oss; the first half spread over the pairs: GLM, Helium, Ernie 4.5; complex: Llama 4): read by
+        turning two vectors, 1 and σ (σᵢ = ±1 as ``rotate_half`` signs dimension i), which gives
+        y₁ = c + σ·s and y₂ = σ·c − s. A NoPE layer: the identity (cos 1, sin 0)."""
+        import torch
+
+        device = _device_of(embedding)
+        if not self.rotates[layer]:
+            width = self.width or self.dim
+            return torch.ones(count, width, device=device), torch.zeros(count, width, device=device)
+        ones = torch.ones(self.dim, device=device)
+        signs = ones.clone()
+        signs[: self.width] = rotate_half(ones[: self.width], self.interleaved)
+        probes = torch.stack([ones, signs])[None, :, None].expand(1, 2, count, self.dim).contiguous()
+        first, second = self.turn(probes, embedding)[0].float()
+        signs = signs[: self.width]
+        first, second = first[:, : self.width], second[:, : self.width] * signs
+        return (first + second) / 2, signs * (first - second) / 2
+
+
+def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """RoPE's pairing of dimension i with i + d/2 (transformers' convention): (x1, x2) → (−x2, x1); ``interleaved``
+    (Cohere's): of dimension 2i with 2i + 1, (x₂ᵢ, x₂ᵢ₊₁) → (−x₂ᵢ₊₁, x₂ᵢ)."""
+    import torch
+
+    if interleaved:
+        return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def _device_of(embedding):
+    return (embedding[0] if isinstance(embedding, tuple) else embedding).device
+
+
+def scale_after_rotation(module, call: LayerCall):
+    """The weights ``[d]`` of a norm a layer applies to its queries after RoPE (Hunyuan's ``query_layernorm``:
+    w ⊙ x / rms(x)), found among the attention module's own submodules as the one that turns what the rotary function
+    gave into what the kernel got; None where the kernel gets the function's queries as they are. A norm over the
+    head commutes with RoPE up to its weights (rms(R x) = rms(x)): un-rotating divides them out first
+    (``attention.unrotate``). Anything else after RoPE is refused, in one line."""
+    import torch
+
+    from pkvbench.errors import PkvError
+
+    turned, kernel_query, layer = call.rotary.turned, call.query, call.layer
+    if kernel_query is None or kernel_query.shape != turned.shape or torch.equal(kernel_query, turned):
+        return None
+    tolerance = {"atol": 1e-4, "rtol": 1e-3} if turned.dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for child in module.children():
+        if isinstance(child, torch.nn.Linear):
+            continue
+        laid = turned if call.rotary.heads_axis == 1 else turned.transpose(1, 2)
+        try:
+            normed = child(laid)
+        except (TypeError, RuntimeError):
+            continue
+        normed = normed if call.rotary.heads_axis == 1 else normed.transpose(1, 2)
+        if normed.shape != kernel_query.shape or not torch.allclose(normed, kernel_query, **tolerance):
+            continue
+        scale = child(torch.ones_like(laid[..., :1, :1, :])).flatten().float()
+        weighted = scale * turned.float()  # a norm over the head: the kernel's queries are c·w ⊙ x, c per token
+        factor = (weighted * kernel_query.float()).sum(-1, keepdim=True) / (weighted * weighted).sum(-1, keepdim=True)
+        if torch.allclose(factor * weighted, kernel_query.float(), **tolerance):
+            return scale
+    raise PkvError(
+        f"layer {layer}'s attention changes its queries after RoPE in a way pkvbench cannot undo (not a norm over "
+        "the head); not supported"
+    )

@@ -344,9 +344,10 @@ class MemoryTracker:
             )
             if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
                 moments = start.moments[index]
+                interleaved, scale = architecture.rotation.interleaved, architecture.rotation.scale(model_layer)
                 rotated = {
                     (sink, future): rotate_moments(
-                        *moments[sink], *self.rope(end, future, model_layer), self.architecture.rotation.interleaved
+                        *moments[sink], *self.rope(end, future, model_layer), interleaved, scale
                     )
                     for sink, future in needs.query_stats
                 }

@@ -6,6 +6,9 @@ position p see the entries at positions p − window + 1 … p only (transformer
 answer takes the sequence past the window its oldest entries must drop out of sight: a compressed cache keeps
 entries at their original positions, so the mask hides every entry whose position is at or below p − window, on
 every row of a batch, the full cache's included.
+
+A chunked layer (Llama 4's ``chunked_attention``) lets the token at position p see its chunk only, positions
+p − p mod chunk … p (transformers' ``chunked_overlay``): the same mask with another oldest position (``oldest_seen``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,12 @@ from __future__ import annotations
 import torch
 
 from pkvbench.engine.cache import RaggedLayer
+
+
+def oldest_seen(queries, window: int, chunked: bool = False):
+    """The oldest position the tokens at positions ``queries`` (ints or a tensor) see: p − window + 1 in a sliding
+    window, the start of p's chunk, p − p mod window, in a chunked layer."""
+    return queries - queries % window if chunked else queries - window + 1
 
 
 def row_positions(kept_positions: list[torch.Tensor | None], heads: int, longest: int, device) -> torch.Tensor:
@@ -78,18 +87,21 @@ class PositionedLayer(RaggedLayer):
 
 
 class WindowMask:
-    """Mixin for a ``PositionedLayer`` kind: its attention mask also hides the entries older than ``window``."""
+    """Mixin for a ``PositionedLayer`` kind: its attention mask also hides the entries older than ``window`` (or,
+    ``chunked``, than the query's chunk)."""
 
     window: int
+    chunked = False
     masked_by_lengths_alone = False  # the window hides more than the lengths do
 
     def attention_mask(self) -> torch.Tensor | None:
         mask = super().attention_mask()
         newest = self.query_start + self._new - 1
-        if newest - self.window < 0:  # positions are ≥ 0: no entry has left the window yet (no mask to build)
+        if oldest_seen(newest, self.window, self.chunked) <= 0:  # no entry is hidden yet (no mask to build)
             return mask
         queries = self.query_start + torch.arange(self._new, device=self.lengths.device)
-        inside = self.positions[:, :, None, :] > (queries - self.window)[:, None]  # [batch, heads, new, columns]
+        oldest = oldest_seen(queries, self.window, self.chunked)
+        inside = self.positions[:, :, None, :] >= oldest[:, None]  # [batch, heads, new, columns]
         return inside if mask is None else mask & inside
 
 
@@ -99,3 +111,9 @@ class SlidingLayer(WindowMask, PositionedLayer):
     def __init__(self, *args, window: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.window = window
+
+
+class ChunkedLayer(SlidingLayer):
+    """A chunked layer of a batch of caches: the entries before each new query's chunk hidden from it."""
+
+    chunked = True
