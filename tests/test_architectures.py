@@ -276,8 +276,18 @@ ROWS = [
             "shared_expert_intermediate_size": 32,
         },
     ),
-    Row("qwen3_5_text", "qwen3_5_text", {"num_hidden_layers": 4, "layer_types": HYBRID, **LINEAR_ATTENTION}),
-    Row("olmo_hybrid", "olmo_hybrid", {"num_hidden_layers": 4, "layer_types": HYBRID, **LINEAR_ATTENTION, **NO_IDS}),
+    Row(
+        "qwen3_5_text",
+        "qwen3_5_text",
+        {"num_hidden_layers": 4, "layer_types": HYBRID, **LINEAR_ATTENTION},
+        grids=DECODING_GRID,
+    ),
+    Row(
+        "olmo_hybrid",
+        "olmo_hybrid",
+        {"num_hidden_layers": 4, "layer_types": HYBRID, **LINEAR_ATTENTION, **NO_IDS},
+        grids=DECODING_GRID,
+    ),
     # Short convolution layers (a conv state of the last inputs, no recurrent state).
     Row(
         "lfm2",
@@ -310,12 +320,14 @@ ROWS = [
             "shared_intermediate_size": 64,
             **MAMBA2,
         },
+        grids=DECODING_GRID,
     ),
     # Mamba (1) layers and attention layers without RoPE.
     Row(
         "jamba",
         "jamba",
         {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "num_experts": 1, "mamba_d_state": 8},
+        grids=DECODING_GRID,
     ),
     # Mamba-2, attention (no RoPE, at ``mixer``) and MLP blocks (nothing cached).
     Row(
@@ -335,8 +347,8 @@ ROWS = [
     Row("falcon_h1", "falcon_h1", {**MAMBA2, "mamba_d_ssm": 64, "mamba_d_head": 16}),
     # MLA: one latent per token (kv_lora_rank values and the shared rotary key), expanded per head in attention.
     Row("deepseek_v2", "deepseek_v2", {**MLA, "q_lora_rank": None, **MOE_DENSE}),
-    Row("deepseek_v3", "deepseek_v3", {**MLA, "q_lora_rank": 24, **MOE_DENSE}),
-    Row("glm4_moe_lite", "glm4_moe_lite", {**MLA, "q_lora_rank": 24, **MOE_DENSE}),
+    Row("deepseek_v3", "deepseek_v3", {**MLA, "q_lora_rank": 24, **MOE_DENSE}, grids=DECODING_GRID),
+    Row("glm4_moe_lite", "glm4_moe_lite", {**MLA, "q_lora_rank": 24, **MOE_DENSE}, grids=DECODING_GRID),
     # MLA attention layers (no RoPE) between Kimi delta attention layers (recurrent, kept whole).
     Row(
         "kimi_linear",
@@ -763,9 +775,11 @@ def test_a_batch_of_policies_decodes_as_each_alone(family):
     policies, cut = ([parse_policy(name) for name in names] for names in row.batch)
     prefill = engine.prefill(ids, policies, decoding=cut)
     sources = [(prefill, policy) for policy in policies]
-    if engine.architecture.state_layers:
-        other = engine.prefill(torch.randint(0, VOCAB, ids.shape, generator=torch.Generator().manual_seed(2)), policies)
-        sources += [(other, policies[0]), (other, policies[-1])]
+    if engine.architecture.state_layers:  # the full cache and one compressed, of another prompt
+        other_ids = torch.randint(0, VOCAB, ids.shape, generator=torch.Generator().manual_seed(2))
+        others = [parse_policy("full"), parse_policy("snapkv")]
+        other = engine.prefill(other_ids, others)
+        sources += [(other, policy) for policy in others]
     requests = [
         engine.request(source, engine.compress(source, policy, Budget(row.budget)), row.new_tokens)
         for source, policy in sources
