@@ -5,6 +5,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# Under pytest-xdist (the README's test command: -n auto) the cores are shared out between the workers: torch's own
+# threads, one pool per worker, would otherwise ask for every core each and fight over them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(scope="session")
 def loaded():

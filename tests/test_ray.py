@@ -14,6 +14,8 @@ import pytest
 from pkvbench.cli import main
 from pkvbench.store.results import read_rows, row_key
 
+pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time: these tests run on one xdist worker
+
 GRID = [
     "--task",
     "needle",

@@ -239,11 +239,15 @@ def float_copy_of_gguf(gguf: Path, cache_name: str) -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)  # atomic: an interrupted conversion never leaves a half-written model behind
+        if not _is_saved_model(target):  # another process may have made it meanwhile: never delete a copy in use
+            shutil.rmtree(target, ignore_errors=True)  # what an older, interrupted layout left
+            staging.rename(target)  # atomic: an interrupted conversion never leaves a half-written model behind
     except OSError as exc:
-        shutil.rmtree(staging, ignore_errors=True)
+        if _is_saved_model(target):  # the other process's rename won the race: its copy is the same model
+            return target
         raise PkvError(f"cannot write the de-quantized model to {target}: {exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
