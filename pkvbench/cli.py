@@ -600,6 +600,11 @@ def score(file, out_file, dataset) -> None:
         click.echo(f"{labels}: {entry['score']} (n={entry['n']}){buckets}", err=not out_file)
 
 
+def threshold_option(flag: str, default: float, help: str):
+    """One of the gate's number thresholds (``check``'s ``--tolerance`` and ``--min-overlap``)."""
+    return click.option(flag, type=Number(number()), default=default, show_default=True, help=help)
+
+
 @cli.command()
 @click.option(
     "--baseline",
@@ -616,13 +621,7 @@ def score(file, out_file, dataset) -> None:
     type=PathType(exists=True, file_okay=False),
     help="Run folder(s) to check (repeatable).",
 )
-@click.option(
-    "--tolerance",
-    type=Number(number()),
-    default=TOLERANCE,
-    show_default=True,
-    help="Allowed fall in score points (× 100 scale) before a cell may fail.",
-)
+@threshold_option("--tolerance", TOLERANCE, "Allowed fall in score points (× 100 scale) before a cell may fail.")
 @click.option("--per-cell", type=PathType(exists=True, dir_okay=False), help="YAML of task: tolerance overrides.")
 @click.option(
     "--selection",
@@ -632,12 +631,10 @@ def score(file, out_file, dataset) -> None:
     help="Compare what each policy kept with the baseline's selection fingerprints; off for a deliberate comparison "
     "across machines or library versions (said in the result line).",
 )
-@click.option(
+@threshold_option(
     "--min-overlap",
-    type=Number(number()),
-    default=MIN_OVERLAP,
-    show_default=True,
-    help="A cell fails when the share of kept entries in common with the baseline falls below this (docs/ci-gate.md).",
+    MIN_OVERLAP,
+    "A cell fails when the share of kept entries in common with the baseline falls below this (docs/ci-gate.md).",
 )
 @click.option(
     "--exact", is_flag=True, help="Fail on any changed prediction or kept set: the run must reproduce the baseline."
