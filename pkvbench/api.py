@@ -508,13 +508,14 @@ def check_model_fit(run: ResolvedRun, items: list) -> None:
     ``--overwrite`` deletes anything: a KIVI group that does not divide the head size, a memory budget below what a
     cell needs. (A model whose config cannot be read here is checked once loaded, before its first row.)"""
     from pkvbench.engine.models import model_shape
-    from pkvbench.run.runner import check_formats, check_memory, check_prompts
+    from pkvbench.run.runner import check_formats, check_memory, check_policies, check_prompts
 
     shape = model_shape(run.config.model, native_bits(run.config))
     if shape is None:
         return
     cells = run.cells
     check_formats(shape, cells)
+    check_policies(shape, cells, run.config.model)
     pending = [(task, sample, cells) for task, sample in items]
     check_memory(shape, pending)
     check_prompts(shape, pending, run.config.max_new_tokens, run.config.model)
@@ -606,7 +607,9 @@ def measure_funnel(config: FunnelConfig) -> FunnelResult:
         f.record(loaded.describe())
         engine = Engine(loaded)
         stats = funnel.run_funnel(engine, items, store, config.window, config.sink, config.top_k, quiet=config.quiet)
-        report = funnel.write_reports(out, store.rows(), loaded.name, loaded.num_layers, overlay[0], config.sink)
+        report = funnel.write_reports(
+            out, store.rows(), loaded.name, engine.geometry.num_layers, overlay[0], config.sink
+        )
         plot_funnel(report.per_layer, report.overlays, loaded.name, out / funnel.FIGURE)
     return FunnelResult(
         out, report.per_layer, report.per_head, report.verdicts, stats.written, stats.skipped, stats.seconds

@@ -708,10 +708,13 @@ def list_(include_paths) -> None:
         options = [f for f in dataclasses.fields(cls) if f.name != "inner"]
         defaults = " ".join(f"{f.name}={f.default}" for f in options)
         attention = "as its policy" if getattr(cls, "wraps", False) else cls().needs.attention_weights
+        # a rule that reads the cached keys or values themselves has none per head in an MLA latent cache
+        latent = "" if getattr(cls, "wraps", False) or not cls().reads_entries else "; MLA: refused"
         if getattr(cls, "wraps", False):
             name = f"{name}(policy)"
         click.echo(
-            f"  {name:14} {cls.summary}" + f"\n  {'':14} [{defaults + '; ' if defaults else ''}attention: {attention}]"
+            f"  {name:14} {cls.summary}"
+            + f"\n  {'':14} [{defaults + '; ' if defaults else ''}attention: {attention}{latent}]"
         )
     click.echo("Models:")
     for name, alias in ALIASES.items():

@@ -437,7 +437,11 @@ class BudgetsConfig:
     policy_args: Sequence[str] = option(
         (), flag="--policy-arg", kind=PAIR, check=pair_values, help="Option for every policy that has it."
     )
-    layers: int = option(30, check=whole(1, MAX_LAYERS), help="Number of layers (the default: the embedded model's).")
+    layers: int = option(
+        30,
+        check=whole(1, MAX_LAYERS),
+        help="Number of layers that keep per-token entries (a hybrid model's attention layers; the default: the embedded model's).",
+    )
     context: int = option(8192, check=whole(1), help="Prompt length T in tokens.")
     protocol: str = option(
         DEFAULT_PROTOCOL,

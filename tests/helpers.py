@@ -40,3 +40,17 @@ def write_file(
     outputs = Outputs(option, reads)
     outputs.add(path, data, kind)
     return outputs.commit()[0]
+
+
+def count_calls(monkeypatch, owner, *names: str) -> dict[str, int]:
+    """Wrap each named method of `owner` to count its calls; the returned dict fills in as they happen."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        original = getattr(owner, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+    return calls

@@ -26,6 +26,7 @@ import torch
 
 from pkvbench.cell.budgets import Budget
 from pkvbench.engine.exactness import generate_reference, masked_reference
+from pkvbench.engine.latent import refusal as latent_refusal
 from pkvbench.policies.spec import parse_policy
 from tests.helpers import decode_one
 
@@ -40,6 +41,33 @@ TINY = {
     "head_dim": 16,
     "max_position_embeddings": 4096,
 }
+
+
+# A small gated-delta-rule layer (Qwen3-Next, Qwen3.5, OLMo-hybrid)
+LINEAR_ATTENTION = {
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+
+
+HYBRID = ["linear_attention", "full_attention"] * 2
+# A small Mamba-2 mixer (Bamba, Granite-4, Falcon-H1)
+MAMBA2 = {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_chunk_size": 16}
+UNSET = object()  # a setting of TINY that a row leaves to its config class
+# A small MLA attention: a latent of 32 values and a rotary key of 16 (the KIVI group divides it); no head_dim
+MLA = {
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "num_key_value_heads": 4,
+    "head_dim": UNSET,
+}
+MOE_DENSE = {"first_k_dense_replace": 2, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+NO_IDS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}  # a config's defaults past our vocabulary
 
 
 @dataclass(frozen=True)
@@ -233,6 +261,108 @@ ROWS = [
         norms=0.5,
         grids=DECODING_GRID,
     ),
+    # Hybrids: recurrent (gated delta rule) layers keep a state, kept whole; the attention layers between them are
+    # compressed. Layer 0 recurrent: the attention layers are not the model's first.
+    Row(
+        "qwen3_next",
+        "qwen3_next",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            **LINEAR_ATTENTION,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
+    ),
+    Row(
+        "qwen3_5_text",
+        "qwen3_5_text",
+        {"num_hidden_layers": 4, "layer_types": HYBRID, **LINEAR_ATTENTION},
+        grids=DECODING_GRID,
+    ),
+    Row(
+        "olmo_hybrid",
+        "olmo_hybrid",
+        {"num_hidden_layers": 4, "layer_types": HYBRID, **LINEAR_ATTENTION, **NO_IDS},
+        grids=DECODING_GRID,
+    ),
+    # Short convolution layers (a conv state of the last inputs, no recurrent state).
+    Row(
+        "lfm2",
+        "lfm2",
+        {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention"] * 2, "initializer_range": 0.2},
+    ),
+    # Convolution layers, a global layer (compressed, a proportional RoPE: half its pairs at frequency 0) and a local
+    # one (window 32, kept whole; prompt 28 + 24 new tokens cross it).
+    Row(
+        "lfm3",
+        "lfm3",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["conv", "full_attention", "conv", "sliding_attention"],
+            "sliding_window": 32,
+            "initializer_range": 0.2,
+            **NO_IDS,
+        },
+        length=28,
+    ),
+    # Mamba-2 layers (a conv and an SSM state).
+    Row("bamba", "bamba", {"num_hidden_layers": 4, "attn_layer_indices": [1, 3], **MAMBA2}),
+    Row(
+        "granitemoehybrid",
+        "granitemoehybrid",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["mamba", "attention"] * 2,  # no RoPE, as Granite-4's released hybrids
+            "num_local_experts": 4,
+            "shared_intermediate_size": 64,
+            **MAMBA2,
+        },
+        grids=DECODING_GRID,
+    ),
+    # Mamba (1) layers and attention layers without RoPE.
+    Row(
+        "jamba",
+        "jamba",
+        {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "num_experts": 1, "mamba_d_state": 8},
+        grids=DECODING_GRID,
+    ),
+    # Mamba-2, attention (no RoPE, at ``mixer``) and MLP blocks (nothing cached).
+    Row(
+        "nemotron_h",
+        "nemotron_h",
+        {
+            "num_hidden_layers": 6,
+            "layers_block_type": ["mamba", "attention", "mlp"] * 2,
+            "ssm_state_size": 16,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 32,
+            "n_groups": 1,
+            "chunk_size": 16,
+        },
+    ),
+    # Mamba-2 and attention side by side in every layer: each layer keeps a state and entries.
+    Row("falcon_h1", "falcon_h1", {**MAMBA2, "mamba_d_ssm": 64, "mamba_d_head": 16}),
+    # MLA: one latent per token (kv_lora_rank values and the shared rotary key), expanded per head in attention.
+    Row("deepseek_v2", "deepseek_v2", {**MLA, "q_lora_rank": None, **MOE_DENSE}),
+    Row("deepseek_v3", "deepseek_v3", {**MLA, "q_lora_rank": 24, **MOE_DENSE}, grids=DECODING_GRID),
+    Row("glm4_moe_lite", "glm4_moe_lite", {**MLA, "q_lora_rank": 24, **MOE_DENSE}, grids=DECODING_GRID),
+    # MLA attention layers (no RoPE) between Kimi delta attention layers (recurrent, kept whole).
+    Row(
+        "kimi_linear",
+        "kimi_linear",
+        {
+            **MLA,
+            "num_hidden_layers": 4,
+            "layer_types": HYBRID,
+            "mlp_layer_types": ["dense"] * 4,
+            "linear_head_dim": 16,
+            "linear_num_heads": 4,
+            **NO_IDS,
+        },
+    ),
 ]
 
 
@@ -240,7 +370,8 @@ def save(row: Row, folder, tokenizer) -> None:
     """The row's random model (seeded) saved in ``folder`` with the tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(row.model_type, **{**TINY, **row.settings})
+    settings = {name: value for name, value in {**TINY, **row.settings}.items() if value is not UNSET}
+    config = AutoConfig.for_model(row.model_type, **settings)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -303,13 +434,23 @@ def check_decoding(engine, row: Row) -> None:
     visible[: streaming.sink] = True
     visible[row.length - (row.budget - streaming.sink) :] = True
     architecture = engine.architecture
-    for layer in range(architecture.num_layers):
-        window = architecture.window(layer)
-        kept = row.budget if architecture.compressible(layer) else min(row.length, window - 1)
-        assert compressed.kept.stored(layer) == kept
-    whole = tuple({kind for i, kind in enumerate(architecture.layer_kinds) if not architecture.compressible(i)})
+    for index, layer in enumerate(architecture.attention_layers):  # a local layer keeps what its window still sees
+        kept = row.budget if architecture.compressible(layer) else min(row.length, architecture.window(layer) - 1)
+        assert compressed.kept.stored(index) == kept
+    assert set(compressed.kept.states) == set(architecture.state_layers)  # a hybrid's recurrent states, kept whole
+    whole = tuple(
+        {architecture.layer_kinds[i] for i in architecture.attention_layers if not architecture.compressible(i)}
+    )
     masked = masked_reference(
-        engine.model, prefill.keys, prefill.values, visible, prefill.first_token, row.new_tokens, engine.stop_ids, whole
+        engine.model,
+        prefill.keys,
+        prefill.values,
+        visible,
+        prefill.first_token,
+        row.new_tokens,
+        engine.stop_ids,
+        whole,
+        prefill.states_at[row.length],
     )
     assert streamed == masked
     assert streamed != reference
@@ -317,10 +458,11 @@ def check_decoding(engine, row: Row) -> None:
 
 def check_statistics(engine, row: Row) -> None:
     """The recorded window sums and accumulated attention equal the stock eager kernel's attention weights (the
-    module's own scale, soft-cap and sinks, whatever the family) on every layer that computes the prompt whole; the
-    queries Expected Attention un-rotates equal the queries the model's own kernel gets when its rotary embedding
-    turns nothing (each attention module called again on its own input, cos 1 and sin 0): a partial RoPE's
-    pass-through dimensions, a NoPE layer (un-rotated by the identity) and a norm after RoPE (Hunyuan) included."""
+    module's own scale, soft-cap and sinks, whatever the family) on every attention layer that computes the prompt
+    whole; the queries Expected Attention un-rotates equal the queries the model's own kernel gets when its rotary
+    embedding turns nothing (each attention module called again on its own input, cos 1 and sin 0): a partial RoPE's
+    pass-through dimensions, a NoPE layer or model (un-rotated by the identity) and a norm after RoPE (Hunyuan)
+    included. An MLA model's queries are not un-rotated (Expected Attention, their one reader, is refused there)."""
     from pkvbench.engine.attention import StatsRecorder, unrotate
     from pkvbench.engine.exactness import stock_attention
     from pkvbench.policies.base import Needs
@@ -343,21 +485,25 @@ def check_statistics(engine, row: Row) -> None:
     finally:
         for hook in hooks:
             hook.remove()
-    unturned = queries_unturned(modules, inputs, engine.softmaxes)
-    for layer, attention in enumerate(weights):
-        cos, sin = engine.rope(0, row.length, layer)  # each layer's own (Gemma 3's local and global differ)
+    layers = engine.architecture.attention_layers
+    assert len(weights) == len(layers)  # of the attention layers, in depth order
+    unturned = {} if engine.latent else queries_unturned(modules, inputs, engine.softmaxes)
+    for layer, attention in zip(layers, weights):
         stats = recorder.layers[row.length, layer]
         window = engine.architecture.prompt_windows[layer]
         if window is None or window >= row.length:  # a local or chunked layer past its reach: never scored
             torch.testing.assert_close(stats.window_scores[8], attention[0, :, -8:].sum(1), atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(stats.accumulated, attention[0].sum(1), atol=1e-4, rtol=1e-4)
-        plain = unrotate(stats.recent_queries, cos, sin, engine.rotation.interleaved, engine.rotation.scale(layer))
-        torch.testing.assert_close(plain, unturned[layer], atol=1e-5, rtol=1e-4)
+        if not engine.latent:
+            cos, sin = engine.rope(0, row.length, layer)  # each layer's own (Gemma 3's local and global differ)
+            plain = unrotate(stats.recent_queries, cos, sin, engine.rotation.interleaved, engine.rotation.scale(layer))
+            torch.testing.assert_close(plain, unturned[layer], atol=1e-5, rtol=1e-4)
 
 
 def queries_unturned(modules, inputs: dict, softmaxes) -> dict:
     """Each attention module called again on its input (``inputs``: layer → its call's args and kwargs) with the
-    rotary embedding replaced by the identity: the queries its kernel then gets, per layer ``[Hq, T, d]``."""
+    rotary embedding replaced by the identity (a module given none keeps none): the queries its kernel then gets,
+    per layer ``[Hq, T, d]``."""
     from pkvbench.engine.attention import Recorder, recording
 
     class Queries(Recorder):
@@ -368,15 +514,19 @@ def queries_unturned(modules, inputs: dict, softmaxes) -> dict:
             self.seen[layer_idx] = query[0].float().clone()
 
     def identity(embedding):
+        if embedding is None:  # no RoPE (Jamba, Nemotron-H)
+            return None
         if isinstance(embedding, tuple):  # cos, sin
             return torch.ones_like(embedding[0]), torch.zeros_like(embedding[1])
         return torch.ones_like(embedding)  # complex frequencies (Llama 4)
 
     queries = Queries()
     with recording(queries), torch.inference_mode():
-        for layer, module in enumerate(modules):
-            args, kwargs = inputs[layer]
-            module(*args, **{**kwargs, "position_embeddings": identity(kwargs["position_embeddings"])})
+        for module in modules:
+            args, kwargs = inputs[module.layer_idx]
+            if "position_embeddings" in kwargs:
+                kwargs = {**kwargs, "position_embeddings": identity(kwargs["position_embeddings"])}
+            module(*args, **kwargs)
     return queries.seen
 
 
@@ -618,14 +768,21 @@ def test_past_an_all_sliding_window_the_policies_that_score_without_attention_ru
 
 def test_a_batch_of_policies_decodes_as_each_alone(family):
     """Caches of several policies, some of them cut again while the answer is written (``--decode-budget``;
-    ``Row.batch``)."""
+    ``Row.batch``), and, where the model keeps states, two of another prompt's prefill (a hybrid's rows each carry
+    their own prefill's states)."""
     row, engine, _ = family
     ids = prompt(row)
     policies, cut = ([parse_policy(name) for name in names] for names in row.batch)
     prefill = engine.prefill(ids, policies, decoding=cut)
+    sources = [(prefill, policy) for policy in policies]
+    if engine.architecture.state_layers:  # the full cache and one compressed, of another prompt
+        other_ids = torch.randint(0, VOCAB, ids.shape, generator=torch.Generator().manual_seed(2))
+        others = [parse_policy("full"), parse_policy("snapkv")]
+        other = engine.prefill(other_ids, others)
+        sources += [(other, policy) for policy in others]
     requests = [
-        engine.request(prefill, engine.compress(prefill, policy, Budget(row.budget)), row.new_tokens)
-        for policy in policies
+        engine.request(source, engine.compress(source, policy, Budget(row.budget)), row.new_tokens)
+        for source, policy in sources
     ]
     requests += [
         engine.request(
@@ -639,6 +796,40 @@ def test_a_batch_of_policies_decodes_as_each_alone(family):
     alone = engine.decode_many(requests, 1)
     together = engine.decode_many(requests)
     assert [d.tokens for d in together] == [d.tokens for d in alone]
+
+
+def test_a_question_fed_after_compression_decodes_as_the_stock_model(family):
+    """The full cache of the context (the prompt's first tokens), the question fed on top of it, decodes as the
+    stock model's ``generate`` on the whole prompt: a hybrid's states are the context's own, not the prompt's."""
+    row, engine, _ = family
+    ids = prompt(row)
+    context = row.length - 8
+    prefill = engine.prefill(ids, [parse_policy("full")], cuts=(context, row.length))
+    cache = engine.compress(prefill, parse_policy("full"), Budget(row.budget), cut=context)
+    request = engine.request(prefill, cache, row.new_tokens, question=ids[0, context:].tolist())
+    assert engine.decode_many([request])[0].tokens == generate_reference(engine.model, ids, row.new_tokens)
+
+
+def test_the_cache_is_measured_off_the_model_and_its_state_counted(family):
+    """The cache's shape read before the model loads (the probe's, on the meta device: each attention layer's heads
+    and sizes, a latent's one head) is what a prefill of the loaded model fills; a state's bytes are known once it
+    has loaded, and every compressed cache's bytes hold its states."""
+    from pkvbench.engine.models import model_shape
+    from pkvbench.engine.recurrent import state_bytes
+
+    row, engine, folder = family
+    forecast = model_shape(str(folder), 32)
+    ids = prompt(row)
+    prefill = engine.prefill(ids, [parse_policy("streamingllm")])
+    filled = [(keys.shape[1], keys.shape[-1], values.shape[-1]) for keys, values in zip(prefill.keys, prefill.values)]
+    assert [(layer.heads, layer.key_dim, layer.value_dim) for layer in forecast.geometry.layers] == filled
+    assert forecast.geometry.local == engine.geometry.local and forecast.latent == engine.latent
+    states = prefill.states_at[row.length]
+    assert state_bytes(states) == engine.geometry.state_bytes
+    assert (forecast.geometry.state_bytes is None) == bool(engine.architecture.state_layers)
+    cache = engine.compress(prefill, parse_policy("streamingllm"), Budget(row.budget))
+    entries = sum(t.nbytes for t in (*cache.kept.keys, *cache.kept.values))
+    assert cache.nbytes == entries + state_bytes(states)
 
 
 @pytest.mark.parametrize("kind", ["sliding_attention", "chunked_attention"], ids=["sliding", "chunked"])
@@ -750,11 +941,16 @@ def test_the_cli_runs_its_grids_on_the_family(family, tmp_path, capsys):
     cutting the cache while the answer is written (the row's ``grids``)."""
     from pkvbench.cli import main
 
-    row, _, folder = family
+    row, engine, folder = family
     args = ["run", "--model", str(folder), "--task", "needle", "--lengths", "100", "--depths", "50"]
     for grid in row.grids:
+        options = GRIDS[grid]
+        if engine.latent:  # an MLA model refuses the policies that read per-head keys or values (tested below)
+            at = options.index("--policy") + 1
+            runnable = ",".join(p for p in options[at].split(",") if not latent_refusal(parse_policy(p)))
+            options = [*options[:at], runnable, *options[at + 1 :]]
         with pytest.raises(SystemExit) as exit_info:
-            main([*args, "--max-new-tokens", "5", "--quiet", "--out", str(tmp_path / grid), *GRIDS[grid]])
+            main([*args, "--max-new-tokens", "5", "--quiet", "--out", str(tmp_path / grid), *options])
         assert exit_info.value.code == 0, f"{grid}: {capsys.readouterr().err}"
         assert (tmp_path / grid / "summary.csv").is_file()
 
@@ -775,8 +971,8 @@ def test_a_statistic_beyond_the_machines_memory_is_one_line_naming_the_length():
 @pytest.mark.parametrize(
     "config,reason",
     [
-        ({"model_type": "deepseek_v3"}, "'deepseek_v3' model, not supported: MLA caches a compressed latent"),
-        ({"model_type": "deepseek_v2"}, "'deepseek_v2' model, not supported: MLA caches a compressed latent"),
+        ({"model_type": "deepseek_v32"}, "'deepseek_v32' model, not supported: a learned indexer picks the keys"),
+        ({"model_type": "zamba2"}, "'zamba2' model, not supported: one attention module serves several layers"),
         ({"model_type": "falcon"}, "'falcon' model; supported architectures: llama, mistral, qwen2, qwen3"),
         ({"model_type": "gemma4_text"}, "not supported: layers of different cache shapes, and caches shared between"),
         (
@@ -784,7 +980,7 @@ def test_a_statistic_beyond_the_machines_memory_is_one_line_naming_the_length():
             "has linear_attention layers",
         ),
     ],
-    ids=["mla", "refused-family", "unknown-family", "per-layer-shapes", "linear-attention"],
+    ids=["indexed-attention", "shared-attention", "unknown-family", "per-layer-shapes", "linear-attention"],
 )
 def test_a_family_pkvbench_cannot_run_is_refused_in_one_line_before_the_model_loads(config, reason, tmp_path, capsys):
     """A folder holding only a config (no weights, no tokenizer): the refusal comes from the config alone."""
@@ -820,3 +1016,24 @@ def test_pkvbench_list_shows_every_family_its_layer_kinds_and_what_is_refused(ca
     matrix = docs[docs.index("## The matrix") :].split("\n## ")[0]
     documented = {name for line in matrix.splitlines() for name in re.findall(r"`(\w+)`", line.split(" | ")[0])}
     assert set(FAMILIES) <= documented, set(FAMILIES) - documented
+
+
+def test_an_mla_model_refuses_a_policy_that_reads_per_head_keys_in_one_line_before_it_loads(
+    tmp_path, capsys, tokenizer
+):
+    """A folder with an MLA config and a tokenizer, no weights: ``--policy knorm`` (norms of per-head keys, which a
+    latent cache has not) is refused from the config, before the model would load."""
+    from transformers import AutoConfig
+
+    from pkvbench.cli import main
+
+    AutoConfig.for_model("deepseek_v3", vocab_size=VOCAB).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["run", "--model", str(tmp_path), "--task", "needle", "--lengths", "100", "--depths", "50"]
+            + ["--policy", "snapkv,knorm", "--out", str(tmp_path / "run"), "--quiet"]
+        )
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "caches an MLA latent: knorm reads the cached keys or values themselves" in err

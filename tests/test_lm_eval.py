@@ -482,14 +482,14 @@ def test_a_kivi_group_the_model_cannot_take_is_refused_before_the_model_loads(tm
 
 
 def test_a_refused_family_is_refused_before_lm_eval_indexes_a_task(tmp_path, capsys, monkeypatch):
-    """R9: a model folder of a family pkvbench refuses (deepseek_v3: MLA) is refused from its config, before lm-eval
+    """R9: a model folder of a family pkvbench refuses (mistral4) is refused from its config, before lm-eval
     indexes a task, in the words `pkvbench run` uses."""
     from pkvbench.lm_eval import run as lm_eval_run
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral4"}))
     monkeypatch.setattr(lm_eval_run, "task_manager", lambda *_: pytest.fail("lm-eval indexed its tasks"))
     code, err = lm_eval_cli(capsys, "--tasks", "pkv_mc", "--model", str(tmp_path), "--out", str(tmp_path / "o"))
-    assert code == 2 and "'deepseek_v3' model, not supported: MLA caches a compressed latent" in err, err
+    assert code == 2 and "'mistral4' model, not supported: transformers maps no causal-LM class to it" in err, err
     assert err.count("\n") == 1 and not (tmp_path / "o").exists()
 
 

@@ -11,6 +11,7 @@ from pkvbench.cell.budgets import Budget, keeps_fixed_set, parse_budgets, parse_
 from pkvbench.cell.kv_formats import (
     CacheGeometry,
     KVFormat,
+    LayerShape,
     MemoryTooSmall,
     memory_plan,
     parse_format,
@@ -25,7 +26,7 @@ from pkvbench.policies import parse_policy
 from pkvbench.reports.axes import order_axes
 from tests.helpers import quantized_layers
 
-GEOMETRY = CacheGeometry(layers=4, kv_heads=3, head_dim=64)
+GEOMETRY = CacheGeometry.uniform(layers=4, kv_heads=3, head_dim=64)
 FORMATS = [
     KVFormat(16),
     KVFormat(8),
@@ -195,7 +196,7 @@ def test_a_memory_budget_keeps_the_most_entries_that_fit(spec, fmt, memory):
     spent = planned_bytes(fmt, plan.per_layer, heads, 64)
     assert plan.target_bytes == target and spent <= target
     if plan.requested < length:  # one more entry per head and layer would not fit
-        more = policy.layer_budgets(plan.requested + 1, length, GEOMETRY.layers)
+        more = policy.layer_budgets(plan.requested + 1, length, GEOMETRY.num_layers)
         assert planned_bytes(fmt, more, heads, 64) > target
     if spec == "pyramidkv" and plan.requested < length:
         assert plan.per_layer[0] > plan.per_layer[-1]  # the pyramid's own per-layer budgets are what is counted
@@ -388,3 +389,22 @@ def test_bad_bits_and_memory_are_one_clear_line(args, expected, tmp_path, capsys
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and expected in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_hybrid_models_state_is_paid_for_first_and_counted_in_the_full_cache():
+    """A geometry with a recurrent state (kept whole, whatever the budget): the full cache that fractions are of holds
+    it, a memory plan's bytes hold it, and a budget below the state alone is too small for any policy."""
+    state = 100_000
+    geometry = CacheGeometry((LayerShape(2, 64, 64), LayerShape(1, 32, 16)), state_bytes=state)
+    length = 1000
+    entries = 2 * 1000 * 128 * 2 + 1 * 1000 * 48 * 2  # each layer's heads × tokens × (key + value) × 16 bits
+    assert geometry.full_bytes(length) == entries + state
+    snapkv, fmt = parse_policy("snapkv"), KVFormat(16, native=True)
+    plan = memory_plan(snapkv, Budget(0.5, memory=True), length, geometry, fmt)
+    assert geometry.planned_bytes(fmt, plan.per_layer) <= plan.target_bytes
+    assert geometry.planned_bytes(fmt, plan.per_layer) - state == sum(
+        fmt.layer_bytes(layer.heads, layer.key_dim, [n] * layer.heads, layer.value_dim)
+        for layer, n in zip(geometry.layers, plan.per_layer)
+    )
+    with pytest.raises(MemoryTooSmall):
+        memory_plan(snapkv, Budget(state - 1, memory=True), length, geometry, fmt)

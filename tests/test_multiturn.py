@@ -18,6 +18,7 @@ from pkvbench.run.runner import Cell, RunSettings, run_sample
 from pkvbench.store.results import row_key
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
+from tests.helpers import count_calls
 
 DATA = Path(__file__).parent / "data" / "scbench"
 GENERATED = ["scbench_kv", "scbench_prefix_suffix", "scbench_vt", "scbench_needles"]
@@ -281,15 +282,7 @@ def test_streamingllm_turns_equal_the_stock_model_with_the_dropped_positions_mas
 @pytest.mark.model
 def test_policies_and_budgets_share_the_prefill_and_batch_their_turns(engine, conversation, monkeypatch):
     task, sample = conversation
-    calls = {"prefill": 0, "compress": 0}
-    for name in calls:
-        original = getattr(engine, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(engine, name, counted)
+    calls = count_calls(monkeypatch, engine, "prefill", "compress")
     policies = ("snapkv", "h2o", "pyramidkv")
     cells = [
         Cell(parse_policy(p), Budget.parse(b), MULTI_TURN, turn_compression=c)

@@ -171,3 +171,16 @@ def test_a_plugin_policy_runs(plugin_site, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [r["policy"] for r in rows] == ["full", "largestkeys", "largestkeys:sink=4"]
     assert rows[1]["kv_kept"] == [64] * 30 and rows[1]["pred"]
+
+
+@pytest.mark.parametrize("name", policy_order())
+def test_a_policy_says_whether_it_reads_the_cached_keys_or_values(name):
+    """``reads_entries`` is what an MLA model refuses a policy by (its latent cache has no per-head keys or values):
+    a policy that says False selects without them; one that says True cannot."""
+    for policy in instances(name) + ([parse_policy(f"{name}(snapkv):critical=true")] if name == "adakv" else []):
+        stats = dataclasses.replace(stats_for(policy), keys=None, values=None)
+        if policy.reads_entries:
+            with pytest.raises((AttributeError, TypeError)):
+                policy.select(stats, 10)
+        else:
+            policy.select(stats, 10)

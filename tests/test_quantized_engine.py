@@ -73,10 +73,10 @@ def test_kv_bytes_are_the_stored_tensors_and_memory_budgets_hold(engine, loaded,
 def test_a_group_that_does_not_divide_the_head_or_a_memory_below_the_floor_is_refused(engine, loaded, needle):
     task, sample, _ = needle
     with pytest.raises(PkvError, match=r"--kv-group 48 does not divide the model's head size \(64\)"):
-        check_formats(loaded.shape, [Cell(parse_policy("snapkv"), Budget(64), kv=KVFormat(4, group=48))])
+        check_formats(engine.shape, [Cell(parse_policy("snapkv"), Budget(64), kv=KVFormat(4, group=48))])
     tiny = Cell(parse_policy("snapkv:window=32"), parse_memory("0.01"), kv=KVFormat(16))
     with pytest.raises(PkvError, match=r"--memory 0.01 is below what snapkv:window=32 at 16 bits .*hold is 0\.1"):
-        check_memory(loaded.shape, [(task, sample, [tiny])])
+        check_memory(engine.shape, [(task, sample, [tiny])])
 
 
 def test_a_memory_grid_runs_on_one_prefill_per_sample_and_reports_its_frontier(tmp_path, capsys, loaded):

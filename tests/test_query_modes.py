@@ -11,6 +11,7 @@ from pkvbench.policies import parse_policy
 from pkvbench.run.runner import Cell, RunSettings, run_sample
 from pkvbench.tasks.base import TaskOptions
 from pkvbench.tasks.registry import build_samples, get_task
+from tests.helpers import count_calls
 
 TREC = Path(__file__).parents[2] / "shared" / "data" / "trec"
 LONGBENCH = Path(__file__).parents[2] / "shared" / "data" / "longbench"
@@ -133,15 +134,7 @@ def test_the_question_is_never_evicted(engine, needle, monkeypatch):
 def test_one_prefill_and_one_compression_serve_every_question(engine, loaded, monkeypatch):
     task = get_task("needle-multi")
     sample = build_samples(task, loaded.tokenizer, TaskOptions(lengths=(700,), limit=1))[0]
-    calls = {"prefill": 0, "compress": 0}
-    for name in calls:
-        original = getattr(engine, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(engine, name, counted)
+    calls = count_calls(monkeypatch, engine, "prefill", "compress")
     cells = [Cell(parse_policy(p), Budget(48), "agnostic") for p in ("full", "snapkv", "pyramidkv")]
     rows = list(run_sample(engine, task, sample, cells, RunSettings(max_new_tokens=16)))
     assert calls == {"prefill": 1, "compress": 3}

@@ -40,25 +40,63 @@ SEED_RANGE = (0, 2**63 - 1)
 
 
 @dataclass(frozen=True)
-class CacheGeometry:
-    """The shape of a model's cache: layers, KV heads per layer, values per head."""
+class LayerShape:
+    """One layer of per-token entries: the heads its cache holds and the values of each entry's key and of its value
+    (a latent (MLA) cache: one "head", the latent as its key and the shared rotary key as its value)."""
 
-    layers: int
-    kv_heads: int
-    head_dim: int
-    # Per layer: a mixed model's local layer's reach (the prompt entries its window can still see, all it keeps;
-    # ``budgets.layer_budgets``), or None where a policy compresses it.
-    local: tuple[int | None, ...] = ()
+    heads: int
+    key_dim: int
+    value_dim: int
+    # A mixed model's local (sliding) layer's reach: the prompt entries its window can still see, all it keeps
+    # (``budgets.layer_budgets``); None where a policy compresses the layer.
+    reach: int | None = None
+
+    def full_bytes(self, context_len: int) -> int:
+        """Its entries of ``context_len`` tokens at 16 bits per value (a local layer: what its window sees)."""
+        entries = context_len if self.reach is None else min(context_len, self.reach)
+        return self.heads * entries * (self.key_dim + self.value_dim) * SIXTEEN_BITS
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """The shape of a model's cache: its layers of per-token entries in depth order (a hybrid model's attention
+    layers; each its own heads and sizes), and the bytes of the fixed per-sequence state its recurrent and
+    convolution layers keep whatever the prompt's length (kept whole, in the dtypes the model keeps them; None
+    where that is not known before the model loads)."""
+
+    layers: tuple[LayerShape, ...]
+    state_bytes: int | None = 0
+
+    @classmethod
+    def uniform(cls, layers: int, kv_heads: int, head_dim: int, local: Sequence[int | None] = ()) -> CacheGeometry:
+        """``layers`` layers of ``kv_heads`` heads of ``head_dim`` values (``local``: each one's reach), no state."""
+        local = tuple(local) or (None,) * layers
+        return cls(tuple(LayerShape(kv_heads, head_dim, head_dim, reach) for reach in local))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def local(self) -> tuple[int | None, ...]:
+        return tuple(layer.reach for layer in self.layers)
 
     def layer_budgets(self, policy, k: int, context_len: int) -> list[int]:
-        return layer_budgets(policy, k, context_len, self.layers, self.local)
+        return layer_budgets(policy, k, context_len, self.num_layers, self.local)
 
     def full_bytes(self, context_len: int) -> int:
         """The model's own full cache of ``context_len`` tokens at 16 bits per value (a local layer holding what its
-        window sees): what memory fractions are of."""
-        local = self.local or (None,) * self.layers
-        entries = sum(context_len if reach is None else min(context_len, reach) for reach in local)
-        return 2 * entries * self.kv_heads * self.head_dim * SIXTEEN_BITS
+        window sees), and the state: what memory fractions are of."""
+        return sum(layer.full_bytes(context_len) for layer in self.layers) + (self.state_bytes or 0)
+
+    def planned_bytes(self, fmt: KVFormat, per_layer: Sequence[int], heads: int | None = None) -> int:
+        """Bytes of a cache whose layers keep ``per_layer`` entries in each head (``heads``: as many heads in every
+        layer, one set per query head; else each layer's own), and the state."""
+        entries = sum(
+            fmt.layer_bytes(heads or layer.heads, layer.key_dim, [n] * (heads or layer.heads), layer.value_dim)
+            for layer, n in zip(self.layers, per_layer)
+        )
+        return entries + (self.state_bytes or 0)
 
 
 @dataclass(frozen=True)
@@ -132,33 +170,39 @@ class KVFormat:
         residual = min(self.recent, length)
         return length - residual, residual
 
-    def layer_bytes(self, heads: int, head_dim: int, lengths: Sequence[int]) -> int:
+    def layer_bytes(self, heads: int, head_dim: int, lengths: Sequence[int], value_dim: int | None = None) -> int:
         """Bytes one layer's stored tensors hold when its ``heads`` heads keep ``lengths`` entries (each head's
-        count; heads that keep fewer are padded to the fullest, as stored), keys and values together."""
+        count; heads that keep fewer are padded to the fullest, as stored), keys (``head_dim`` values each) and
+        values (``value_dim``, default ``head_dim``) together."""
+        value_dim = head_dim if value_dim is None else value_dim
+        width = head_dim + value_dim
         if self.native:  # [heads, n, dim] keys and values; a layer that keeps nothing still stores one masked slot
-            return 2 * heads * max(max(lengths), 1) * head_dim * self.bits // 8
+            return heads * max(max(lengths), 1) * width * self.bits // 8
         parts = [self.split(n) for n in lengths]
         quantized, residual = max(q for q, _ in parts), max(r for _, r in parts)
-        total = 2 * heads * residual * head_dim * SIXTEEN_BITS
-        return total + (self.packed_bytes(heads, head_dim, quantized) if quantized else 0)
+        total = heads * residual * width * SIXTEEN_BITS
+        return total + (self.packed_bytes(heads, head_dim, quantized, value_dim) if quantized else 0)
 
-    def packed_bytes(self, heads: int, head_dim: int, count: int) -> int:
-        """Bytes of ``count`` packed entries per head of one layer, keys and values, with what reads them back."""
+    def packed_bytes(self, heads: int, head_dim: int, count: int, value_dim: int | None = None) -> int:
+        """Bytes of ``count`` packed entries per head of one layer, keys (``head_dim`` values) and values
+        (``value_dim``, default ``head_dim``: an MLA latent's differ), with what reads them back."""
+        value_dim = head_dim if value_dim is None else value_dim
         entries = heads * count
         if self.codec in (FP8, FP8_E5M2):
-            return 2 * entries * head_dim + 2 * FLOAT32  # a byte a value; a scale for the keys, one for the values
+            return entries * (head_dim + value_dim) + 2 * FLOAT32  # a byte a value; a scale for keys, one for values
         if self.codec == TURBOQUANT:
 
-            def indices(bits: int) -> int:  # the codes and a norm per vector, and the codebook they index
-                return entries * (head_dim * bits // 8 + SIXTEEN_BITS) + (1 << bits) * FLOAT32
+            def indices(bits: int, dim: int) -> int:  # the codes and a norm per vector, and the codebook they index
+                return entries * (dim * bits // 8 + SIXTEEN_BITS) + (1 << bits) * FLOAT32
 
             if not self.qjl:
-                return 2 * indices(self.bits)
-            return indices(self.bits - 1) + entries * (head_dim // 8 + SIXTEEN_BITS) + indices(self.bits)
+                return indices(self.bits, head_dim) + indices(self.bits, value_dim)
+            qjl = entries * (head_dim // 8 + SIXTEEN_BITS)  # the keys' residual signs and norm
+            return indices(self.bits - 1, head_dim) + qjl + indices(self.bits, value_dim)
         return (
-            2 * entries * head_dim * self.bits // 8  # packed codes of keys and values
+            entries * (head_dim + value_dim) * self.bits // 8  # packed codes of keys and values
             + 2 * heads * -(-count // self.group) * head_dim * SIXTEEN_BITS  # keys' scales and minima
-            + 2 * entries * (head_dim // self.group) * SIXTEEN_BITS  # values' scales and minima
+            + 2 * entries * (value_dim // self.group) * SIXTEEN_BITS  # values' scales and minima
         )
 
     def __str__(self) -> str:
@@ -254,8 +298,9 @@ def largest(low: int, high: int, fits: Callable[[int], bool]) -> int | None:
 
 
 def planned_bytes(fmt: KVFormat, per_layer: Sequence[int], heads: int, head_dim: int) -> int:
-    """Bytes of a cache whose layers keep ``per_layer`` entries in each of ``heads`` heads."""
-    return sum(fmt.layer_bytes(heads, head_dim, [n] * heads) for n in per_layer)
+    """Bytes of a cache whose layers keep ``per_layer`` entries in each of ``heads`` heads of ``head_dim`` values
+    (``CacheGeometry.planned_bytes``: each layer its own shape, and the state)."""
+    return CacheGeometry.uniform(len(per_layer), heads, head_dim).planned_bytes(fmt, per_layer)
 
 
 class MemoryTooSmall(PkvError):
@@ -273,23 +318,22 @@ class MemoryTooSmall(PkvError):
 def floor_bytes(policy, context_len: int, geometry: CacheGeometry, fmt: KVFormat, heads: int | None = None) -> int:
     """The bytes of the smallest cache ``policy`` keeps (its floor: window, sinks) in ``fmt``."""
     floor = min(max(policy.min_budget, 1), context_len)
-    per_layer = geometry.layer_budgets(policy, floor, context_len)
-    return planned_bytes(fmt, per_layer, heads or geometry.kv_heads, geometry.head_dim)
+    return geometry.planned_bytes(fmt, geometry.layer_budgets(policy, floor, context_len), heads)
 
 
 def memory_plan(
     policy, budget: Budget, context_len: int, geometry: CacheGeometry, fmt: KVFormat, heads: int | None = None
 ) -> LayerPlan:
     """The most entries ``policy`` can keep in ``fmt`` within a memory ``budget`` (as close to it as whole entries
-    allow): every layer's tensors counted (codes, scales, minima, residual, PyramidKV's per-layer budgets). ``heads``:
-    the cache's heads per layer (the query heads for a policy that keeps one set per query head). Raises
-    ``MemoryTooSmall`` when even the policy's floor does not fit."""
-    heads = heads or geometry.kv_heads
+    allow): every layer's tensors counted (codes, scales, minima, residual, PyramidKV's per-layer budgets), and the
+    state of a hybrid model's recurrent layers, kept whole. ``heads``: the cache's heads per layer where not the
+    layers' own (the query heads for a policy that keeps one set per query head). Raises ``MemoryTooSmall`` when even
+    the policy's floor does not fit."""
     full = geometry.full_bytes(context_len)
     target = budget.target_bytes(full)
 
     def cost(k: int) -> int:
-        return planned_bytes(fmt, geometry.layer_budgets(policy, k, context_len), heads, geometry.head_dim)
+        return geometry.planned_bytes(fmt, geometry.layer_budgets(policy, k, context_len), heads)
 
     k = largest(min(max(policy.min_budget, 1), context_len), context_len, lambda k: cost(k) <= target)
     if k is None:

@@ -30,6 +30,7 @@ import dataclasses
 import inspect
 from dataclasses import dataclass
 
+from pkvbench.cell.kv_formats import LayerShape
 from pkvbench.engine.probe import LayerSoftmax, Rotation
 from pkvbench.errors import PkvError, first_line
 
@@ -37,6 +38,13 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 CHUNKED = "chunked_attention"
 ATTENTION_KINDS = (FULL, SLIDING, CHUNKED)
+# Layer kinds of transformers' ``cache_utils`` that keep a fixed-size state per sequence, not per-token keys and
+# values (``engine/recurrent.py``): the state alone; the state beside an attention layer's entries (Falcon-H1's
+# layers run both), as which attention kind; nothing cached at all (Nemotron-H's MLP blocks).
+STATE_KINDS = ("linear_attention", "conv")
+HYBRID_KINDS = {"hybrid": FULL, "hybrid_sliding": SLIDING}
+HYBRID_OF = {attention: kind for kind, attention in HYBRID_KINDS.items()}
+NO_CACHE_KINDS = ("mlp", "moe", "dummy")
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,7 @@ class Family:
     handled: str
     refused: str = ""  # the reason, in one line, where pkvbench does not run it
     layers: str = "full"  # the layer kinds its configs declare (``pkvbench list``)
+    kinds: tuple[str, ...] = ATTENTION_KINDS  # the ``layer_types`` pkvbench runs in it (any other is refused)
 
     @property
     def admitted(self) -> bool:
@@ -58,7 +67,32 @@ HALF_ROPE = "RoPE over the whole head (rotate-half)"
 EVERY_LAYER_SLIDES = "full, or sliding on every layer (sliding_window)"
 WINDOW_LAYERS = "full, or sliding from max_window_layers on (use_sliding_window)"
 LOCAL_AND_GLOBAL = "local (sliding: its window's entries kept) and global (full) per layer_types"
-MLA = "MLA caches a compressed latent"
+LATENT_LAYERS = "full (an MLA latent per token: one cache head)"
+INDEXED = (
+    "a learned indexer picks the keys each query reads (indexed attention): a compression of its own, whose index "
+    "cache a policy would have to keep in step"
+)
+SHARED = (
+    "one attention module serves several layers (its layer_idx is -1), so an attention call cannot tell whose cache "
+    "it reads"
+)
+NO_ROW = "not proven yet: no row in tests/test_architectures.py (one row away: its layers are an admitted family's)"
+COMPRESSES_ITSELF = "its attention compresses its own cache (built-in compressed attention): nothing left to compare"
+OWN_CACHE = "it keeps a cache class of its own (MiniMaxCache) and refuses any other, a compressed one included"
+TWO_ATTENTIONS = "two attention modules per decoder layer: its cache holds two layers' entries per layer"
+MLA_HANDLED = (
+    "a layer's cache is one latent head: positions of the latent kept, statistics of the expanded heads folded to "
+    "it; the policies that read cached keys or values themselves (marked MLA: refused above) and gqa=query refused"
+)
+# A hybrid's recurrent layers and attention layers: what its configs declare and what pkvbench runs of them.
+RECURRENT_LAYERS = {
+    "layers": "linear_attention (a recurrent state, kept whole) and full_attention, per layer_types",
+    "kinds": (FULL, "linear_attention"),
+}
+MAMBA_LAYERS = {
+    "layers": "linear_attention (Mamba: a convolution and an SSM state, kept whole) and full_attention",
+    "kinds": (FULL, "linear_attention"),
+}
 FAMILIES: dict[str, Family] = {
     "llama": Family(HALF_ROPE + "; Llama 3.1 and YaRN scaling", "the reference layout"),
     "mistral": Family(
@@ -187,8 +221,112 @@ FAMILIES: dict[str, Family] = {
         refused="layers of different cache shapes, and caches shared between layers",
         layers="local and global per layer_types, of different shapes",
     ),
-    "deepseek_v2": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
-    "deepseek_v3": Family("multi-head latent attention (MLA)", "", refused=MLA, layers="latent (MLA)"),
+    "qwen3_next": Family(
+        "hybrid: gated delta rule (linear attention) layers between attention layers; gated attention output; "
+        "q/k norms; partial RoPE; mixture-of-experts MLP",
+        "the recurrent layers' states kept whole; the attention layers compressed",
+        **RECURRENT_LAYERS,
+    ),
+    "qwen3_5_text": Family(
+        "hybrid as qwen3_next (gated delta rule and attention layers); dense MLP",
+        "as qwen3_next",
+        **RECURRENT_LAYERS,
+    ),
+    "olmo_hybrid": Family(
+        "hybrid: gated delta rule layers and attention layers (q/k norms over all heads)",
+        "as qwen3_next",
+        **RECURRENT_LAYERS,
+    ),
+    "lfm2": Family(
+        "hybrid: short convolution layers (a state of the last inputs) and attention layers; q/k norms",
+        "the convolution layers' states kept whole; the attention layers compressed",
+        layers="conv (a convolution state, kept whole) and full_attention, per layer_types",
+        kinds=(FULL, "conv"),
+    ),
+    "lfm3": Family(
+        "hybrid: short convolution layers, global and local (sliding) attention layers, per layer_types; a "
+        "proportional RoPE on the global layers (half their pairs at frequency 0)",
+        "the convolution states kept whole; local layers keep what their window sees; global layers compressed",
+        layers="conv (kept whole), full_attention and sliding_attention (local: its window's entries), per layer_types",
+        kinds=(FULL, SLIDING, "conv"),
+    ),
+    "lfm2_moe": Family(
+        "hybrid as lfm2, a mixture-of-experts MLP",
+        "",
+        refused=NO_ROW,
+        layers="conv (a convolution state) and full_attention, per layer_types",
+    ),
+    "bailing_hybrid": Family(
+        "hybrid: linear (delta) attention layers and MLA attention layers, as kimi_linear",
+        "",
+        refused=NO_ROW,
+        layers="linear_attention and full_attention (an MLA latent per token)",
+    ),
+    "bamba": Family(
+        "hybrid: Mamba-2 layers (a convolution and an SSM state) and attention layers (attn_layer_indices)",
+        "the Mamba layers' states kept whole; the attention layers compressed",
+        **MAMBA_LAYERS,
+    ),
+    "granitemoehybrid": Family(
+        "hybrid: Mamba-2 layers and attention layers without RoPE (Granite-4; RoPE optional); mixture-of-experts "
+        "MLP; multipliers",
+        "as bamba; nothing to un-rotate where it has no RoPE",
+        **MAMBA_LAYERS,
+    ),
+    "jamba": Family(
+        "hybrid: Mamba layers and attention layers without RoPE (attn_layer_period); mixture-of-experts MLP",
+        "as bamba; nothing to un-rotate (no RoPE)",
+        **MAMBA_LAYERS,
+    ),
+    "nemotron_h": Family(
+        "hybrid: Mamba-2, attention (no RoPE) and MLP blocks, one mixer per block (layers_block_type)",
+        "as bamba; the MLP blocks cache nothing; nothing to un-rotate (no RoPE)",
+        layers="linear_attention (Mamba-2), full_attention and mlp/moe (nothing cached) blocks",
+        kinds=(FULL, "linear_attention", "mlp", "moe"),
+    ),
+    "falcon_h1": Family(
+        "hybrid in every layer: Mamba-2 and attention side by side, each layer a state and per-token entries",
+        "each layer's state kept whole, its entries compressed",
+        layers="hybrid (a state and per-token entries in every layer)",
+        kinds=("hybrid",),
+    ),
+    "deepseek_v2": Family(
+        "multi-head latent attention (MLA): one latent per token, expanded per head in attention; RoPE as complex "
+        "rotations; mixture-of-experts MLP",
+        MLA_HANDLED,
+        layers=LATENT_LAYERS,
+    ),
+    "deepseek_v3": Family(
+        "MLA as deepseek_v2, a compressed query (q_lora_rank), interleaved RoPE weights (rope_interleave)",
+        MLA_HANDLED,
+        layers=LATENT_LAYERS,
+    ),
+    "glm4_moe_lite": Family("MLA as deepseek_v3 (GLM-4.7-Flash)", MLA_HANDLED, layers=LATENT_LAYERS),
+    "mistral4": Family(
+        "MLA as deepseek_v3 (Mistral 4's text model)",
+        "",
+        refused="transformers maps no causal-LM class to it (Mistral 4 ships as a vision-language model)",
+        layers=LATENT_LAYERS,
+    ),
+    "longcat_flash": Family(
+        "MLA, two attention modules in each decoder layer", "", refused=TWO_ATTENTIONS, layers=LATENT_LAYERS
+    ),
+    "deepseek_v32": Family("MLA with indexed attention (DeepSeek Sparse Attention)", "", refused=INDEXED),
+    "glm_moe_dsa": Family("MLA with indexed attention (GLM-5)", "", refused=INDEXED),
+    "mistral_large4": Family("indexed attention (Mistral Large 4)", "", refused=INDEXED),
+    "glm5_next": Family("indexed attention and linear attention layers", "", refused=INDEXED),
+    "deepseek_v4": Family(
+        "compressed_sparse_attention and heavily_compressed_attention layers", "", refused=COMPRESSES_ITSELF
+    ),
+    "zamba": Family("hybrid: Mamba layers and one attention block shared by several layers", "", refused=SHARED),
+    "zamba2": Family("hybrid: Mamba-2 layers and attention blocks shared by several layers", "", refused=SHARED),
+    "minimax": Family("hybrid: lightning (linear) attention and attention layers", "", refused=OWN_CACHE),
+    "kimi_linear": Family(
+        "hybrid: Kimi delta attention layers (a recurrent state) and MLA attention layers without RoPE",
+        "the recurrent layers' states kept whole; " + MLA_HANDLED,
+        layers="linear_attention (a recurrent state, kept whole) and full_attention (an MLA latent per token)",
+        kinds=(FULL, "linear_attention"),
+    ),
 }
 
 
@@ -209,11 +347,11 @@ def check_family(config, name: str) -> None:
     if family.refused:
         raise PkvError(f"model {name} is a {model_type!r} model, not supported: {family.refused}")
     check_config(config, name)
-    kinds = set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_KINDS)
+    kinds = set(getattr(config, "layer_types", None) or ()) - set(family.kinds)
     if kinds:
         raise PkvError(
             f"model {name} has {', '.join(sorted(kinds))} layers; pkvbench runs layers of kinds "
-            f"{', '.join(ATTENTION_KINDS)} only (per-token keys and values)"
+            f"{', '.join(family.kinds)} only in a {model_type!r} model"
         )
 
 
@@ -263,6 +401,7 @@ def check_config(config, name: str) -> None:
 # its statistics; the window reaches sdpa and eager through the mask; the rest change nothing it computes.
 KNOWN_ATTENTION_ARGUMENTS = frozenset(
     {"dropout", "scaling", "softcap", "s_aux", "sliding_window", "position_ids", "use_cache", "cache_position"}
+    | {"mamba_attention_mask"}  # Falcon-H1 hands its Mamba mixer's padding mask to both mixers
 )
 
 
@@ -272,19 +411,26 @@ class Architecture:
     read from what the model's code does (``engine/probe.py``)."""
 
     family: str  # config.model_type
-    layer_kinds: tuple[str, ...]  # per layer: FULL, SLIDING or CHUNKED
-    # Per layer: the window a new token sees while the answer is written (None: everything): its mask's, or the
-    # window of the model's own cache where that keeps fewer (a stray sliding_window on Llama: ``generate``'s
-    # cache slides, its masks do not).
-    # A chunked layer's: its chunk.
+    # Per model layer: FULL, SLIDING or CHUNKED, as its attention's mask says; a layer that keeps a state, the kind
+    # its config declares (STATE_KINDS; HYBRID_KINDS beside its attention) or nothing (NO_CACHE_KINDS).
+    layer_kinds: tuple[str, ...]
+    # Per model layer: the window a new token sees while the answer is written (None: everything, or no attention):
+    # its mask's, or the window of the model's own cache where that keeps fewer (a stray sliding_window on Llama:
+    # ``generate``'s cache slides, its masks do not); a chunked layer's: its chunk.
     windows: tuple[int | None, ...]
-    # Per layer: the window of the mask it computes the prompt with (``prompt_limit``: the statistics' reach).
+    # Per model layer: the window of the mask it computes the prompt with (``prompt_limit``: the statistics' reach).
     prompt_windows: tuple[int | None, ...] = ()
-    kv_heads: int = 0  # the heads of the keys and values the model hands its cache
+    kv_heads: int = 0  # the heads of the keys and values the model hands its cache (one latent for MLA)
     query_heads: int = 0
     head_dim: int = 0
-    # Per layer: how it turns logits into attention (the sinks' values only once the weights are loaded).
-    softmaxes: tuple[LayerSoftmax, ...] = ()
+    # Per attention layer: the heads, key and value sizes of what it writes to its cache, as the probe's cache holds
+    # them (an MLA latent's one head: ``kv_lora_rank`` and the shared rotary key), its reach where local.
+    cache_shapes: tuple[LayerShape, ...] = ()
+    # Per model layer: how it turns logits into attention (the sinks' values only once the weights are loaded; None
+    # for a layer without attention), and a latent (MLA) layer's expansion of its cache into every head's keys and
+    # values (``engine/latent.py``; None elsewhere).
+    softmaxes: tuple[LayerSoftmax | None, ...] = ()
+    expanders: tuple = ()
     rotation: Rotation | None = None  # how its RoPE turns a head (read from the loaded model)
     rope_switch: int | None = None  # the longest sequence rotated by RoPE's short tables (``probe.rope_switch``)
 
@@ -320,18 +466,32 @@ class Architecture:
 
         install_recording_attention(model)  # the probe reads the calls through pkvbench's wrapper
         config = model.config
+        count = len(model.model.layers)
+        # The kinds the config declares: the model's own cache builds a state layer (or none) from them, and a
+        # layer of such a kind runs no attention; every other layer's attention is read from its call.
+        declared = tuple(getattr(config, "layer_types", None) or (FULL,) * count)
+        modules = {
+            layer: cls._attention_module(model.model.layers[layer])
+            for layer in range(count)
+            if declared[layer] not in STATE_KINDS + NO_CACHE_KINDS
+        }
         try:
-            calls = layer_calls(model)
+            calls, cache = layer_calls(model, modules)
         except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, ZeroDivisionError) as exc:
             raise PkvError(f"model {name}: its config cannot run the model: {first_line(exc)}") from None
-        layers = len(cls.attention_modules(model))
-        missing = [layer for layer in range(layers) if layer not in calls]
-        if not layers or missing:
+        missing = [layer for layer in modules if layer not in calls]
+        if not modules or missing:
             raise PkvError(f"model {name}: layer {missing[0] if missing else 0} calls no attention pkvbench can read")
         reaches: dict[int, object] = {}  # one read per mask the model builds, whatever the layers sharing it
         kinds, windows, prompt_windows, softmaxes = [], [], [], []
-        cached = cache_windows(config, layers)
-        for layer in range(layers):
+        cached = cache_windows(config, modules)
+        for layer in range(count):
+            if layer not in modules:  # a state, or nothing, kept whole
+                kinds.append(declared[layer])
+                windows.append(None)
+                prompt_windows.append(None)
+                softmaxes.append(None)
+                continue
             call = calls[layer]
             key = id(call.mask) if call.mask is not None else -int(call.is_causal) - 1
             if key not in reaches:
@@ -365,7 +525,8 @@ class Architecture:
             scaling = call.kwargs.get("scaling")
             seen = reach.chunk or reach.window  # how far back its tokens see over the prompt
             window = min((w for w in (seen, cached[layer]) if w is not None), default=None)
-            kinds.append(CHUNKED if reach.chunk else FULL if window is None else SLIDING)
+            kind = CHUNKED if reach.chunk else FULL if window is None else SLIDING
+            kinds.append(HYBRID_OF[kind] if declared[layer] in HYBRID_KINDS else kind)  # a state beside it
             windows.append(window)
             prompt_windows.append(seen)
             softmaxes.append(
@@ -373,25 +534,61 @@ class Architecture:
                     float(scaling) if scaling is not None else call.head_dim**-0.5, softcap, call.kwargs.get("s_aux")
                 )
             )
-        first = calls[0]
+        first = calls[min(calls)]
         rotary = getattr(model.model, "rotary_emb", None)
-        switch = None if rotary is None else rope_switch(type(rotary), config, tuple(kinds))
+        attention_kinds = tuple(
+            HYBRID_KINDS.get(kind, kind) for kind in kinds if HYBRID_KINDS.get(kind, kind) in ATTENTION_KINDS
+        )
+        switch = None if rotary is None else rope_switch(type(rotary), config, attention_kinds)
+        expanders = tuple(
+            modules[layer].expand_kv if layer in modules and latent(modules[layer]) else None for layer in range(count)
+        )
         architecture = cls(
             getattr(config, "model_type", "") or "",
             tuple(kinds),
             tuple(windows),
             tuple(prompt_windows),
-            kv_heads=first.kv_heads,
+            kv_heads=1 if any(expanders) else first.kv_heads,
             query_heads=first.query_heads,
             head_dim=first.head_dim,
             softmaxes=tuple(softmaxes),
+            expanders=expanders,
             rope_switch=switch,
         )
-        return architecture, calls
+        written = [cache.layers[layer] for layer in architecture.attention_layers]
+        shapes = tuple(
+            LayerShape(entries.keys.shape[1], entries.keys.shape[-1], entries.values.shape[-1], reach)
+            for entries, reach in zip(written, architecture.local)
+        )
+        return dataclasses.replace(architecture, cache_shapes=shapes), calls
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_kinds)
+
+    def attention_kind(self, layer: int) -> str | None:
+        """The kind of the layer's attention (FULL, SLIDING or CHUNKED; a hybrid layer's beside its state), None for a layer
+        that keeps no per-token entries."""
+        kind = HYBRID_KINDS.get(self.layer_kinds[layer], self.layer_kinds[layer])
+        return kind if kind in ATTENTION_KINDS else None
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep per-token entries, in depth order: every layer of an attention-only model, a hybrid
+        model's attention layers. Budgets, plans and statistics run over these; the others keep their state whole."""
+        return tuple(layer for layer in range(self.num_layers) if self.attention_kind(layer))
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers that keep a fixed-size state per sequence (``engine/recurrent.py``)."""
+        return tuple(
+            layer for layer, kind in enumerate(self.layer_kinds) if kind in STATE_KINDS or kind in HYBRID_KINDS
+        )
+
+    @property
+    def latent(self) -> bool:
+        """Whether the model caches an MLA latent (``engine/latent.py``)."""
+        return any(self.expanders)
 
     def window(self, layer: int) -> int | None:
         """How far back the layer's tokens see: its sliding window, or its chunk (a chunked layer); None for full
@@ -405,48 +602,69 @@ class Architecture:
 
     @property
     def every_layer_slides(self) -> bool:
-        return all(kind == SLIDING for kind in self.layer_kinds)
+        return all(self.attention_kind(layer) == SLIDING for layer in self.attention_layers)
 
     @property
     def mixed(self) -> bool:
         """Local (sliding) and global layers both."""
-        return SLIDING in self.layer_kinds and not self.every_layer_slides
+        return (
+            any(self.attention_kind(layer) == SLIDING for layer in self.attention_layers)
+            and not self.every_layer_slides
+        )
 
     def compressible(self, layer: int) -> bool:
-        """Whether a policy may compress the layer: every layer but a mixed model's local ones and chunked ones."""
-        kind = self.layer_kinds[layer]
-        return not (self.mixed and kind == SLIDING) and kind != CHUNKED
+        """Whether a policy may compress the layer: every attention layer but a mixed model's local ones and chunked
+        ones."""
+        kind = self.attention_kind(layer)
+        return kind is not None and not (self.mixed and kind == SLIDING) and kind != CHUNKED
 
     @property
     def local(self) -> tuple[int | None, ...]:
-        """Per layer: a mixed model's local layer's reach — the prompt entries its window can still see from the
-        next token on (window − 1), all it keeps, as transformers' sliding cache layer — or None where a policy
-        compresses the layer (``kv_formats.CacheGeometry.local``)."""
-        return tuple(None if self.compressible(layer) else self.windows[layer] - 1 for layer in range(self.num_layers))
+        """Per attention layer (``attention_layers``): a mixed model's local layer's reach — the prompt entries its
+        window can still see from the next token on (window − 1), all it keeps, as transformers' sliding cache layer
+        — or None where a policy compresses the layer (``kv_formats.CacheGeometry.local``)."""
+        return tuple(None if self.compressible(layer) else self.windows[layer] - 1 for layer in self.attention_layers)
 
     @property
     def softcapped(self) -> bool:
-        return any(softmax.softcap is not None for softmax in self.softmaxes)
+        return any(softmax is not None and softmax.softcap is not None for softmax in self.softmaxes)
 
     # --- the loaded model's modules: the one place that names their paths -------------------------------------
 
-    @staticmethod
-    def attention_modules(model) -> list:
-        """Each decoder layer's attention module (``transformers``' shared layout: ``model.model.layers[i]
-        .self_attn``, with ``layer_idx``, ``o_proj``)."""
-        return [layer.self_attn for layer in model.model.layers]
+    # Where a decoder layer keeps its attention: ``self_attn`` (transformers' shared layout), ``mixer`` (Nemotron-H's
+    # blocks, whose one mixer is attention, Mamba or an MLP).
+    ATTENTION_MODULES = ("self_attn", "mixer")
+
+    @classmethod
+    def _attention_module(cls, decoder_layer):
+        return next(
+            getattr(decoder_layer, name) for name in cls.ATTENTION_MODULES if getattr(decoder_layer, name, None)
+        )
+
+    def attention_modules(self, model) -> list:
+        """Each attention layer's module (``transformers``' shared layout: ``model.model.layers[i].self_attn``, with
+        ``layer_idx``, ``o_proj``), in the order of ``attention_layers``."""
+        return [self._attention_module(model.model.layers[layer]) for layer in self.attention_layers]
+
+    # An attention module's output projection: ``o_proj`` (the shared layout), ``out_proj`` (LFM2).
+    OUTPUT_PROJECTIONS = ("o_proj", "out_proj")
 
     def output_weight(self, model, layer: int):
-        """Layer ``layer``'s attention output projection's weight (VATP-style value scores), where accelerate keeps it
-        (``placement.onloaded``: an offloaded one is read on the CPU, not onto the layer's device)."""
+        """Attention layer ``layer``'s (an index of ``attention_layers``) output projection's weight (VATP-style
+        value scores), where accelerate keeps it (``placement.onloaded``: an offloaded one is read on the CPU, not
+        onto the layer's device)."""
         from pkvbench.engine.placement import stored
 
-        return stored(self.attention_modules(model)[layer].o_proj, "weight")
+        module = self.attention_modules(model)[layer]
+        return stored(
+            next(getattr(module, name) for name in self.OUTPUT_PROJECTIONS if hasattr(module, name)), "weight"
+        )
 
     @staticmethod
     def rotary(model):
-        """The model's rotary embedding module (cos, sin of positions; its width may be part of a head)."""
-        return model.model.rotary_emb
+        """The model's rotary embedding module (cos, sin of positions; its width may be part of a head), or None for
+        a model without one (NoPE attention: Jamba, Nemotron-H, Granite-4's hybrids)."""
+        return getattr(model.model, "rotary_emb", None)
 
     @property
     def prompt_window(self) -> int | None:
@@ -458,8 +676,9 @@ class Architecture:
         """The longest prompt whose attention statistics the engine computes exactly: they assume every query sees
         the whole prompt, so on a model whose every layer computes the prompt under a window, prompts up to its
         (narrowest) window."""
-        if self.prompt_windows and all(w is not None for w in self.prompt_windows):
-            return min(self.prompt_windows)
+        windows = [self.prompt_windows[layer] for layer in self.attention_layers] if self.prompt_windows else []
+        if windows and all(w is not None for w in windows):
+            return min(windows)
         return None
 
     def check_rope(self, length: int, new_tokens: int, name: str = "the model") -> None:
@@ -502,8 +721,11 @@ class Architecture:
         a tensor of the dtype and device wanted): the model's one rotary embedding, or, where the model calls it per
         layer type (Gemma 3: the local layers at ``rope_local_base_freq``), the layer's own."""
         rotary = self.rotary(model)
+        if rotary is None:  # no RoPE: tables of width 0, which turn nothing (``Rotation.tables``, ``unrotate``)
+            empty = like.new_ones((1, positions.shape[-1], 0))
+            return empty, empty.new_zeros(empty.shape)
         if "layer_type" in inspect.signature(rotary.forward).parameters:
-            return rotary(like, positions, layer_type=self.layer_kinds[layer])
+            return rotary(like, positions, layer_type=self.attention_kind(layer))
         return rotary(like, positions)
 
     # --- how each layer rotates, read from the loaded model ----------------------------------------------------
@@ -511,20 +733,24 @@ class Architecture:
     def _rotation(self, model, calls: dict) -> Rotation:
         """How each layer's RoPE turns a head, read from the probe's calls (``probe.layer_calls``): a layer whose
         attention never called the model's rotary function is NoPE (SmolLM3's ``no_rope_layers``, Exaone 4's global
-        layers, Llama 4's every 4th), whatever its config says; a layer whose kernel got other queries than the
-        function gave has a norm after RoPE (Hunyuan: ``probe.scale_after_rotation``). Then the function turns each
-        unit vector of a head at position 1: dimension i turns towards its partner (the pairing), and the dimensions
-        that do not turn lie beyond the rotary width."""
+        layers, Llama 4's every 4th, every layer of Jamba or Nemotron-H), whatever its config says; a layer whose
+        kernel got other queries than the function gave has a norm after RoPE (Hunyuan:
+        ``probe.scale_after_rotation``). Then the function turns each unit vector of a head by a quarter turn:
+        dimension i turns towards its partner (the pairing), and the dimensions that do not turn lie beyond the
+        rotary width. A latent (MLA) layer's queries are never un-rotated (Expected Attention, their one reader, is
+        refused there): it counts as not rotating."""
         import torch
 
         from pkvbench.engine.placement import execution_device
         from pkvbench.engine.probe import scale_after_rotation
 
-        modules = self.attention_modules(model)
         dim = self.head_dim
-        rotates = tuple(calls[layer].rotary is not None for layer in range(self.num_layers))
+        rotates = tuple(
+            layer in calls and calls[layer].rotary is not None and not self.latent for layer in range(self.num_layers)
+        )
         if not any(rotates):
             return Rotation(interleaved=False, width=0, dim=dim, rotates=rotates)
+        modules = dict(zip(self.attention_layers, self.attention_modules(model)))
         first = rotates.index(True)
         with torch.inference_mode():
             scales = tuple(
@@ -536,8 +762,14 @@ class Architecture:
         device = execution_device(self.rotary(model))
         positions = torch.ones(1, dim, dtype=torch.long, device=device)
         embedding = self.rope(model, first, torch.zeros(1, device=device), positions)
+        # Tables of the model's layout that turn every pair a quarter (cos 0, sin 1; complex frequencies: i): a pair
+        # whose frequency is 0 (LFM3's proportional RoPE) still lies inside the rotary width, as the tables cover it.
+        if isinstance(embedding, tuple):
+            quarter = (torch.zeros_like(embedding[0]), torch.ones_like(embedding[1]))
+        else:
+            quarter = torch.full_like(embedding, 1j)
         basis = torch.eye(dim, device=device)[None, None]  # [1, 1, d, d]: d "tokens", each a unit vector
-        turned = rotation.turn(basis, embedding)[0, 0].clone()  # row i: where e_i turns
+        turned = rotation.turn(basis, quarter)[0, 0].clone()  # row i: where e_i turns
         turned.fill_diagonal_(0.0)
         moving = turned.abs().sum(dim=-1) > 0
         width = int(moving.nonzero().max()) + 1 if bool(moving.any()) else 0
@@ -561,6 +793,13 @@ def check_weights(model, folder, name: str) -> None:
                         f"model {name}: its config makes {key} of shape {list(expected[key])}, its weights hold "
                         f"{list(shape)}: the config (head_dim, heads, sizes) is not the weights'"
                     )
+
+
+def latent(module) -> bool:
+    """Whether an attention module caches a latent and expands it per head inside attention (multi-head latent
+    attention, MLA: DeepSeek-V2/V3, Kimi): transformers' MLA modules write the latent and the shared rotary key to the
+    cache (``cache.update(latent, rotary key)``) and read them back through their own ``expand_kv``."""
+    return callable(getattr(module, "expand_kv", None))
 
 
 def attention_statistics(needs) -> bool:

@@ -496,7 +496,8 @@ def _decoding_attention(kernel, base: str, cache, module, query, key, value, **k
     groups = getattr(module, "num_key_value_groups", 1)
     if key.shape[1] == query.shape[1] and groups > 1:
         module = _OneSetPerQueryHead(module)
-    if not layer.uniform and _flex_applies(base, layer, query, kwargs):
+    # FlexAttention reads the layer's stores: not where attention reads keys its module expanded (MLA's latent)
+    if not layer.uniform and key is layer.keys and _flex_applies(base, layer, query, kwargs):
         output = _flex_decoding(layer, softmax, query, kwargs)
         if output is not None:
             return output
@@ -560,6 +561,7 @@ def _attention_with_logsumexp(base: str, scaling: float, query, key, value, atte
         or (query.device.type == "cpu" and query.dtype != torch.float32)
         or query.shape[-1] % 8
         or query.shape[-1] > 256
+        or value.shape[-1] != query.shape[-1]  # the kernels take one head size (an MLA value's differs)
         or attention_mask is not None
         or query.shape[2] != key.shape[2]
         or kwargs.get("dropout", 0.0)

@@ -283,23 +283,26 @@ def device_rows(rows: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 class RaggedCache(Cache):
-    """A batch of compressed caches, one ``DecodingLayer`` per model layer."""
+    """A batch of compressed caches, one ``DecodingLayer`` per attention layer of the model (``attention_layers``:
+    which; every layer by default) and, for a hybrid model's other layers, their states or nothing
+    (``recurrent.StateLayer``, ``recurrent.NoCacheLayer``: they too share memos, leave by rows and tell their bytes)."""
 
     layers: list[DecodingLayer]
 
-    def __init__(self, layers: list[DecodingLayer], softmaxes: list, start: int = 0):
+    def __init__(self, layers: list, softmaxes: list, attention_layers: Sequence[int] | None = None, start: int = 0):
         """``softmaxes``: each layer's ``architecture.LayerSoftmax`` (what a kind that records while decoding, and
         FlexAttention, compute with); ``start``: the position of the first new token (every row's: the rows of a
         batch write the same tokens at each step)."""
         super().__init__(layers=layers)
         self.softmaxes = softmaxes
+        self.attention_layers = list(range(len(layers)) if attention_layers is None else attention_layers)
         self.step_memo: dict = {}
         self.seen = [start] * len(layers)  # per layer: the tokens the sequence has had (the next one's position)
         for layer in layers:
             layer.share_memo(self.step_memo)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if layer_idx == 0:  # a new step: the last one's masks are stale
+        if layer_idx == self.attention_layers[0]:  # a new step: the last one's masks are stale
             self.step_memo.clear()
         self.seen[layer_idx] += key_states.shape[-2]
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -307,15 +310,18 @@ class RaggedCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The tokens the sequence has had, as transformers' own cache layers count them (a sliding layer's
         ``cumulative_length``), not the entries a compressed cache holds: Llama 4 scales its NoPE layers' queries by
-        the position this gives (``attn_temperature_tuning``)."""
+        the position this gives (``attn_temperature_tuning``). A layer that keeps a state counts its own."""
+        if layer_idx not in self.attention_layers:
+            return super().get_seq_length(layer_idx)
         return self.seen[layer_idx]
 
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only these batch rows (host row numbers: no read back), each layer by an index on its own device
         (a model placed over several devices keeps each layer's cache where the layer runs)."""
         index: dict[torch.device, torch.Tensor] = {}
+        first = self.layers[self.attention_layers[0]]
         for layer in self.layers:
-            device = layer.lengths.device
+            device = getattr(layer, "lengths", first.lengths).device  # a state layer's rows: by the first's index
             if device not in index:
                 index[device] = device_rows(rows, device)
             layer.select_rows(index[device], host_rows=rows)

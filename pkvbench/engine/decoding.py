@@ -31,6 +31,7 @@ from pkvbench.engine.attention import decoding
 from pkvbench.engine.cache import RaggedCache, device_rows
 from pkvbench.engine.layers import build_cache
 from pkvbench.engine.quantized import StoredEntries
+from pkvbench.engine.recurrent import LayerState, state_bytes
 
 # A batch may pad by this fraction of the entries its rows keep, or by one full cache of the prompt if more.
 PADDING_ALLOWANCE = 0.5
@@ -38,13 +39,15 @@ PADDING_ALLOWANCE = 0.5
 
 @dataclass
 class KeptEntries:
-    """One row's compressed cache: per layer ``[heads, n, dim]`` keys and values; where heads keep different
-    numbers of entries, ``lengths[layer]`` says how many (``[heads]``; the rest of ``n`` is padding)."""
+    """One row's compressed cache: per attention layer ``[heads, n, dim]`` keys and values; where heads keep
+    different numbers of entries, ``lengths[layer]`` says how many (``[heads]``; the rest of ``n`` is padding); a
+    hybrid model's recurrent layers' states, kept whole (by model layer, ``recurrent.LayerState``)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     lengths: list[torch.Tensor] | None = None
     positions: list[torch.Tensor] | None = None  # [heads, n] each entry's original position (None: 0 … n−1)
+    states: dict[int, LayerState] = field(default_factory=dict)
     storage: ClassVar[str] = "ragged"  # how a batch of them decodes (layers.LAYER_KINDS)
 
     def stored(self, layer: int) -> int:
@@ -56,8 +59,8 @@ class KeptEntries:
 
     @property
     def nbytes(self) -> int:
-        """Physical bytes of the keys and values (padding included)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Physical bytes of the keys and values (padding included) and of the states."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values)) + state_bytes(self.states)
 
     @property
     def entries(self) -> int:

@@ -46,17 +46,18 @@ def masked_reference(
     new_tokens: int,
     stop_ids: set[int],
     kept_whole: tuple[str, ...] = (),
+    states: dict | None = None,
 ) -> list[int]:
-    """Greedy tokens after a prompt whose full cache is ``keys``/``values`` (per layer ``[1, Hkv, T, D]``), the new
+    """Greedy tokens after a prompt whose full cache is ``keys``/``values`` (per attention layer ``[1, Hkv, T, D]``)
+    and, for a hybrid model, its recurrent layers' ``states`` (by model layer, ``recurrent.LayerState``), the new
     tokens seeing only the prompt positions where ``visible`` (``[T]``) is true, at positions T, T + 1, …
 
     ``kept_whole``: layer kinds whose layers keep every prompt entry (a mixed model's local layers, never
     compressed); their layers see the whole prompt under their own window while the others see ``visible``. The
     masks are 4-D, one per layer kind (a model of one kind takes its one): each kind's window applied as the model
     applies it while it generates (``Architecture.windows``: its masks', or its cache's where that keeps fewer)."""
-    from transformers import DynamicCache
-
     from pkvbench.engine.architecture import Architecture
+    from pkvbench.engine.recurrent import filled_cache
 
     architecture = Architecture.of_model(model)  # read on pkvbench's kernel, before the stock one takes over
     length = visible.shape[0]
@@ -65,9 +66,7 @@ def masked_reference(
     cache_arg = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
     tokens = [first_token]
     with stock_attention(model), torch.inference_mode():
-        cache = DynamicCache()
-        for layer, (k, v) in enumerate(zip(keys, values)):
-            cache.update(k.clone(), v.clone(), layer)
+        cache = filled_cache(model.config, architecture.attention_layers, keys, values, states or {}, length)
         mask = visible.long().to(device)
         while len(tokens) < new_tokens and tokens[-1] not in stop_ids:
             mask = torch.cat([mask, torch.ones(1, dtype=torch.long, device=device)])
@@ -90,20 +89,26 @@ def _masks_by_kind(
     """The one query's 4-D masks ``[1, 1, 1, position + 1]`` per layer kind: what it may see of the cache's entries
     (at positions 0 … position), a sliding kind within its window, a chunked kind within its chunk
     (``architecture``'s, read from the model); boolean, or added to the logits in ``dtype`` where the model runs the
-    eager kernel (Gemma 2)."""
+    eager kernel (Gemma 2). A kind without attention takes none (a recurrent layer's padding mask: one new token is
+    never padding)."""
     from pkvbench.engine.architecture import CHUNKED
     from pkvbench.engine.sliding import oldest_seen
 
     entries = torch.arange(position + 1, device=visible.device)
     masks = {}
-    for kind, window in zip(architecture.layer_kinds, architecture.windows):
+    for layer, (kind, window) in enumerate(zip(architecture.layer_kinds, architecture.windows)):
+        if architecture.attention_kind(layer) is None:
+            masks[kind] = None
+            continue
         seen = torch.ones_like(visible) if kind in kept_whole else visible
         if window is not None:
             seen = seen & (entries >= oldest_seen(position, window, kind == CHUNKED))
         masks[kind] = seen[None, None, None]
     if config._attn_implementation == "eager":  # the eager kernel adds its masks to the logits
         return {
-            kind: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
+            kind: m
+            if m is None
+            else torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, torch.finfo(dtype).min)
             for kind, m in masks.items()
         }
     return masks

@@ -20,10 +20,13 @@ from pkvbench.cell import budgets, kv_formats
 from pkvbench.engine.architecture import Architecture, LayerSoftmax, Rotation
 from pkvbench.engine.attention import Recorder, StatsRecorder, recording
 from pkvbench.engine.decoding import BatchDecoder, Decoded, DecodeRequest, KeptEntries
-from pkvbench.engine.models import LoadedModel
+from pkvbench.engine.latent import check_policies as check_latent_policies
+from pkvbench.engine.latent import fold
+from pkvbench.engine.models import LoadedModel, ModelShape
 from pkvbench.engine.placement import cuda_devices, execution_device
 from pkvbench.engine.quantized import StoredEntries
 from pkvbench.engine.reconstruction import SINK, ReconstructionRecorder, repeat_inputs
+from pkvbench.engine.recurrent import LayerState, filled_cache, prefill_cache, state_bytes, states_of
 from pkvbench.engine.shrinking import DecodeSchedule, prefill_needs, start_from
 from pkvbench.errors import PkvError, first_line
 from pkvbench.policies.base import LayerStats, Needs, Policy
@@ -40,12 +43,14 @@ class Prefill:
     """
 
     input_ids: torch.Tensor  # [1, T]
-    keys: list[torch.Tensor]  # per layer [1, Hkv, T, D]
+    keys: list[torch.Tensor]  # per attention layer [1, Hkv, T, D]
     values: list[torch.Tensor]
-    stats_at: dict[int, list[LayerStats]]
+    stats_at: dict[int, list[LayerStats]]  # per attention layer
     last_logits: torch.Tensor  # [vocab] after the prompt: the prefill saw the full cache, so it is the same for all
     seconds: float
     extra_seconds: float = 0.0  # passes some policies need beside the prefill (KVzip's repeat passes)
+    # A hybrid model's recurrent layers' states after the prompt's first c tokens, for each c of ``stats_at``.
+    states_at: dict[int, dict[int, LayerState]] = dataclasses.field(default_factory=dict)
 
     @property
     def context_len(self) -> int:
@@ -129,11 +134,12 @@ class CompressedCache:
 
 
 def kept_bytes(kept: KeptEntries, fmt: kv_formats.KVFormat) -> int:
-    """What ``kept`` will take once stored in ``fmt`` (``kv_formats.KVFormat.layer_bytes``, layer by layer)."""
-    total = 0
-    for index, keys in enumerate(kept.keys):
+    """What ``kept`` will take once stored in ``fmt`` (``kv_formats.KVFormat.layer_bytes``, layer by layer), and its
+    states (kept as they are)."""
+    total = state_bytes(kept.states)
+    for index, (keys, values) in enumerate(zip(kept.keys, kept.values)):
         lengths = kept.lengths[index].tolist() if kept.lengths is not None else [keys.shape[1]] * keys.shape[0]
-        total += fmt.layer_bytes(keys.shape[0], keys.shape[-1], lengths)
+        total += fmt.layer_bytes(keys.shape[0], keys.shape[-1], lengths, values.shape[-1])
     return total
 
 
@@ -153,6 +159,7 @@ class Engine:
         # Where each layer's attention runs (accelerate's execution device where it placed the model): its cache,
         # statistics and decode-time state live there.
         self.layer_devices = [execution_device(m) for m in self.architecture.attention_modules(self.model)]
+        self.geometry = self._measured_geometry()
         self.decoder = BatchDecoder(
             self._forward, self.tokenizer, self.stop_ids, self.device, self._sync, self.architecture, self.rope
         )
@@ -167,11 +174,39 @@ class Engine:
         return self.architecture.rotation
 
     @property
-    def geometry(self) -> kv_formats.CacheGeometry:
-        architecture = self.architecture
-        return kv_formats.CacheGeometry(
-            architecture.num_layers, architecture.kv_heads, architecture.head_dim, architecture.local
-        )
+    def latent(self) -> bool:
+        """Whether the model caches an MLA latent (``engine/latent.py``)."""
+        return self.architecture.latent
+
+    def check_policies(self, policies) -> None:
+        """Refuse, in one line, a policy the model's cache cannot serve (an MLA model: ``latent.refusal``)."""
+        if self.latent:
+            check_latent_policies(policies, self.loaded.name)
+
+    @torch.inference_mode()
+    def _measured_geometry(self) -> kv_formats.CacheGeometry:
+        """The cache's shape: each attention layer's as the model writes it (``Architecture.cache_shapes``, read by
+        the probe), and the bytes of a hybrid model's states (whatever the prompt's length, in the dtypes the model
+        keeps them), read off a one-token prefill."""
+        layers = self.architecture.cache_shapes
+        if not self.architecture.state_layers:
+            return kv_formats.CacheGeometry(layers)
+        cache = self.prefill_cache()
+        token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self._forward(token, cache, token)
+        return kv_formats.CacheGeometry(layers, state_bytes(states_of(cache)))
+
+    @property
+    def shape(self) -> ModelShape:
+        """The model's cache as loaded: what its layers do, the measured geometry (a hybrid's state)."""
+        return ModelShape(self.geometry, self.architecture.query_heads, self.loaded.bits, self.architecture)
+
+    def prefill_cache(self):
+        """An empty cache for a prefill: transformers' ``DynamicCache``, with a hybrid model's state layers
+        (``recurrent.prefill_cache``)."""
+        from transformers import DynamicCache
+
+        return prefill_cache(self.model.config) if self.architecture.state_layers else DynamicCache()
 
     @property
     def native_format(self) -> kv_formats.KVFormat:
@@ -191,7 +226,8 @@ class Engine:
         positions = torch.arange(start, start + count, device=self.device)[None]
         embedding = self.architecture.rope(self.model, layer, torch.zeros(1, device=self.device), positions)
         cos, sin = self.rotation.tables(embedding, layer, count)
-        device = self.layer_devices[layer]  # where the layer's queries are
+        # where the layer's queries are (``layer_devices``: per attention layer)
+        device = self.layer_devices[self.architecture.attention_layers.index(layer)]
         return cos.to(device), sin.to(device)
 
     def _stop_ids(self) -> set[int]:
@@ -229,19 +265,19 @@ class Engine:
         """One forward pass over the prompt with the full cache, recording what ``policies`` need of the whole
         prompt, or of its first c tokens for each c in ``cuts``, and what ``decoding`` (policies that will cut the
         cache while the answer is written) start from."""
-        from transformers import DynamicCache
-
         input_ids = input_ids.to(self.device)
         cuts = tuple(sorted(set(cuts))) or (input_ids.shape[1],)
         needs = Needs.union([*(p.needs for p in policies), *(prefill_needs(p) for p in decoding)])
         recorder = StatsRecorder(needs, self.softmaxes, cuts, self.rope, self.rotation)
-        cache = DynamicCache()
+        cache = self.prefill_cache()
         with too_big_for_memory("the prefill's statistics", input_ids.shape[1]):
             logits, seconds = self.recorded_forward(input_ids, recorder, cache)
-        layers = [cache.layers[i] for i in range(self.loaded.num_layers)]
+        attention = self.architecture.attention_layers
+        layers = [cache.layers[i] for i in attention]
+        states_at = self._states_at(input_ids, cuts, cache)
         started = time.perf_counter()
         reconstruction = {
-            (cut, chunk): self.reconstruction_scores(layers, input_ids[0, :cut].tolist(), chunk)
+            (cut, chunk): self.reconstruction_scores(layers, input_ids[0, :cut].tolist(), chunk, states_at[cut])
             for cut in cuts
             for chunk in needs.reconstruction
         }
@@ -249,7 +285,8 @@ class Engine:
         stats_at = {
             cut: [
                 dataclasses.replace(
-                    recorder.layers.get((cut, i), LayerStats(context_len=cut, num_kv_heads=self.loaded.num_kv_heads)),
+                    recorder.layers.get((cut, model_layer), LayerStats(context_len=cut, num_kv_heads=shape.heads)),
+                    num_kv_heads=shape.heads,  # a latent (MLA) cache's one "head": every query head in one group
                     num_query_heads=self.loaded.num_query_heads,
                     layer=i,
                     keys=layer.keys[0, :, :cut],
@@ -257,7 +294,7 @@ class Engine:
                     output_weight=self.architecture.output_weight(self.model, i) if needs.output_weights else None,
                     reconstruction={chunk: reconstruction[cut, chunk][i] for chunk in needs.reconstruction},
                 )
-                for i, layer in enumerate(layers)
+                for i, (model_layer, layer, shape) in enumerate(zip(attention, layers, self.geometry.layers))
             ]
             for cut in cuts
         }
@@ -269,15 +306,34 @@ class Engine:
             last_logits=logits,
             seconds=seconds,
             extra_seconds=extra_seconds,
+            states_at=states_at,
         )
 
-    @torch.inference_mode()
-    def reconstruction_scores(self, layers, prompt: list[int], chunk: int, fused: bool = True) -> list[torch.Tensor]:
-        """KVzip's scores of the prompt's entries (``engine/reconstruction.py``): ``[num_kv_heads, len(prompt)]`` per
-        layer, from repeat passes over the full cache ``layers`` (cut to the prompt). ``fused=False`` takes the
-        unfused path everywhere (the model's kernel plus the recorder's own softmax; the fused path's reference)."""
-        from transformers import DynamicCache
+    def _states_at(self, input_ids: torch.Tensor, cuts: tuple[int, ...], cache) -> dict[int, dict[int, LayerState]]:
+        """A hybrid model's states after the prompt's first c tokens, for each cut c: the prefill's own for the whole
+        prompt; for a shorter cut (the context, where the question comes after compression), a forward of those
+        tokens alone, since a recurrent state holds no positions to cut back to. An attention-only model: none."""
+        if not self.architecture.state_layers:
+            return {cut: {} for cut in cuts}
+        length = input_ids.shape[1]
+        states = {}
+        for cut in cuts:
+            if cut == length:
+                states[cut] = states_of(cache)
+                continue
+            own = self.prefill_cache()
+            self._forward(input_ids[:, :cut], own, torch.arange(cut, device=self.device)[None])
+            states[cut] = states_of(own)
+        return states
 
+    @torch.inference_mode()
+    def reconstruction_scores(
+        self, layers, prompt: list[int], chunk: int, states: dict | None = None, fused: bool = True
+    ) -> list[torch.Tensor]:
+        """KVzip's scores of the prompt's entries (``engine/reconstruction.py``): ``[num_kv_heads, len(prompt)]`` per
+        attention layer, from repeat passes over the full cache ``layers`` (cut to the prompt; ``states``: a hybrid
+        model's after the prompt). ``fused=False`` takes the unfused path everywhere (the model's kernel plus the
+        recorder's own softmax; the fused path's reference)."""
         length = len(prompt)
         prefix, passes = repeat_inputs(self.tokenizer, prompt, chunk)
         # The fused path attends to the whole prompt: not for a sliding window or chunk shorter than a
@@ -285,19 +341,28 @@ class Engine:
         sliding = self.architecture.prompt_window
         if sliding:
             fused = fused and all(length + len(ids) <= sliding for _, _, ids in passes)
-        scores = [torch.zeros(self.loaded.num_kv_heads, length, device=layer.keys.device) for layer in layers]
+        attention = self.architecture.attention_layers
+        scores = [
+            torch.zeros(shape.heads, length, device=layer.keys.device)
+            for shape, layer in zip(self.geometry.layers, layers)
+        ]
         for layer_scores in scores:  # the chat prefix and the sinks are always kept
             layer_scores[:, : max(prefix, min(SINK, length))] = float("inf")
         for start, end, ids in passes:
-            cache = DynamicCache()
-            for index, layer in enumerate(layers):
-                cache.update(layer.keys[:, :, :length], layer.values[:, :, :length], index)
+            cache = filled_cache(
+                self.model.config,
+                attention,
+                [layer.keys[:, :, :length] for layer in layers],
+                [layer.values[:, :, :length] for layer in layers],
+                states or {},
+                length,
+            )
             recorder = ReconstructionRecorder(self.softmaxes, length, start, end, min(SINK, start), fused)
             positions = torch.arange(length, length + len(ids), device=self.device)[None]
             with recording(recorder):
                 self._forward(torch.tensor([ids], device=self.device), cache, positions)
-            for index, layer_scores in enumerate(scores):
-                layer_scores[:, start:end] = recorder.scores[index]
+            for model_layer, layer_scores in zip(attention, scores):  # a latent's heads fold to its one
+                layer_scores[:, start:end] = fold(recorder.scores[model_layer], layer_scores.shape[0])
         return scores
 
     @torch.inference_mode()
@@ -324,18 +389,19 @@ class Engine:
         """What ``policy`` keeps at ``budget`` (in entries) of the whole prompt or of its first ``cut`` tokens: the
         layer plan and, for each layer it compresses, the selection (kept positions ``[heads, k]``, or a keep mask
         ``[heads, T]`` where heads keep different numbers of entries)."""
+        self.check_policies([policy])
         plan = self._plan(policy, budget, cut or prefill.context_len)
         return plan, self._choose(prefill, policy, plan)
 
     def _plan(self, policy: Policy, budget: budgets.Budget, length: int) -> budgets.LayerPlan:
-        return budgets.plan(policy, budget, length, self.architecture.num_layers, self.architecture.local)
+        return budgets.plan(policy, budget, length, self.geometry.num_layers, self.geometry.local)
 
     def _choose(self, prefill: Prefill, policy: Policy, plan: budgets.LayerPlan) -> dict[int, torch.Tensor]:
         """Each layer's selection under ``plan`` where the policy compresses it (a local layer keeps its window's
         entries whatever the policy: ``_gather``)."""
         length = plan.context_len
-        architecture = self.architecture
-        compressed = [i for i, k in enumerate(plan.per_layer) if k < length and architecture.compressible(i)]
+        local = self.geometry.local  # per attention layer, as ``plan.per_layer``
+        compressed = [i for i, k in enumerate(plan.per_layer) if k < length and local[i] is None]
         if not compressed:
             return {}
         stats = prefill.stats_at[length]
@@ -355,6 +421,7 @@ class Engine:
         whole prompt, or of its first ``cut`` tokens (the context, when the question comes after compression); then
         store them in ``fmt`` (default: the model's own cache). A memory budget keeps as many entries as fit its
         bytes in ``fmt`` (``kv_formats.memory_plan``)."""
+        self.check_policies([policy])
         fmt = fmt or self.native_format
         length = cut or prefill.context_len
         heads = policy.cache_heads(prefill.stats_at[length][0])
@@ -410,12 +477,13 @@ class Engine:
         full_values = [v[0, :, :length] for v in prefill.values]
         # One kept set per KV head, or (the reference's gqa=query) one per query head, from keys and values repeated
         # to every query head of their group as transformers' repeat_kv does.
-        group = heads // self.loaded.num_kv_heads
+        group = heads // self.geometry.layers[0].heads
         if group > 1:
             full_keys = [k.repeat_interleave(group, dim=0) for k in full_keys]
             full_values = [v.repeat_interleave(group, dim=0) for v in full_values]
+        states = prefill.states_at[length]
         if not plan.compressed:
-            return KeptEntries(full_keys, full_values), None
+            return KeptEntries(full_keys, full_values, states=states), None
         keys, values, positions = [], [], []
         lengths: list[torch.Tensor | None] = [None] * len(plan.per_layer)
         selected: list[torch.Tensor | None] = [None] * len(plan.per_layer)
@@ -432,14 +500,14 @@ class Engine:
             kept = selected[layer] = chosen[layer].to(device)
             if kept.dtype == torch.bool:  # heads keep different numbers of entries: stored padded, counted apart
                 kept, lengths[layer] = ragged_positions(kept)
-            index = kept[:, :, None].expand(-1, -1, full_keys[layer].shape[-1])
-            keys.append(full_keys[layer].gather(1, index))
-            values.append(full_values[layer].gather(1, index))
+            index = kept[:, :, None]  # a latent cache's keys and values differ in size
+            keys.append(full_keys[layer].gather(1, index.expand(-1, -1, full_keys[layer].shape[-1])))
+            values.append(full_values[layer].gather(1, index.expand(-1, -1, full_values[layer].shape[-1])))
             positions.append(kept)
         if not any(n is not None for n in lengths):
-            return KeptEntries(keys, values, positions=positions), selected
+            return KeptEntries(keys, values, positions=positions, states=states), selected
         filled = [n if n is not None else torch.full((k.shape[0],), k.shape[1]) for n, k in zip(lengths, keys)]
-        return KeptEntries(keys, values, filled, positions), selected
+        return KeptEntries(keys, values, filled, positions, states), selected
 
     def request(
         self,
@@ -479,8 +547,7 @@ class Engine:
         target or for a policy that keeps everything)."""
         if target is None:
             return None
-        architecture = self.architecture
-        schedule = DecodeSchedule.make(policy, target, interval, buffer, architecture.num_layers, architecture.local)
+        schedule = DecodeSchedule.make(policy, target, interval, buffer, self.geometry.num_layers, self.geometry.local)
         return None if schedule.cuts_nothing else schedule
 
     def decode_many(self, requests: list[DecodeRequest], max_rows: int | None = None) -> list[Decoded]:

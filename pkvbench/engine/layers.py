@@ -18,9 +18,18 @@ from dataclasses import dataclass
 
 import torch
 
-from pkvbench.engine.architecture import CHUNKED, FULL, SLIDING, Architecture
+from pkvbench.engine.architecture import (
+    CHUNKED,
+    FULL,
+    HYBRID_KINDS,
+    NO_CACHE_KINDS,
+    SLIDING,
+    STATE_KINDS,
+    Architecture,
+)
 from pkvbench.engine.cache import RaggedCache, RaggedLayer
 from pkvbench.engine.quantized import QuantizedLayer
+from pkvbench.engine.recurrent import HybridLayer, NoCacheLayer, StateLayer
 from pkvbench.engine.shrinking import ShrinkingLayer, decoding_state
 from pkvbench.engine.sliding import ChunkedLayer, SlidingLayer, WindowMask, oldest_seen, row_positions
 
@@ -84,8 +93,9 @@ class ChunkedQuantizedLayer(SlidingQuantizedLayer):
 
 @dataclass(frozen=True)
 class LayerBatch:
-    """One layer of a batch: the rows' requests, where new tokens start, the room to make, the model's KV heads and
-    the layer's sliding window (None: full attention)."""
+    """One attention layer of a batch: the rows' requests, the layer's index among the attention layers (what the
+    rows' kept entries are listed by), where new tokens start, the room to make, the model's KV heads and the layer's
+    sliding window (None: full attention)."""
 
     requests: list
     layer: int
@@ -93,6 +103,7 @@ class LayerBatch:
     room: int
     kv_heads: int
     window: int | None
+    expand: object = None  # a latent (MLA) layer's ``expand_kv`` (its cut while decoding scores per head)
 
 
 def _padded(batch: LayerBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,6 +157,7 @@ def _shrinking(kind: type, batch: LayerBatch):
         counts,
         accumulated,
         batch.start,
+        expand=batch.expand,
         **_window(batch),
     )
 
@@ -181,12 +193,27 @@ def storage_of(requests: list) -> str:
 
 def build_cache(requests: list, room: int, architecture: Architecture, storage: str | None = None) -> RaggedCache:
     """The batch's cache: per model layer the class its attention kind and the rows' storage name (``storage``: that
-    one instead of the rows', as a conversation that records for its cuts asks for ``shrinking``)."""
+    one instead of the rows', as a conversation that records for its cuts asks for ``shrinking``); a recurrent
+    layer's rows' states stacked (``recurrent.StateLayer``; beside the entries in a ``hybrid`` layer); nothing
+    where the layer caches nothing."""
     storage = storage or storage_of(requests)
     start = requests[0].position
-    layers = []
+    expanders = architecture.expanders or (None,) * architecture.num_layers
+    layers, attention = [], []
     for layer, kind in enumerate(architecture.layer_kinds):
-        cls, build = LAYER_KINDS[kind, storage]
-        batch = LayerBatch(requests, layer, start, room, architecture.kv_heads, architecture.window(layer))
-        layers.append(build(cls, batch))
-    return RaggedCache(layers, list(architecture.softmaxes), start)
+        if kind in STATE_KINDS:
+            layers.append(StateLayer([r.kept.states[layer] for r in requests], start))
+            continue
+        if kind in NO_CACHE_KINDS:
+            layers.append(NoCacheLayer())
+            continue
+        cls, build = LAYER_KINDS[architecture.attention_kind(layer), storage]
+        batch = LayerBatch(
+            requests, len(attention), start, room, architecture.kv_heads, architecture.window(layer), expanders[layer]
+        )
+        built = build(cls, batch)
+        if kind in HYBRID_KINDS:  # its state beside its entries
+            built = HybridLayer(built, [r.kept.states[layer] for r in requests], start)
+        layers.append(built)
+        attention.append(layer)
+    return RaggedCache(layers, list(architecture.softmaxes), attention, start)

@@ -30,41 +30,28 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ModelShape:
     """What a model's config says of its cache (no weights needed): what every check of a storage format or a memory
-    budget reads, before the model loads and again after."""
+    budget reads, before the model loads; once it has loaded, the engine's measured geometry (``Engine.shape``)."""
 
-    layers: int
-    kv_heads: int
+    geometry: CacheGeometry  # its layers of per-token entries; a hybrid's state is not known before it loads (None)
     query_heads: int
-    head_dim: int
     bits: int  # the width the model computes in: its own cache's values
-    architecture: Architecture | None = None  # what its layers do (``Architecture.read``), where it was read
+    architecture: Architecture  # what its layers do (``Architecture.read``)
 
     @classmethod
-    def of(cls, config, bits: int, architecture: Architecture | None = None) -> ModelShape:
-        """From a transformers config, the width the model computes in and, read from the model's code, what its
-        layers do (its heads and head size then the attention calls', not the config's)."""
-        if architecture is not None:
-            return cls(
-                architecture.num_layers,
-                architecture.kv_heads,
-                architecture.query_heads,
-                architecture.head_dim,
-                bits,
-                architecture,
-            )
-        query_heads = config.num_attention_heads
-        return cls(
-            layers=config.num_hidden_layers,
-            kv_heads=getattr(config, "num_key_value_heads", None) or query_heads,
-            query_heads=query_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // query_heads,
-            bits=bits,
-        )
+    def of(cls, bits: int, architecture: Architecture) -> ModelShape:
+        """From the width the model computes in and what its layers do, read from the model's code: each attention
+        layer's cache as the model writes it (an MLA latent's one head), a hybrid's state not yet known."""
+        state = None if architecture.state_layers else 0
+        return cls(CacheGeometry(architecture.cache_shapes, state), architecture.query_heads, bits, architecture)
 
     @property
-    def geometry(self) -> CacheGeometry:
-        local = self.architecture.local if self.architecture is not None else ()
-        return CacheGeometry(self.layers, self.kv_heads, self.head_dim, local)
+    def kv_heads(self) -> int:
+        return self.geometry.layers[0].heads
+
+    @property
+    def latent(self) -> bool:
+        """An MLA latent per token (``engine/latent.py``)."""
+        return self.architecture.latent
 
     @property
     def native_format(self) -> KVFormat:
@@ -106,8 +93,9 @@ class LoadedModel:
         return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
 
     @property
-    def shape(self) -> ModelShape:
-        return ModelShape.of(self.config, 32 if self.dtype == "float32" else 16, self.architecture)
+    def bits(self) -> int:
+        """The width it computes in: its own cache's values."""
+        return 32 if self.dtype == "float32" else 16
 
     def describe(self) -> dict:
         """What a run records about its model (run.json's ``model``)."""
@@ -488,7 +476,7 @@ def model_shape(model: str, bits: int) -> ModelShape | None:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, AttributeError, TypeError, ZeroDivisionError):
         return None
-    return ModelShape.of(config, bits, read_architecture(config, model, path if os.path.isdir(path) else None))
+    return ModelShape.of(bits, read_architecture(config, model, path if os.path.isdir(path) else None))
 
 
 def model_context_window(model: str) -> int | None:

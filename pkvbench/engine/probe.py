@@ -1,8 +1,8 @@
 """What each layer's attention does, read by running the model's own code rather than by interpreting config keys.
 
-A forward of two tokens in which every decoder layer runs its attention module alone (no MLP, so a model without
-weights — on the ``meta`` device, before loading — runs it as well as a loaded one) while the model builds its masks
-as it always does. Two hooks see it: the mask interface (``attention.install_recording_attention`` registers it)
+A forward of a few tokens in which every decoder layer runs its attention module alone (no MLP, so a model without
+weights — on the ``meta`` device, before loading — runs it as well as a loaded one; a hybrid's recurrent layers pass
+their input on) while the model builds its masks as it always does. Two hooks see it: the mask interface (``attention.install_recording_attention`` registers it)
 receives the *mask function* the model built each mask from (transformers' ``masking_utils``: causal, sliding
 window, bidirectional overlays…), and the attention function receives each layer's call — its module, its query and
 key heads, the keyword arguments the module passes (``scaling``, ``softcap``, ``s_aux`` sinks, …) and which mask the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -77,7 +78,6 @@ class Probe:
         return marker
 
     def attention(self, module, query, key, value, attention_mask, **kwargs):
-        import torch
 
         mask = self.masks.get(id(attention_mask)) if attention_mask is not None else None
         self.calls[module.layer_idx] = LayerCall(
@@ -91,7 +91,8 @@ class Probe:
             query=query,
             rotary=self.rotary.get(module.layer_idx),
         )
-        return torch.zeros_like(query).transpose(1, 2), None  # [batch, new, Hq, d], as the kernels return
+        # [batch, new, Hq, d], as the kernels return (d the values' size: an MLA module's differs from its queries')
+        return query.new_zeros((*query.shape[:-1], value.shape[-1])).transpose(1, 2), None
 
 
 @dataclass(frozen=True)
@@ -113,15 +114,22 @@ def active_probe() -> Probe | None:
 
 
 @contextlib.contextmanager
-def _attention_only(model, probe: Probe) -> Iterator[None]:
-    """Every decoder layer runs its attention module alone, with what the model hands the layer."""
+def _attention_only(model, probe: Probe, modules: dict) -> Iterator[None]:
+    """Every decoder layer runs its attention module (``modules``: by layer) alone, with what the model hands the
+    layer; a layer without one (a hybrid's recurrent layers) passes its input on."""
     layers = list(model.model.layers)
+    # A layer returns its hidden states, or a tuple of them and its attention weights where the model takes them so
+    # (Bamba, Falcon-H1: ``layer_outputs[0]``, ``hidden_states, attn_weights = decoder_layer(...)``).
+    source = inspect.getsource(type(model.model).forward)
+    tupled = re.search(r"(layer_outputs|hidden_states, \w+) = decoder_layer\(", source) is not None
 
-    def attention_only(index, layer):
+    def attention_only(index, module):
+
         def forward(hidden_states, *args, **kwargs):
-            probe.layer = index
-            layer.self_attn(hidden_states=hidden_states, **kwargs)
-            return hidden_states
+            if module is not None:
+                probe.layer = index
+                module(hidden_states=hidden_states, **kwargs)
+            return (hidden_states, None) if tupled else hidden_states
 
         return forward
 
@@ -131,7 +139,7 @@ def _attention_only(model, probe: Probe) -> Iterator[None]:
     slots = [(layer, "_old_forward" if hasattr(layer, "_hf_hook") else "forward") for layer in layers]
     saved = [layer.__dict__.get(slot) for layer, slot in slots]
     for index, (layer, slot) in enumerate(slots):
-        setattr(layer, slot, attention_only(index, layer))
+        setattr(layer, slot, attention_only(index, modules.get(index)))
     try:
         yield
     finally:
@@ -143,10 +151,10 @@ def _attention_only(model, probe: Probe) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _watching_rotary(model, probe: Probe, heads: int) -> Iterator[None]:
-    """The rotary functions of the model's modeling module (``apply_rotary*``) record, per layer, their first call
-    (``heads``: the query heads, to tell the axis they lie on)."""
-    modeling = inspect.getmodule(type(model.model.layers[0].self_attn))
+def _watching_rotary(modules: dict, probe: Probe, heads: int) -> Iterator[None]:
+    """The rotary functions of the attention modules' modeling module (``apply_rotary*``) record, per layer, their
+    first call (``heads``: the query heads, to tell the axis they lie on)."""
+    modeling = inspect.getmodule(type(next(iter(modules.values()), None)))
     originals = {
         name: value for name, value in vars(modeling).items() if name.startswith("apply_rotary") and callable(value)
     }
@@ -171,11 +179,13 @@ def _watching_rotary(model, probe: Probe, heads: int) -> Iterator[None]:
             setattr(modeling, name, function)
 
 
-def layer_calls(model) -> dict[int, LayerCall]:
-    """Each layer's attention call in a forward of a few tokens (``model`` on the recording wrapper,
+def layer_calls(model, modules: dict) -> tuple[dict[int, LayerCall], object]:
+    """Each attention layer's call in a forward of a few tokens (``model`` on the recording wrapper,
     ``attention.install_recording_attention``; on any device, ``meta`` included; the queries' values mean something
-    only on a loaded model). The tokens are 1, 2, …, never the padding token whose embedding may be zero, three more
-    than the model has heads, so that no axis of a query is ambiguous."""
+    only on a loaded model; ``modules``: the attention module of each layer that has one), and the model's own cache
+    (``DynamicCache`` built from its config) after it: what each attention layer writes there, the shapes of its
+    cache. The tokens are 1, 2, …, never the padding token whose embedding may be zero, three more than the model
+    has heads, so that no axis of a query is ambiguous."""
     import torch
     from transformers import DynamicCache
 
@@ -185,14 +195,15 @@ def layer_calls(model) -> dict[int, LayerCall]:
     heads = getattr(model.config, "num_attention_heads", 1)
     count = heads + 3
     probe = Probe()
+    cache = DynamicCache(config=model.config)
     token = _ACTIVE_PROBE.set(probe)
     try:
-        with _attention_only(model, probe), _watching_rotary(model, probe, heads), torch.inference_mode():
+        with _attention_only(model, probe, modules), _watching_rotary(modules, probe, heads), torch.inference_mode():
             ids = (torch.arange(1, count + 1, device=device) % model.config.vocab_size)[None]
-            model.model(input_ids=ids, use_cache=True, **{cache_arg: DynamicCache()})
+            model.model(input_ids=ids, use_cache=True, **{cache_arg: cache})
     finally:
         _ACTIVE_PROBE.reset(token)
-    return probe.calls
+    return probe.calls, cache
 
 
 @dataclass(frozen=True)
@@ -281,21 +292,21 @@ def _readable(function: Callable) -> Callable:
     return rebuilt(function)
 
 
-def cache_windows(config, layers: int) -> list[int | None]:
-    """Per layer, the window the model's own cache keeps while it generates (transformers' ``DynamicCache`` built
-    from ``config``, as ``generate`` builds it): a sliding cache layer keeps the last window − 1 entries, so a new
-    token sees the last window positions whatever the mask says; None where it keeps them all. Read by writing
-    ``FAR`` tokens (on the ``meta`` device: shapes only) into each layer."""
+def cache_windows(config, layers) -> dict[int, int | None]:
+    """For each of ``layers`` (attention layers), the window the model's own cache keeps while it generates
+    (transformers' ``DynamicCache`` built from ``config``, as ``generate`` builds it): a sliding cache layer keeps the
+    last window − 1 entries, so a new token sees the last window positions whatever the mask says; None where it keeps
+    them all. Read by writing ``FAR`` tokens (on the ``meta`` device: shapes only) into each layer."""
     import torch
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
     states = torch.empty((1, 1, FAR, 1), device="meta")
-    windows = []
-    for layer in range(layers):
+    windows = {}
+    for layer in layers:
         cache.update(states, states, layer)
         kept = cache.layers[layer].keys.shape[-2]
-        windows.append(None if kept >= FAR else kept + 1)
+        windows[layer] = None if kept >= FAR else kept + 1
     return windows
 
 

@@ -18,7 +18,7 @@ not depend on the order of the columns: the packed part comes first, then the re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
@@ -28,6 +28,7 @@ from pkvbench.cell.kv_formats import KVFormat
 from pkvbench.codecs import fp8, turboquant
 from pkvbench.codecs.kivi import Quantized, dequantize_keys, dequantize_values, quantize_keys, quantize_values
 from pkvbench.engine.cache import DecodingLayer, RaggedLayer, host_copy
+from pkvbench.engine.recurrent import LayerState, state_bytes
 from pkvbench.errors import PkvError
 
 Packed = Quantized | fp8.Fp8 | turboquant.Rotated  # a codec's stored tensors (``tensors``), rebuilt from them
@@ -223,6 +224,7 @@ class StoredEntries:
     layers: list[StoredLayer]
     format: KVFormat
     dtype: torch.dtype
+    states: dict[int, LayerState] = field(default_factory=dict)  # a hybrid model's, as the model keeps them
     storage: ClassVar[str] = "stored"  # how a batch of them decodes (layers.LAYER_KINDS)
 
     @classmethod
@@ -236,12 +238,13 @@ class StoredEntries:
             own = prompt[index] if prompt is not None else (keys, values)
             codec = layer_codec(fmt, index, dtype, keys, own) if fmt.quantized else None
             layers.append(store_layer(keys, values, lengths, fmt, dtype, positions, codec))
-        return cls(layers, fmt, kept.keys[0].dtype)
+        return cls(layers, fmt, kept.keys[0].dtype, kept.states)
 
     @property
     def nbytes(self) -> int:
-        """Bytes the stored tensors hold (codes, scales, minima, residual, padding), from the tensors themselves."""
-        return sum(t.nbytes for layer in self.layers for t in layer.tensors)
+        """Bytes the stored tensors hold (codes, scales, minima, residual, padding), from the tensors themselves, and
+        the states (kept whole, in the model's own dtypes)."""
+        return sum(t.nbytes for layer in self.layers for t in layer.tensors) + state_bytes(self.states)
 
     @property
     def heads(self) -> tuple[int, ...]:

@@ -76,8 +76,8 @@ class ReconstructionRecorder(Recorder):
     ) -> torch.Tensor | None:
         """The pass's attention output ``[1, n, Hq, d]`` (the layout of transformers' kernels), its scores recorded;
         None where the fused path does not apply (the caller then uses ``observe`` and the model's kernel)."""
-        if not self.fused or not fusable(query):
-            return None
+        if not self.fused or not fusable(query) or value.shape[-1] != query.shape[-1]:
+            return None  # (the fused kernels take values of the queries' size: not MLA's)
         group = query.shape[1] // key.shape[1]
         length, new = self.length, query.shape[2]
         scaling = self.softmaxes[layer_idx].scaling

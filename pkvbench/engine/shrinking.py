@@ -143,12 +143,15 @@ class ShrinkingLayer(PositionedLayer):
         query_counts=None,
         accumulated: torch.Tensor | None = None,
         start: int = 0,
+        expand=None,
     ):
         """``positions`` ``[batch, heads, n]`` of the entries; ``queries`` ``[batch, Hq, W, d]`` the latest W
         queries, the last ``query_counts[b]`` of row b real (kept on the host, as the lengths are: a cut reads them
         without a sync); ``accumulated`` ``[batch, Hq, n]`` the sums so far; ``start`` the position of the first new
-        token."""
+        token; ``expand``: a latent (MLA) layer's ``expand_kv`` — its cached latents and rotary keys → every head's
+        keys and values (``engine/latent.py``) — None elsewhere."""
         super().__init__(keys, values, lengths, room, kv_heads, positions, start)
+        self.expand = expand
         if self.group != 1:
             raise ValueError("a cache of one set per query head cannot be cut while the answer is written")
         capacity = self._key_store.shape[2]
@@ -165,6 +168,11 @@ class ShrinkingLayer(PositionedLayer):
             extra = self._key_store.shape[2] - self._accumulated.shape[2]
             self._accumulated = torch.nn.functional.pad(self._accumulated, (0, extra))
 
+    def _attended(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The keys ``[..., H, n, d]`` attention reads of cached ``keys``/``values``: themselves, or a latent layer's
+        expanded to every head."""
+        return keys if self.expand is None else self.expand(keys, values)[0]
+
     def observe(self, query: torch.Tensor, softmax: LayerSoftmax) -> None:
         """Keep the latest queries, add their attention to each entry's sum (with the layer's scale, soft-cap and
         sinks, as its model turns logits into attention)."""
@@ -175,8 +183,8 @@ class ShrinkingLayer(PositionedLayer):
             self.query_counts = np.minimum(self.query_counts + new, width)
         if self._accumulated is not None:
             batch, query_heads, _, dim = query.shape
-            keys = self.keys.float()  # [batch, H, columns, d]
-            grouped = query.float().reshape(batch, self.heads, query_heads // self.heads * new, dim)
+            keys = self._attended(self.keys, self.values).float()  # [batch, H, columns, d]
+            grouped = query.float().reshape(batch, keys.shape[1], query_heads // keys.shape[1] * new, dim)
             logits = (grouped @ keys.transpose(2, 3) * softmax.scaling).view(batch, query_heads, new, keys.shape[2])
             soft_cap_(logits, softmax.softcap)
             mask = self.attention_mask()
@@ -201,20 +209,21 @@ class ShrinkingLayer(PositionedLayer):
         count = int(self.host_lengths[row, 0])
         if not (self.host_lengths[row] == count).all():
             raise ValueError("a cache whose heads keep different numbers of entries cannot be cut while decoding")
-        keys = self._key_store[row, :, :count]
+        keys, values = self._key_store[row, :, :count], self._value_store[row, :, :count]
         queries = None
         if self._queries is not None:
             queries = self._queries[row, :, self._queries.shape[2] - int(self.query_counts[row]) :]
             queries = queries[:, -min(queries.shape[1], count) :]
+        attended = self._attended(keys[None], values[None])[0]  # [H, count, d]: per head
         return LayerStats(
             context_len=count,
             num_kv_heads=self.heads,
             num_query_heads=query_heads,
             layer=layer,
-            window_scores=last_queries_sums(queries, keys, softmax, set(needs.windows)) if needs.windows else {},
+            window_scores=last_queries_sums(queries, attended, softmax, set(needs.windows)) if needs.windows else {},
             accumulated=self._accumulated[row, :, :count] if needs.accumulated else None,
             keys=keys,
-            values=self._value_store[row, :, :count],
+            values=values,
             recent_queries=queries if needs.queries else None,
             positions=self._positions[row, :, :count],
             end=end,
@@ -324,18 +333,22 @@ class MemoryTracker:
 
     def cut(self, batch_row: int, schedule: DecodeSchedule, start: DecodeStart | None, end: int) -> None:
         needs = schedule.needs
-        for index, (layer, target) in enumerate(zip(self.cache.layers, schedule.targets(end))):
+        # Over the attention layers (a hybrid model's recurrent layers keep their states whole), in depth order.
+        for index, (model_layer, target) in enumerate(zip(self.cache.attention_layers, schedule.targets(end))):
+            layer = self.cache.layers[model_layer]
             if layer.host_lengths[batch_row].max() <= target:
                 continue
             architecture = self.architecture
             stats = layer.row_stats(
-                batch_row, index, needs, architecture.softmaxes[index], end, architecture.query_heads
+                batch_row, index, needs, architecture.softmaxes[model_layer], end, architecture.query_heads
             )
             if needs.query_stats:  # the prompt's query statistics, rotated to the positions after the cut
                 moments = start.moments[index]
-                interleaved, scale = self.architecture.rotation.interleaved, self.architecture.rotation.scale(index)
+                interleaved, scale = architecture.rotation.interleaved, architecture.rotation.scale(model_layer)
                 rotated = {
-                    (sink, future): rotate_moments(*moments[sink], *self.rope(end, future, index), interleaved, scale)
+                    (sink, future): rotate_moments(
+                        *moments[sink], *self.rope(end, future, model_layer), interleaved, scale
+                    )
                     for sink, future in needs.query_stats
                 }
                 stats = dataclasses.replace(stats, query_stats=rotated)

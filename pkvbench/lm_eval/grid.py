@@ -32,6 +32,7 @@ from pkvbench.run.runner import (
     RunSettings,
     check_formats,
     check_memory,
+    check_policies,
     load_run_model,
     row_identity,
     run_sample,
@@ -202,7 +203,8 @@ class Grid:
         if engine is None:
             engine = Engine(load_run_model(spec.config))
         self.engine = engine
-        check_formats(engine.loaded.shape, spec.cells)
+        check_formats(engine.shape, spec.cells)
+        check_policies(engine.shape, spec.cells, engine.loaded.name)
         self.generated: dict[Generation, list[dict]] = {}  # per request, per cell: run_sample's row
         self.scored: dict[Continuation, list[dict]] = {}  # per request, per cell: log-probability, greedy, measures
 
@@ -230,7 +232,7 @@ class Grid:
         sample = Sample.one_question("0", list(request.context), cut, [])
         task = dataclasses.replace(STAND_IN_TASK, max_new_tokens=request.max_gen_toks, stop_strings=request.until)
         cells = self.spec.cells
-        check_memory(self.engine.loaded.shape, [(task, sample, cells)])
+        check_memory(self.engine.shape, [(task, sample, cells)])
         rows = {row_key(row): row for row in run_sample(self.engine, task, sample, cells, self.spec.settings)}
         return [rows[row_key(row_identity(task, sample.row_id(sample.questions[0]), cell))] for cell in cells]
 

@@ -60,6 +60,10 @@ class AdaKV(Wrapper):
         if not 0 <= self.alpha <= 1 or not 0 <= self.first_stage_ratio <= 1:
             raise ValueError("adakv: alpha and first_stage_ratio are fractions (0..1)")
 
+    @property
+    def reads_entries(self) -> bool:
+        return self.critical or self.inner.reads_entries  # CriticalKV weighs by the values
+
     def select(self, stats: LayerStats, k: int) -> torch.Tensor:
         length, heads = stats.context_len, stats.num_kv_heads
         if k >= length:

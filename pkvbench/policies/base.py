@@ -258,6 +258,12 @@ class Policy:
         """What the prefill must record for this policy."""
         return Needs()
 
+    @property
+    def reads_entries(self) -> bool:
+        """Whether the rule reads the cached keys or values themselves (``stats.keys``, ``stats.values``), not only
+        attention: a latent (MLA) cache has no per-head keys or values to give it, and refuses it."""
+        return False
+
     # --- budgets ---------------------------------------------------------------------------------------------
     @property
     def min_budget(self) -> int:

@@ -21,6 +21,7 @@ from pkvbench.policies.base import LayerStats, Needs, ScoringPolicy
 class ExpectedAttention(ScoringPolicy):
     name = "expected_attention"
     summary = "expected attention of future queries (Gaussian over the prompt's queries) × value norm; sinks kept"
+    reads_entries = True  # the cached keys and values (a latent (MLA) cache has none per head: refused)
     future: int = 512
     sink: int = 4
     covariance: bool = True

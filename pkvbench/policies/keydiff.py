@@ -17,6 +17,7 @@ from pkvbench.policies.base import LayerStats, ScoringPolicy
 class KeyDiff(ScoringPolicy):
     name = "keydiff"
     summary = "keep the keys least similar (cosine) to the mean normalised key"
+    reads_entries = True  # the cached keys themselves (a latent (MLA) cache has none per head: refused)
 
     def score(self, stats: LayerStats) -> torch.Tensor:
         keys = stats.keys.float()

@@ -21,6 +21,7 @@ from pkvbench.policies.base import LayerStats, ScoringPolicy
 class Knorm(ScoringPolicy):
     name = "knorm"
     summary = "keep the keys with the smallest L2 norm"
+    reads_entries = True  # the cached keys themselves (a latent (MLA) cache has none per head: refused)
     kvpress_options: ClassVar[dict[str, object]] = {"ties": "topk"}
 
     def score(self, stats: LayerStats) -> torch.Tensor:

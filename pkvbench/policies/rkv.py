@@ -79,6 +79,7 @@ def _similarity_rows(normed: torch.Tensor, start: int, end: int, threshold: floa
 class RKV(WindowedPolicy):
     name = "rkv"
     summary = "R-KV: λ·last window's attention (max-pooled) − (1−λ)·key redundancy (cosine); top k-window + window"
+    reads_entries = True  # the cached keys themselves (a latent (MLA) cache has none per head: refused)
     positive: ClassVar[tuple[str, ...]] = ("kernel",)
     odd: ClassVar[tuple[str, ...]] = ("kernel",)
     kernel: int = 7

@@ -50,6 +50,10 @@ class Wrapper(Policy):
     def needs(self) -> Needs:
         return self.inner.needs
 
+    @property
+    def reads_entries(self) -> bool:
+        return self.inner.reads_entries
+
     def decoding_refusal(self) -> str | None:
         return (
             f"{self.name}({self.inner.label}) cannot cut a cache while the answer is written (a prefill-only wrapper)"

@@ -119,10 +119,11 @@ class FunnelRecorder(Recorder):
 
 
 def measure_sample(engine, input_ids: list[int], window: int, sink: int, top_k: int) -> tuple[dict[str, list], float]:
-    """``{statistic: [layer][head]}`` for one prompt, and the seconds its forward pass took."""
+    """``{statistic: [layer][head]}`` for one prompt (its attention layers, in depth order), and the seconds its
+    forward pass took."""
     recorder = FunnelRecorder(engine.softmaxes, window=window, sink=sink, top_k=top_k)
     _, seconds = engine.recorded_forward(torch.tensor([input_ids], dtype=torch.long), recorder)
-    layers = [recorder.layers[i] for i in range(engine.loaded.num_layers)]
+    layers = [recorder.layers[i] for i in engine.architecture.attention_layers]  # a hybrid's state layers have none
     # Six significant digits are far beyond what differs between samples, and keep the per-sample log small.
     return {
         name: [[float(f"{v:.6g}") for v in layer[name].tolist()] for layer in layers] for name in FUNNEL_STATISTICS

@@ -22,6 +22,7 @@ from pkvbench.cell.kv_formats import KVFormat
 from pkvbench.cell.schema import AGNOSTIC, AWARE, DEFAULT_QUERY_MODE, EVERY_TURN, MODEL_ANSWERS, MULTI_TURN, arrange
 from pkvbench.config import int_text
 from pkvbench.engine.generation import CompressedCache, Engine, Prefill
+from pkvbench.engine.latent import check_policies as check_latent_policies
 from pkvbench.engine.models import LoadedModel, ModelShape
 from pkvbench.engine.shrinking import start_from
 from pkvbench.engine.turns import Conversation, answer_request, extend
@@ -578,9 +579,10 @@ def run_grid(
     """The local executor: every pending sample in order, in this process (``items``: the samples, if built)."""
     started = time.perf_counter()
     plan = plan_grid(tasks, engine.tokenizer, cells, options, store, shard, items)
-    check_formats(engine.loaded.shape, cells)  # evaluate checked them from the model's config: again, as loaded
-    check_memory(engine.loaded.shape, plan.pending)
-    check_prompts(engine.loaded.shape, plan.pending, (settings or RunSettings()).max_new_tokens, engine.loaded.name)
+    check_formats(engine.shape, cells)  # evaluate checked them from the model's config: again, as loaded
+    check_policies(engine.shape, cells, engine.loaded.name)
+    check_memory(engine.shape, plan.pending)
+    check_prompts(engine.shape, plan.pending, (settings or RunSettings()).max_new_tokens, engine.loaded.name)
     writer = RowWriter(store, plan, started=started, quiet=quiet, on_row=on_row)
     try:
         for task, sample, pending in plan.pending:
@@ -594,21 +596,30 @@ def run_grid(
 
 def check_formats(shape: ModelShape, cells: list[Cell]) -> None:
     """Refuse a format that does not fit the model's heads: a KIVI group must divide the head size (values are
-    quantized per token in groups of G channels), and TurboQuant's codes must fill whole bytes of a head. ``shape``
-    is read from the model's config: this runs before the model loads (and before ``--overwrite`` deletes
-    anything)."""
-    head_dim = shape.head_dim
-    for fmt in {cell.kv for cell in cells if cell.kv is not None and cell.kv.quantized}:
-        if fmt.kivi and (head_dim % fmt.group or head_dim * fmt.bits % 8):
-            raise PkvError(
-                f"--kv-group {fmt.group} does not divide the model's head size ({head_dim}): values are quantized "
-                f"per token in groups of G channels; try {', '.join(str(g) for g in (16, 32, 64) if head_dim % g == 0)}"
-            )
-        if fmt.codec == kv_formats.TURBOQUANT and head_dim % 8:
-            raise PkvError(
-                f"--kv-bits {fmt}: the model's head size ({head_dim}) is not a multiple of 8, so a head's "
-                f"{fmt.bits}-bit codes do not fill whole bytes"
-            )
+    quantized per token in groups of G channels; a latent cache's: its value's, the shared rotary key), and
+    TurboQuant's codes must fill whole bytes of a head (of its keys and of its values). ``shape`` is read from the
+    model's config: this runs before the model loads (and before ``--overwrite`` deletes anything)."""
+    for layer in set(shape.geometry.layers):
+        head_dim = layer.value_dim
+        for fmt in {cell.kv for cell in cells if cell.kv is not None and cell.kv.quantized}:
+            if fmt.kivi and (head_dim % fmt.group or head_dim * fmt.bits % 8):
+                fits = ", ".join(str(g) for g in (16, 32, 64) if head_dim % g == 0)
+                raise PkvError(
+                    f"--kv-group {fmt.group} does not divide the model's head size ({head_dim}): values are "
+                    f"quantized per token in groups of G channels; try {fits}"
+                )
+            if fmt.codec == kv_formats.TURBOQUANT and (layer.key_dim % 8 or head_dim % 8):
+                raise PkvError(
+                    f"--kv-bits {fmt}: the model's head size ({layer.key_dim}, {head_dim}) is not a multiple of 8, so "
+                    f"a head's {fmt.bits}-bit codes do not fill whole bytes"
+                )
+
+
+def check_policies(shape: ModelShape, cells: list[Cell], model: str) -> None:
+    """Refuse a policy the model's cache cannot serve: on an MLA model, one that reads per-head keys or values
+    (``engine/latent.py``). From the config, before the model loads; again once it has."""
+    if shape.latent:
+        check_latent_policies([cell.policy for cell in cells], model)
 
 
 def check_prompts(
@@ -630,8 +641,11 @@ def check_prompts(
 def check_memory(shape: ModelShape, pending: list[tuple[TaskSpec, Sample, list[Cell]]]) -> None:
     """Refuse a memory budget that some cell cannot hold on some prompt (a policy's floor — its window, its sinks —
     stored in the cell's format takes more): a memory column must hold every cell. The message names the smallest
-    value every cell can hold. Needs the model's config and the prompts' lengths only: runs before the model loads."""
+    value every cell can hold. Needs the model's config and the prompts' lengths only: runs before the model loads
+    (a hybrid model's once it has: its state's bytes are measured on the loaded model, ``Engine.shape``)."""
     geometry = shape.geometry
+    if geometry.state_bytes is None:
+        return
     short: dict[Budget, tuple[float, str]] = {}
     for _task, sample, cells in pending:
         for cell in cells:
