@@ -639,6 +639,42 @@ VARIANTS = [
         (64, None),
     ),
     Variant("phi3", "longrope-past-the-switch", LONGROPE, (None, None), length=140),
+    # hybrids and MLA: stray keys, windows below the prompt, the RoPE scalings of their released checkpoints
+    Variant("qwen3_next", "stray-window", {"sliding_window": 16, "use_sliding_window": True}, (None, None, None, None)),
+    Variant("jamba", "stray-window", {"sliding_window": 16}, (None, None, None, None)),
+    Variant("lfm3", "window-below", {"sliding_window": 16}, (None, None, None, 16)),
+    Variant(
+        "qwen3_5_text",
+        "yarn",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+        (None, None, None, None),
+    ),
+    # DeepSeek-V3's released YaRN: mscale_all_dim scales the softmax (by mscale², read from the attention's call)
+    Variant(
+        "deepseek_v3",
+        "yarn-mscale",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 40.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+        (None, None),
+    ),
 ]
 
 
