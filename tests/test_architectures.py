@@ -134,6 +134,22 @@ ROWS = [
         },
         length=60,
     ),
+    # Layers of two shapes: local (window 32, 2 KV heads of 16, kept whole) and global (1 KV head of 32, values the
+    # keys' projection: attention_k_eq_v; a proportional RoPE); v norms, a softmax scale of 1, per-layer inputs.
+    Row(
+        "gemma4_text",
+        "gemma4_text",
+        {
+            "sliding_window": 32,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": VOCAB,
+        },
+        length=60,
+    ),
     # Interleaved RoPE (pairs 2i, 2i + 1), q/k layer norms, a logit scale, attention and MLP in parallel.
     Row("cohere", "cohere", {"use_qk_norm": True, "logit_scale": 4.0, "initializer_range": 0.2}),
     # Attention sinks, mixture of experts, eager attention; layer 0 local (window 48, kept whole), layer 1 global.
@@ -598,6 +614,7 @@ VARIANTS = [
     Variant("gemma2", "window-below", {"sliding_window": 16}, (16, None)),
     Variant("gemma3_text", "window-below", {"sliding_window": 16}, (16, None)),
     Variant("gpt_oss", "window-below", {"sliding_window": 8}, (8, None)),
+    Variant("gemma4_text", "window-below", {"sliding_window": 16}, (16, None)),
     # the RoPE scalings of released checkpoints (gpt-oss's row is already YaRN: its config's default)
     Variant(
         "llama",
@@ -1010,13 +1027,24 @@ def test_a_statistic_beyond_the_machines_memory_is_one_line_naming_the_length():
         ({"model_type": "deepseek_v32"}, "'deepseek_v32' model, not supported: a learned indexer picks the keys"),
         ({"model_type": "zamba2"}, "'zamba2' model, not supported: one attention module serves several layers"),
         ({"model_type": "falcon"}, "'falcon' model; supported architectures: llama, mistral, qwen2, qwen3"),
-        ({"model_type": "gemma4_text"}, "not supported: layers of different cache shapes, and caches shared between"),
+        (
+            {
+                "model_type": "gemma4_text",
+                **TINY,
+                "num_hidden_layers": 4,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+                "sliding_window": 16,
+                "num_kv_shared_layers": 2,
+                "hidden_size_per_layer_input": 0,
+            },
+            "layer 2 attends over a cache another layer writes (num_kv_shared_layers)",
+        ),
         (
             {"model_type": "llama", "num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"]},
             "has linear_attention layers",
         ),
     ],
-    ids=["indexed-attention", "shared-attention", "unknown-family", "per-layer-shapes", "linear-attention"],
+    ids=["indexed-attention", "shared-attention", "unknown-family", "shared-caches", "linear-attention"],
 )
 def test_a_family_pkvbench_cannot_run_is_refused_in_one_line_before_the_model_loads(config, reason, tmp_path, capsys):
     """A folder holding only a config (no weights, no tokenizer): the refusal comes from the config alone."""

@@ -215,11 +215,13 @@ FAMILIES: dict[str, Family] = {
         layers="chunked (its last chunk − 1 entries kept; RoPE) and global (full; NoPE) per layer_types",
     ),
     "gemma4_text": Family(
-        "global layers of another head size and KV heads than the local ones (global_head_dim, "
-        "num_global_key_value_heads); the last layers reuse earlier layers' caches (num_kv_shared_layers)",
-        "",
-        refused="layers of different cache shapes, and caches shared between layers",
-        layers="local and global per layer_types, of different shapes",
+        "layers of two shapes: global layers of another head size and KV heads (global_head_dim, "
+        "num_global_key_value_heads), values the keys' projection (attention_k_eq_v), a proportional RoPE; per-layer "
+        "inputs; the last layers may reuse earlier layers' caches (num_kv_shared_layers)",
+        "each layer's cache shape and RoPE read from the model; local layers keep what their window sees, global ones "
+        "compressed; a layer reading another's cache refused",
+        layers="local (sliding: its window's entries kept) and global (full; another head size and KV heads) per "
+        "layer_types",
     ),
     "qwen3_next": Family(
         "hybrid: gated delta rule (linear attention) layers between attention layers; gated attention output; "
@@ -364,7 +366,10 @@ def check_config(config, name: str) -> None:
     own code (``Architecture.read``) would otherwise stop on with an internal error, or run on silently."""
 
     def given(key: str):
-        return getattr(config, key, None)
+        try:
+            return getattr(config, key, None)
+        except RuntimeError:  # a heterogeneous config (Gemma 4) has no global value of a per-layer key: the probe
+            return None  # reads each layer's heads and sizes from its attention's call instead
 
     def refuse(what: str) -> None:
         raise PkvError(f"model {name}: {what}")
@@ -420,9 +425,7 @@ class Architecture:
     windows: tuple[int | None, ...]
     # Per model layer: the window of the mask it computes the prompt with (``prompt_limit``: the statistics' reach).
     prompt_windows: tuple[int | None, ...] = ()
-    kv_heads: int = 0  # the heads of the keys and values the model hands its cache (one latent for MLA)
     query_heads: int = 0
-    head_dim: int = 0
     # Per attention layer: the heads, key and value sizes of what it writes to its cache, as the probe's cache holds
     # them (an MLA latent's one head: ``kv_lora_rank`` and the shared rotary key), its reach where local.
     cache_shapes: tuple[LayerShape, ...] = ()
@@ -482,6 +485,14 @@ class Architecture:
         missing = [layer for layer in modules if layer not in calls]
         if not modules or missing:
             raise PkvError(f"model {name}: layer {missing[0] if missing else 0} calls no attention pkvbench can read")
+        # A layer that attends but writes nothing to the model's own cache reads another layer's (Gemma 4's last
+        # num_kv_shared_layers): one cache, two layers' attention, which no policy of one layer's scores can cut.
+        borrowing = [layer for layer in modules if getattr(cache.layers[layer], "keys", None) is None]
+        if borrowing:
+            raise PkvError(
+                f"model {name}: layer {borrowing[0]} attends over a cache another layer writes (num_kv_shared_layers); "
+                "pkvbench compresses each layer's own cache"
+            )
         reaches: dict[int, object] = {}  # one read per mask the model builds, whatever the layers sharing it
         kinds, windows, prompt_windows, softmaxes = [], [], [], []
         cached = cache_windows(config, modules)
@@ -548,9 +559,7 @@ class Architecture:
             tuple(kinds),
             tuple(windows),
             tuple(prompt_windows),
-            kv_heads=1 if any(expanders) else first.kv_heads,
             query_heads=first.query_heads,
-            head_dim=first.head_dim,
             softmaxes=tuple(softmaxes),
             expanders=expanders,
             rope_switch=switch,
@@ -744,37 +753,47 @@ class Architecture:
         from pkvbench.engine.placement import execution_device
         from pkvbench.engine.probe import scale_after_rotation
 
-        dim = self.head_dim
+        dims = tuple(calls[layer].head_dim if layer in calls else 0 for layer in range(self.num_layers))
         rotates = tuple(
             layer in calls and calls[layer].rotary is not None and not self.latent for layer in range(self.num_layers)
         )
         if not any(rotates):
-            return Rotation(interleaved=False, width=0, dim=dim, rotates=rotates)
+            return Rotation(interleaved=False, widths=(0,) * self.num_layers, dims=dims, rotates=rotates)
         modules = dict(zip(self.attention_layers, self.attention_modules(model)))
-        first = rotates.index(True)
         with torch.inference_mode():
             scales = tuple(
                 scale_after_rotation(modules[layer], calls[layer]) if rotates[layer] else None
                 for layer in range(self.num_layers)
             )
-        function, heads_axis = calls[first].rotary.function, calls[first].rotary.heads_axis
-        rotation = Rotation(False, dim, dim, rotates, scales, function, heads_axis)
+        call = calls[rotates.index(True)].rotary
+        rotation = Rotation(False, dims, dims, rotates, scales, call.function, call.heads_axis, call.pair, call.options)
         device = execution_device(self.rotary(model))
-        positions = torch.ones(1, dim, dtype=torch.long, device=device)
-        embedding = self.rope(model, first, torch.zeros(1, device=device), positions)
-        # Tables of the model's layout that turn every pair a quarter (cos 0, sin 1; complex frequencies: i): a pair
-        # whose frequency is 0 (LFM3's proportional RoPE) still lies inside the rotary width, as the tables cover it.
-        if isinstance(embedding, tuple):
-            quarter = (torch.zeros_like(embedding[0]), torch.ones_like(embedding[1]))
-        else:
-            quarter = torch.full_like(embedding, 1j)
-        basis = torch.eye(dim, device=device)[None, None]  # [1, 1, d, d]: d "tokens", each a unit vector
-        turned = rotation.turn(basis, quarter)[0, 0].clone()  # row i: where e_i turns
-        turned.fill_diagonal_(0.0)
-        moving = turned.abs().sum(dim=-1) > 0
-        width = int(moving.nonzero().max()) + 1 if bool(moving.any()) else 0
-        interleaved = width > 2 and int(turned[0].abs().argmax()) == 1
-        return dataclasses.replace(rotation, interleaved=interleaved, width=width)
+        widths, pairings = [], set()
+        for layer in range(self.num_layers):
+            if not rotates[layer]:
+                widths.append(0)
+                continue
+            dim = dims[layer]
+            positions = torch.ones(1, dim, dtype=torch.long, device=device)
+            embedding = self.rope(model, layer, torch.zeros(1, device=device), positions)
+            # Tables of the model's layout that turn every pair a quarter (cos 0, sin 1; complex frequencies: i): a
+            # pair whose frequency is 0 (LFM3's proportional RoPE) still lies inside the width, as the tables cover it.
+            if isinstance(embedding, tuple):
+                quarter = (torch.zeros_like(embedding[0]), torch.ones_like(embedding[1]))
+            else:
+                quarter = torch.full_like(embedding, 1j)
+            basis = torch.eye(dim, device=device)[None, None]  # [1, 1, d, d]: d "tokens", each a unit vector
+            turned = rotation.turn(basis, quarter)[0, 0].clone()  # row i: where e_i turns
+            turned.fill_diagonal_(0.0)
+            moving = turned.abs().sum(dim=-1) > 0
+            width = int(moving.nonzero().max()) + 1 if bool(moving.any()) else 0
+            widths.append(width)
+            pairings.add(width > 2 and int(turned[0].abs().argmax()) == 1)
+        if len(pairings) > 1:
+            raise PkvError(
+                f"model {self.family}: its layers pair RoPE's dimensions differently (rotate_half and interleaved)"
+            )
+        return dataclasses.replace(rotation, interleaved=pairings.pop(), widths=tuple(widths))
 
 
 def check_weights(model, folder, name: str) -> None:

@@ -285,7 +285,7 @@ class StatsRecorder(Recorder):
         self.query_moments = set(needs.query_moments)
         self.cuts = cuts
         self.rope = rope
-        self.rotation = rotation or Rotation(interleaved=False, width=0)
+        self.rotation = rotation or Rotation(interleaved=False)
         self.softmaxes = softmaxes
         self.layers: dict[tuple[int, int], LayerStats] = {}  # (cut, layer) → statistics
 

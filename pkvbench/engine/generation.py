@@ -424,7 +424,7 @@ class Engine:
         self.check_policies([policy])
         fmt = fmt or self.native_format
         length = cut or prefill.context_len
-        heads = policy.cache_heads(prefill.stats_at[length][0])
+        heads = policy.query_sets(self.architecture.query_heads)
         if budget.memory:
             plan = kv_formats.memory_plan(policy, budget, length, self.geometry, fmt, heads)
         else:
@@ -443,7 +443,7 @@ class Engine:
         policy: Policy,
         budget: budgets.Budget,
         plan: budgets.LayerPlan,
-        heads: int,
+        heads: int | None,
         fmt: kv_formats.KVFormat,
     ) -> tuple[budgets.LayerPlan, tuple[KeptEntries, list | None]]:
         """A policy whose heads keep different numbers of entries is stored padded to each layer's fullest head:
@@ -467,7 +467,7 @@ class Engine:
         return tried[k]
 
     def _gather(
-        self, prefill: Prefill, policy: Policy, plan: budgets.LayerPlan, heads: int
+        self, prefill: Prefill, policy: Policy, plan: budgets.LayerPlan, heads: int | None
     ) -> tuple[KeptEntries, list[torch.Tensor | None] | None]:
         """The entries ``policy`` keeps under ``plan``, gathered from the full cache, and what it chose per layer
         (None where a layer keeps everything; None in all when nothing is compressed)."""
@@ -475,12 +475,11 @@ class Engine:
         chosen = self._choose(prefill, policy, plan)
         full_keys = [k[0, :, :length] for k in prefill.keys]
         full_values = [v[0, :, :length] for v in prefill.values]
-        # One kept set per KV head, or (the reference's gqa=query) one per query head, from keys and values repeated
-        # to every query head of their group as transformers' repeat_kv does.
-        group = heads // self.geometry.layers[0].heads
-        if group > 1:
-            full_keys = [k.repeat_interleave(group, dim=0) for k in full_keys]
-            full_values = [v.repeat_interleave(group, dim=0) for v in full_values]
+        # One kept set per KV head, or (the reference's gqa=query: ``heads``) one per query head, from keys and
+        # values repeated to every query head of their group as transformers' repeat_kv does.
+        if heads is not None:
+            full_keys = [k.repeat_interleave(heads // k.shape[0], dim=0) for k in full_keys]
+            full_values = [v.repeat_interleave(heads // v.shape[0], dim=0) for v in full_values]
         states = prefill.states_at[length]
         if not plan.compressed:
             return KeptEntries(full_keys, full_values, states=states), None

@@ -209,7 +209,13 @@ def build_cache(requests: list, room: int, architecture: Architecture, storage: 
             continue
         cls, build = LAYER_KINDS[architecture.attention_kind(layer), storage]
         batch = LayerBatch(
-            requests, len(attention), start, room, architecture.kv_heads, architecture.window(layer), expanders[layer]
+            requests,
+            len(attention),
+            start,
+            room,
+            architecture.cache_shapes[len(attention)].heads,  # each layer's own (Gemma 4's differ)
+            architecture.window(layer),
+            expanders[layer],
         )
         built = build(cls, batch)
         if kind in HYBRID_KINDS:  # its state beside its entries

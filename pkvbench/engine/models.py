@@ -45,10 +45,6 @@ class ModelShape:
         return cls(CacheGeometry(architecture.cache_shapes, state), architecture.query_heads, bits, architecture)
 
     @property
-    def kv_heads(self) -> int:
-        return self.geometry.layers[0].heads
-
-    @property
     def latent(self) -> bool:
         """An MLA latent per token (``engine/latent.py``)."""
         return self.architecture.latent
@@ -97,6 +93,18 @@ class LoadedModel:
         """The width it computes in: its own cache's values."""
         return 32 if self.dtype == "float32" else 16
 
+    def _cache_heads(self) -> dict:
+        """The heads and key size of each attention layer's cache, as the model writes it (an MLA latent's one head):
+        one value where every layer has it, else a list per attention layer (Gemma 4's local and global differ)."""
+        if self.architecture is None or not self.architecture.cache_shapes:
+            return {"kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+        shapes = self.architecture.cache_shapes
+
+        def per_layer(values: list[int]) -> int | list[int]:
+            return values[0] if len(set(values)) == 1 else values
+
+        return {"kv_heads": per_layer([s.heads for s in shapes]), "head_dim": per_layer([s.key_dim for s in shapes])}
+
     def describe(self) -> dict:
         """What a run records about its model (run.json's ``model``)."""
         return {
@@ -105,8 +113,7 @@ class LoadedModel:
             "device": self.device,
             "dtype": self.dtype,
             "layers": self.num_layers,
-            "kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
+            **self._cache_heads(),
             "attention": self.attn_implementation,  # the kernel it ran on (eager for a soft-capped model)
             **({"device_map": self.placement} if self.placement is not None else {}),
         }

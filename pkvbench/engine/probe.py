@@ -53,11 +53,15 @@ class LayerCall:
 @dataclass(frozen=True)
 class RotaryCall:
     """A layer's call of its model's rotary function: the function, the axis its queries' heads lie on (1, or 2 for
-    Llama 4's), and the queries it gave ``[batch, heads, n, d]``."""
+    Llama 4's), and the queries it gave ``[batch, heads, n, d]``; ``pair``: it takes and returns queries and keys
+    together (most), else one tensor at a time (Gemma 4); ``options``: the call's other keyword arguments
+    (``unsqueeze_dim``)."""
 
     function: Callable
     heads_axis: int
     turned: torch.Tensor
+    pair: bool = True
+    options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -164,8 +168,11 @@ def _watching_rotary(modules: dict, probe: Probe, heads: int) -> Iterator[None]:
             turned = function(query, *args, **kwargs)
             if probe.layer is not None and probe.layer not in probe.rotary:
                 axis = 1 if query.shape[1] == heads else 2
-                out = turned[0] if axis == 1 else turned[0].transpose(1, 2)
-                probe.rotary[probe.layer] = RotaryCall(function, axis, out)
+                pair = isinstance(turned, tuple)
+                out = turned[0] if pair else turned
+                out = out if axis == 1 else out.transpose(1, 2)
+                options = {key: value for key, value in kwargs.items() if isinstance(value, (int, str, bool))}
+                probe.rotary[probe.layer] = RotaryCall(function, axis, out, pair, options)
             return turned
 
         return spy
@@ -352,19 +359,23 @@ def rope_switch(rotary_type: type, config, layer_types: tuple[str, ...]) -> int 
 
 @dataclass(frozen=True)
 class Rotation:
-    """How a model's RoPE turns a head: the first ``width`` dimensions in pairs, dimension i with i + width/2
-    (transformers' ``rotate_half``: llama and most) or, ``interleaved``, 2i with 2i + 1 (Cohere, GLM); the dimensions
-    beyond pass as they are (Phi-3's partial RoPE). ``rotates``: per layer, whether it rotates at all (a NoPE layer
-    does not); ``scales``: per layer, a norm's weights after RoPE; ``function``: the model's own rotary function,
-    taking queries with their heads on ``heads_axis``."""
+    """How a model's RoPE turns a head: per layer, the first ``widths[layer]`` of its ``dims[layer]`` dimensions in
+    pairs, dimension i with i + width/2 (transformers' ``rotate_half``: llama and most) or, ``interleaved``, 2i with
+    2i + 1 (Cohere, GLM); the dimensions beyond pass as they are (Phi-3's partial RoPE). Layers differ in head size
+    and width where the model's do (Gemma 4's local and global layers). ``rotates``: per layer, whether it rotates at
+    all (a NoPE layer does not); ``scales``: per layer, a norm's weights after RoPE; ``function``: the model's own
+    rotary function, taking queries with their heads on ``heads_axis`` (and keys beside them where ``pair``, with
+    the call's other keyword arguments ``options``)."""
 
     interleaved: bool
-    width: int
-    dim: int = 0  # the head size
+    widths: tuple[int, ...] = ()
+    dims: tuple[int, ...] = ()  # per layer: its head size
     rotates: tuple[bool, ...] = ()
     scales: tuple = field(default=(), compare=False)  # per layer: a norm's weights [d] after RoPE, or None
     function: Callable | None = field(default=None, compare=False)
     heads_axis: int = 1
+    pair: bool = True
+    options: dict = field(default_factory=dict, compare=False)
 
     def scale(self, layer: int):
         """Layer ``layer``'s weights of a norm after RoPE ``[d]``, or None."""
@@ -375,7 +386,10 @@ class Rotation:
         gives for the n positions: cos and sin, or Llama 4's complex frequencies)."""
         arguments = embedding if isinstance(embedding, tuple) else (embedding,)
         laid = x if self.heads_axis == 1 else x.transpose(1, 2)
-        turned = self.function(laid, laid, *arguments)[0]
+        if self.pair:
+            turned = self.function(laid, laid, *arguments, **self.options)[0]
+        else:
+            turned = self.function(laid, *arguments, **self.options)
         return turned if self.heads_axis == 1 else turned.transpose(1, 2)
 
     def tables(self, embedding, layer: int, count: int):
@@ -387,16 +401,16 @@ class Rotation:
         import torch
 
         device = _device_of(embedding)
+        dim, width = self.dims[layer], self.widths[layer]
         if not self.rotates[layer]:
-            width = self.width or self.dim
-            return torch.ones(count, width, device=device), torch.zeros(count, width, device=device)
-        ones = torch.ones(self.dim, device=device)
+            return torch.ones(count, width or dim, device=device), torch.zeros(count, width or dim, device=device)
+        ones = torch.ones(dim, device=device)
         signs = ones.clone()
-        signs[: self.width] = rotate_half(ones[: self.width], self.interleaved)
-        probes = torch.stack([ones, signs])[None, :, None].expand(1, 2, count, self.dim).contiguous()
+        signs[:width] = rotate_half(ones[:width], self.interleaved)
+        probes = torch.stack([ones, signs])[None, :, None].expand(1, 2, count, dim).contiguous()
         first, second = self.turn(probes, embedding)[0].float()
-        signs = signs[: self.width]
-        first, second = first[:, : self.width], second[:, : self.width] * signs
+        signs = signs[:width]
+        first, second = first[:, :width], second[:, :width] * signs
         return (first + second) / 2, signs * (first - second) / 2
 
 

@@ -278,6 +278,11 @@ class Policy:
         """Kept sets per layer (rows of ``select``): one per KV head."""
         return stats.num_kv_heads
 
+    def query_sets(self, query_heads: int) -> int | None:
+        """The kept sets of every layer where this policy keeps one per query head (``gqa`` query): ``query_heads``;
+        None where it keeps one per KV head, as many as each layer has (Gemma 4's local and global layers differ)."""
+        return query_heads if getattr(self, "gqa", None) == "query" else None
+
     def select(self, stats: LayerStats, k: int) -> torch.Tensor:
         """Sorted kept positions ``[heads, min(k, T)]`` — or, for a policy whose heads keep different numbers of
         entries, a keep mask ``[heads, T]`` with heads·k kept in all."""

@@ -133,7 +133,7 @@ def load_runs(paths: list[str | os.PathLike], strict: bool = False) -> Runs:
     merged["decode_budget"] = [decode_budget_label(v) for v in raw]
     # rows that are no conversation's turn (every row before conversations) have no turn compression
     turns = merged["turn_compression"] if "turn_compression" in merged else pd.Series(None, index=merged.index)
-    merged["turn_compression"] = turns.fillna(NO_TURNS)
+    merged["turn_compression"] = turns.astype(object).fillna(NO_TURNS)  # all-missing reads as float64
     keys = list(TABLE_KEY)
     conflict = _disagreement(merged, keys)
     if conflict:

@@ -30,7 +30,7 @@ from pkvbench.errors import PkvError
 from pkvbench.metrics.functions import prepare_prediction
 from pkvbench.metrics.registry import METRICS
 from pkvbench.options import RunSettings, model_settings  # RunSettings: RunConfig's fields marked SETTING
-from pkvbench.policies.base import LayerStats, Policy
+from pkvbench.policies.base import Policy
 from pkvbench.store.results import ResultStore, row_key
 from pkvbench.tasks.base import Question, Sample, TaskOptions, TaskSpec
 from pkvbench.tasks.registry import build_samples, check_selection
@@ -658,8 +658,8 @@ def check_memory(shape: ModelShape, pending: list[tuple[TaskSpec, Sample, list[C
             )
             fmt = cell.kv or shape.native_format
             for length in {len(ids) for ids in prompts}:
-                stats = LayerStats(length, shape.kv_heads, shape.query_heads)
-                needed = kv_formats.floor_bytes(cell.policy, length, geometry, fmt, cell.policy.cache_heads(stats))
+                heads = cell.policy.query_sets(shape.query_heads)
+                needed = kv_formats.floor_bytes(cell.policy, length, geometry, fmt, heads)
                 full = geometry.full_bytes(length)
                 if needed > cell.budget.target_bytes(full):
                     smallest = needed / full if isinstance(cell.budget.value, float) else needed
