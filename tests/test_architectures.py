@@ -729,6 +729,52 @@ def test_a_variant_is_read_from_the_model_and_decodes_as_it(variant, saved, tmp_
         engine.recorded_forward(prompt(row), StatsRecorder(Needs(accumulated=True), engine.softmaxes))
 
 
+# Families whose config reads YaRN as another scaling: their own scaling's variants above prove them.
+RESCALED_OTHERWISE = {
+    "phi3": "Phi-3's config reads YaRN as longrope (its longrope variants above)",
+    "phimoe": "PhiMoE's config takes a scaled RoPE as its longrope (short_mscale and long_mscale)",
+}
+
+
+def yarn_scaled(rope: dict) -> dict:
+    """``rope`` (a config's ``rope_parameters``: one dict, or one per layer type) under YaRN, as long-context
+    releases ship it: its own base and partial rotation kept, the frequencies interpolated by 4 and every cos and sin
+    scaled by YaRN's attention factor."""
+    if "rope_type" not in rope:  # per layer type (Gemma 3 and 4)
+        return {kind: yarn_scaled(parameters) for kind, parameters in rope.items()}
+    if rope["rope_type"] != "default":  # a proportional RoPE (LFM3, Gemma 4's global layers) has no YaRN form
+        return rope
+    return {**rope, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+
+
+def test_each_row_under_yarn_reads_its_rope_from_the_model_and_decodes_as_it(family, tmp_path):
+    """Every row's model (its weights) under YaRN over its own RoPE: the windows are the row's, and the checks of the
+    rows hold — the un-rotated queries included, whose tables now carry YaRN's interpolated frequencies and scale. A
+    row whose model has no RoPE has nothing to scale."""
+    import json
+
+    row, engine, folder = family
+    rope = json.loads((folder / "config.json").read_text()).get("rope_parameters")
+    if engine.latent:
+        pytest.skip(f"{row.name}: MLA, whose queries nothing un-rotates (DeepSeek-V3's YaRN variant above)")
+    if not rope or not any(engine.rotation.rotates):
+        pytest.skip(f"{row.name} has no RoPE")
+    if row.model_type in RESCALED_OTHERWISE:
+        pytest.skip(RESCALED_OTHERWISE[row.model_type])
+    settings = {"rope_parameters": yarn_scaled(rope)}
+    if settings["rope_parameters"] == rope:
+        pytest.skip(f"{row.name}'s RoPE is {rope.get('rope_type')}, its row's own, not the default YaRN scales")
+    if any(scale is not None for scale in engine.rotation.scales):
+        # A norm after RoPE (Hunyuan, Llama 4) takes YaRN's factor a out of the queries, but not out of its ε:
+        # un-rotated, they are off by about ε(1 − 1/a²) / (2 · mean q²) (1e-4 here), which no rotation restores.
+        # With ε → 0 the rotation itself is checked exactly.
+        settings["rms_norm_eps"] = 1e-30
+    variant = load(variant_folder(folder, settings, tmp_path / "model"))
+    assert variant.architecture.windows == engine.architecture.windows
+    check_decoding(variant, row)
+    check_statistics(variant, row)
+
+
 def refuse_loading(monkeypatch) -> None:
     """Make loading weights fail loudly: a refusal that comes first is one that came before loading."""
     import transformers

@@ -202,14 +202,22 @@ def unrotate(
     x = (y·cos − rotate_half(y)·sin) / (cos² + sin²) (cos² + sin² is the rope's attention scaling squared, 1 mostly).
     Where RoPE is narrower than the head (Phi-3's ``partial_rotary_factor``) the dimensions beyond it pass as they
     are, as the model's ``apply_rotary_pos_emb`` passes them. ``interleaved``: the pairing of ``rotate_half``.
-    ``scale`` ``[d]``: the weights of a norm the layer applies after RoPE (Hunyuan), y = w ⊙ R x / rms(x): the
-    queries as its kernel would get them unturned are w ⊙ R⁻¹(y / w)."""
+    ``scale`` ``[d]``: the weights of a norm the layer applies after RoPE (Hunyuan, Llama 4), y = w ⊙ R x / rms(x):
+    the queries as its kernel would get them unturned are w ⊙ R⁻¹(y / w), R the rotation alone — the norm takes out
+    whatever magnitude the tables carry (YaRN's attention factor)."""
     if scale is not None:
-        return scale * unrotate(rotated / scale, cos, sin, interleaved)
+        return scale * unrotate(rotated / scale, *unit_tables(cos, sin), interleaved)
     width = cos.shape[-1]
     if width < rotated.shape[-1]:
         return torch.cat([unrotate(rotated[..., :width], cos, sin, interleaved), rotated[..., width:]], dim=-1)
     return (rotated * cos - rotate_half(rotated, interleaved) * sin) / (cos * cos + sin * sin)
+
+
+def unit_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's tables as the rotation alone: each pair's cos and sin divided by their magnitude (YaRN's attention
+    factor, 1 mostly), which a norm after RoPE cancels."""
+    magnitude = (cos * cos + sin * sin).sqrt()
+    return cos / magnitude, sin / magnitude
 
 
 def future_query_statistics(
@@ -251,7 +259,9 @@ def rotate_moments(
     scale=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(R̄μ, R̄ΣR̄ᵀ), R̄ the average RoPE rotation of the positions whose ``future_cos``/``future_sin`` are given
-    (with a norm's weights w after RoPE, ``unrotate``: R̄ conjugated, diag(w) R̄ diag(w)⁻¹)."""
+    (with a norm's weights w after RoPE, ``unrotate``: R̄ of the rotations alone, conjugated, diag(w) R̄ diag(w)⁻¹)."""
+    if scale is not None:
+        future_cos, future_sin = unit_tables(future_cos, future_sin)
     dim, width = mean.shape[-1], future_cos.shape[-1]  # a partial RoPE turns the first `width` dimensions only
     half_turn = rotate_half(torch.eye(width, device=mean.device), interleaved).T  # P with rotate_half(x) = P @ x
     rotation = torch.eye(dim, device=mean.device)
