@@ -572,6 +572,34 @@ LONGROPE = {
 }
 
 
+# Phi-3.5-MoE's longrope (its short and long mscale), scaled down
+PHIMOE_LONGROPE = {
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 128,
+        "long_factor": [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0, 8.0],
+        "short_factor": [1.0, 1.0, 1.5, 2.0, 2.0, 2.0, 2.0, 2.0],
+        "short_mscale": 1.2,
+        "long_mscale": 1.3,
+    },
+    "original_max_position_embeddings": 128,
+}
+# DeepSeek-V3's released YaRN, scaled down: its mscale_all_dim scales the softmax (by mscale², read from the call)
+DEEPSEEK_YARN = {
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 32,
+    }
+}
+
+
 @dataclass(frozen=True)
 class Variant:
     """A row's model under another config of its family (the same weights: ``saved`` once, linked): windows above,
@@ -674,24 +702,14 @@ VARIANTS = [
         },
         (None, None, None, None),
     ),
-    # DeepSeek-V3's released YaRN: mscale_all_dim scales the softmax (by mscale², read from the attention's call)
-    Variant(
-        "deepseek_v3",
-        "yarn-mscale",
-        {
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 40.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-                "original_max_position_embeddings": 32,
-            }
-        },
-        (None, None),
-    ),
+    Variant("apertus", "stray-window", {"sliding_window": 16}, (16, 16)),
+    Variant("granitemoehybrid", "stray-window", {"sliding_window": 16}, (None,) * 4),
+    Variant("nemotron_h", "stray-window", {"sliding_window": 16}, (None,) * 6),
+    Variant("kimi_linear", "stray-window", {"sliding_window": 16}, (None,) * 4),
+    # MLA under DeepSeek-V3's released YaRN
+    Variant("deepseek_v2", "yarn-mscale", DEEPSEEK_YARN, (None, None)),
+    Variant("glm4_moe_lite", "yarn-mscale", DEEPSEEK_YARN, (None, None)),
+    Variant("deepseek_v3", "yarn-mscale", DEEPSEEK_YARN, (None, None)),
 ]
 
 
@@ -822,6 +840,12 @@ def refuse_loading(monkeypatch) -> None:
             ["--policy", "full,snapkv"],
             "snapkv scores from the prompt's attention, which pkvbench computes as if every query saw the whole prompt",
         ),
+        (
+            "phimoe",
+            PHIMOE_LONGROPE,
+            [],
+            "its code branches on a tensor's value while it runs (PhiMoE's longrope",
+        ),
     ],
     ids=[
         "bidirectional",
@@ -829,6 +853,7 @@ def refuse_loading(monkeypatch) -> None:
         "qwen2-window-layers-no-window",
         "longrope-across",
         "sliding-snapkv",
+        "phimoe-longrope",
     ],
 )
 def test_a_variant_pkvbench_cannot_run_exactly_is_refused_in_one_line_before_loading(
@@ -837,6 +862,7 @@ def test_a_variant_pkvbench_cannot_run_exactly_is_refused_in_one_line_before_loa
     from pkvbench.cli import main
 
     folder = variant_folder(saved(row), settings, tmp_path / "model")
+    capsys.readouterr()  # what saving the row's model printed, where this test saves it first
     refuse_loading(monkeypatch)
     args = ["run", "--model", str(folder), "--task", "needle", "--lengths", "100", "--depths", "50", "--quiet"]
     with pytest.raises(SystemExit) as exit_info:

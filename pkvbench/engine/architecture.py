@@ -481,6 +481,12 @@ class Architecture:
         try:
             calls, cache = layer_calls(model, modules)
         except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, ZeroDivisionError) as exc:
+            if "meta tensors" in str(exc):  # the probe runs on the meta device: shapes, no values
+                raise PkvError(
+                    f"model {name}: its code branches on a tensor's value while it runs (PhiMoE's longrope picks its "
+                    "scale by the sequence's length so), which pkvbench cannot read before the weights load; not "
+                    "supported"
+                ) from None
             raise PkvError(f"model {name}: its config cannot run the model: {first_line(exc)}") from None
         missing = [layer for layer in modules if layer not in calls]
         if not modules or missing:
