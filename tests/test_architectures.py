@@ -964,7 +964,7 @@ def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage
     window of 32: every row and head sees its kept entries at positions 29 … 59 and the new token, nothing else —
     kept in the model's dtype, or packed in 4 bits (then the window reaches into the packed part and the residual).
     A chunked layer of chunk 32: positions 32 … 59 (the new token's chunk) and the new token."""
-    from pkvbench.cell.kv_formats import KVFormat
+    from pkvbench.cell.kv_formats import KVFormat, LayerShape
     from pkvbench.engine.architecture import Architecture
     from pkvbench.engine.decoding import DecodeRequest, KeptEntries
     from pkvbench.engine.layers import build_cache
@@ -982,7 +982,9 @@ def test_a_sliding_layer_hides_exactly_the_entries_older_than_its_window(storage
             kept = StoredEntries.store(kept, KVFormat(4, group=16, residual=5), torch.float32)
         requests.append(DecodeRequest(kept=kept, position=start, max_new_tokens=4))
         kept_positions.append(positions)
-    architecture = Architecture("test", (kind,), (window,), kv_heads=heads, query_heads=heads)
+    architecture = Architecture(
+        "test", (kind,), (window,), query_heads=heads, cache_shapes=(LayerShape(heads, dim, dim, window - 1),)
+    )
     layer = build_cache(requests, room=4, architecture=architecture).layers[0]
     layer.update(torch.randn(2, heads, 1, dim), torch.randn(2, heads, 1, dim))
     mask = layer.attention_mask()
