@@ -27,7 +27,7 @@ LATENT_REFUSAL = "an MLA cache holds one latent per token, not per-head keys and
 
 def refusal(policy) -> str | None:
     """Why ``policy`` cannot run on an MLA model, in one line, or None."""
-    if getattr(policy, "gqa", None) == "query":
+    if policy.per_query_head:
         return f"{policy.label}: gqa=query keeps one set per query head; {LATENT_REFUSAL}"
     if policy.reads_entries:
         return f"{policy.label} reads the cached keys or values themselves; {LATENT_REFUSAL}"

@@ -274,14 +274,19 @@ class Policy:
         return budgets.uniform(k, context_len, num_layers)
 
     # --- selection -------------------------------------------------------------------------------------------
+    @property
+    def per_query_head(self) -> bool:
+        """Whether it keeps one set per query head (``gqa=query``, the reference protocol's), not one per KV head."""
+        return getattr(self, "gqa", None) == "query"
+
     def cache_heads(self, stats: LayerStats) -> int:
-        """Kept sets per layer (rows of ``select``): one per KV head."""
-        return stats.num_kv_heads
+        """Kept sets per layer (rows of ``select``): one per KV head, or one per query head (``per_query_head``)."""
+        return stats.query_heads if self.per_query_head else stats.num_kv_heads
 
     def query_sets(self, query_heads: int) -> int | None:
-        """The kept sets of every layer where this policy keeps one per query head (``gqa`` query): ``query_heads``;
-        None where it keeps one per KV head, as many as each layer has (Gemma 4's local and global layers differ)."""
-        return query_heads if getattr(self, "gqa", None) == "query" else None
+        """The kept sets of every layer where this policy keeps one per query head: ``query_heads``; None where it
+        keeps one per KV head, as many as each layer has (Gemma 4's local and global layers differ)."""
+        return query_heads if self.per_query_head else None
 
     def select(self, stats: LayerStats, k: int) -> torch.Tensor:
         """Sorted kept positions ``[heads, min(k, T)]`` — or, for a policy whose heads keep different numbers of
@@ -348,10 +353,6 @@ class ScoringPolicy(Policy):
         (CriticalKV's epsilon) scales it by this, so that the constant means what it means in kvpress."""
         return 1.0
 
-    def cache_heads(self, stats: LayerStats) -> int:
-        """Kept sets per layer: one per KV head, or one per query head for a policy whose ``gqa`` is ``query``."""
-        return stats.query_heads if getattr(self, "gqa", None) == "query" else stats.num_kv_heads
-
     def score(self, stats: LayerStats) -> torch.Tensor:
         """``[heads, T]``: higher means more worth keeping, one row per kept set (``cache_heads``). The last
         ``keeps_recent`` positions are kept anyway: their scores are ignored and may be left out (``[heads, T - r]``)."""
@@ -361,7 +362,7 @@ class ScoringPolicy(Policy):
         return self._select(stats, k, self.keeps_recent)
 
     def decoding_refusal(self) -> str | None:
-        if getattr(self, "gqa", None) == "query":
+        if self.per_query_head:
             return (
                 f"{self.label}: a cache of one set per query head (gqa=query) cannot be cut while the answer is written"
             )

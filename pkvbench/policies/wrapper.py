@@ -43,7 +43,7 @@ class Wrapper(Policy):
         super().__post_init__()
         if not isinstance(self.inner, ScoringPolicy):
             raise ValueError(f"{self.name} wraps a scoring policy: write {self.name}(snapkv), {self.name}(knorm), …")
-        if getattr(self.inner, "gqa", None) == "query":
+        if self.inner.per_query_head:
             raise ValueError(f"{self.name} chooses per KV head: its inner policy cannot keep one set per query head")
 
     @property

@@ -657,8 +657,8 @@ def check_memory(shape: ModelShape, pending: list[tuple[TaskSpec, Sample, list[C
                 else map(sample.prompt, sample.questions)
             )
             fmt = cell.kv or shape.native_format
+            heads = cell.policy.query_sets(shape.query_heads)
             for length in {len(ids) for ids in prompts}:
-                heads = cell.policy.query_sets(shape.query_heads)
                 needed = kv_formats.floor_bytes(cell.policy, length, geometry, fmt, heads)
                 full = geometry.full_bytes(length)
                 if needed > cell.budget.target_bytes(full):
